@@ -1,0 +1,30 @@
+"""lowrank_jax: a functional JAX library for compressed transformers.
+
+Parameter trees hold *leaves* (:class:`Dense`, :class:`LowRank`, :class:`HeadLowRank`,
+:class:`MaskedBinary`); every block computes ``x @ W`` through :func:`linear`. See the README's
+architecture section for the layers of the package.
+"""
+
+from lowrank_jax.leaves import (
+    Dense,
+    HeadLowRank,
+    Leaf,
+    LowRank,
+    MaskedBinary,
+    combine,
+    flops,
+    init_dense,
+    init_head_lowrank,
+    init_lowrank,
+    init_masked_binary,
+    is_leaf,
+    linear,
+    materialize,
+    named_leaves,
+    param_count,
+    partition,
+    storage_bits,
+    trainable_mask,
+)
+
+__version__ = "0.1.0"
