@@ -1,0 +1,72 @@
+"""Plots people would rather look at than read (matplotlib is the optional ``plot`` extra)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def _pyplot():
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise ImportError("plots need matplotlib: pip install 'lowrank-jax[plot]'") from e
+    return plt
+
+
+def plot_spectra(spectra: Sequence, labels: Sequence[str], path: str, *, title: str = "") -> str:
+    """Normalized singular values ``sigma_j / sigma_1`` on a log scale (seed 000 Figs. 2, 5c)."""
+    import numpy as np
+
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for s, lab in zip(spectra, labels):
+        s = np.asarray(s, dtype=float)
+        ax.semilogy(np.arange(1, len(s) + 1), s / s[0], label=lab)
+    ax.set_xlabel("index j")
+    ax.set_ylabel("sigma_j / sigma_1")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_layer_ranks(layers: Sequence[int], ranks: dict, path: str, *, title: str = "",
+                     ylabel: str = "eps-rank") -> str:
+    """eps-rank per layer, one line per eps (flow-of-ranks, seed 000 Fig. 5a)."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for eps, r in ranks.items():
+        ax.plot(list(layers), list(r), marker="o", label=f"eps={eps:g}")
+    ax.set_xlabel("layer")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_slope(x, y, path: str, *, reference_slope: float, xlabel: str, title: str = "") -> str:
+    """Log-log error plot with a reference line of the given slope (seed 000 Fig. 15)."""
+    import numpy as np
+
+    plt = _pyplot()
+    x, y = np.asarray(x, float), np.asarray(y, float)
+    fig, ax = plt.subplots(figsize=(5, 4))
+    ax.loglog(x, y, "o-", label="measured")
+    ref = y[0] * (x / x[0]) ** reference_slope
+    ax.loglog(x, ref, "--", label=f"slope {reference_slope:g}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("||Y - Y~||_F")
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

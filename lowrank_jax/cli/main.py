@@ -1,0 +1,149 @@
+"""The ``lowrank-jax`` command: ``analyze``, ``compress`` and ``demo``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def _write_json(path: str | None, obj) -> None:
+    if not path:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(tmp, path)  # never leave a half-written report
+    print(f"wrote {path}")
+
+
+def _parse_rules(rules: list[str] | None):
+    from lowrank_jax.compress import ATTENTION_QKVO
+
+    if not rules:
+        return ATTENTION_QKVO
+    out = []
+    for r in rules:
+        if r.startswith("!"):
+            out.append((r[1:], None))  # '!regex' skips matching weights
+        else:
+            out.append(r)
+    return tuple(out)
+
+
+def cmd_analyze(args) -> int:
+    from lowrank_jax.analysis import analyze
+    from lowrank_jax.io import load_metadata, load_params
+
+    params = load_params(args.params)
+    meta = load_metadata(args.params)
+    num_heads = args.heads or meta.get("num_heads")
+    report = analyze(params, eps=args.eps, num_heads=num_heads, pattern=args.pattern,
+                     progress=not args.no_progress)
+    print(report.format_table())
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
+def cmd_compress(args) -> int:
+    from lowrank_jax.compress import compress
+    from lowrank_jax.io import load_metadata, load_params, save_params
+
+    params = load_params(args.params)
+    meta = load_metadata(args.params)
+    num_heads = args.heads or meta.get("num_heads")
+    schedule = None
+    if args.schedule:
+        from lowrank_jax.compress import interpolation_schedule, power_schedule
+
+        kind, *vals = args.schedule.split(":")
+        n_layers = args.num_layers or meta.get("num_layers")
+        if not n_layers:
+            raise SystemExit("--schedule needs --num-layers (or num_layers in the checkpoint metadata)")
+        nums = [float(v) for v in vals]
+        if kind == "power" and len(nums) == 2:
+            schedule = power_schedule(nums[0], nums[1], int(n_layers))
+        elif kind == "interp" and len(nums) == 3:
+            schedule = interpolation_schedule(int(nums[0]), int(nums[1]), nums[2], int(n_layers))
+        else:
+            raise SystemExit(
+                f"--schedule: expected 'power:D0:ALPHA' or 'interp:R1:RD:ALPHA', got {args.schedule!r}")
+    new_params, report = compress(
+        params, rules=_parse_rules(args.rule), eps=args.eps, rank=args.rank, ratio=args.ratio,
+        schedule=schedule, per_head=args.per_head, num_heads=num_heads,
+        allocation=args.allocation, progress=not args.no_progress,
+    )
+    print(report.format_table())
+    if args.out:
+        save_params(args.out, new_params, metadata={**meta, "compression": report.to_dict()["totals"]},
+                    overwrite=args.overwrite)
+        print(f"saved compressed parameters to {args.out}")
+    _write_json(args.json, report.to_dict())
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from lowrank_jax.cli.demo import run_demo
+
+    result = run_demo(quick=args.quick, plots_dir=args.plots, progress=not args.no_progress)
+    _write_json(args.json, result)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lowrank-jax", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    a = sub.add_parser("analyze", help="eps-ranks of every weight of a saved parameter tree")
+    a.add_argument("params", help="directory written by lowrank_jax.io.save_params")
+    a.add_argument("--eps", type=float, nargs="+", default=[0.01, 0.05, 0.1])
+    a.add_argument("--heads", type=int, help="number of heads (per-head ranks of q/k/v)")
+    a.add_argument("--pattern", help="only weights whose path matches this regular expression")
+    a.add_argument("--json", help="write the report as JSON to this path")
+    a.add_argument("--no-progress", action="store_true")
+    a.set_defaults(func=cmd_analyze)
+
+    c = sub.add_parser("compress", help="truncated-SVD compression of a saved parameter tree")
+    c.add_argument("params", help="directory written by lowrank_jax.io.save_params")
+    g = c.add_mutually_exclusive_group(required=True)
+    g.add_argument("--eps", type=float, help="truncate every selected matrix at this eps")
+    g.add_argument("--rank", type=int, help="truncate every selected matrix to this rank")
+    g.add_argument("--ratio", type=float, help="target parameter ratio of the selected weights")
+    g.add_argument("--schedule", help="layer rank schedule: power:D0:ALPHA or interp:R1:RD:ALPHA")
+    c.add_argument("--rule", action="append",
+                   help="path regex selecting weights (first match wins; '!regex' skips); "
+                        "default: attention q/k/v/o")
+    c.add_argument("--per-head", action="store_true", help="per-head sketching (seed 000 eq. 20)")
+    c.add_argument("--heads", type=int, help="number of heads (for --per-head)")
+    c.add_argument("--num-layers", type=int, help="number of layers (for --schedule)")
+    c.add_argument("--allocation", choices=["eps", "energy"], default="eps",
+                   help="with --ratio: one global eps, or ranks by singular-value energy")
+    c.add_argument("--out", help="save the compressed tree to this directory")
+    c.add_argument("--overwrite", action="store_true")
+    c.add_argument("--json", help="write the report as JSON to this path")
+    c.add_argument("--no-progress", action="store_true")
+    c.set_defaults(func=cmd_compress)
+
+    d = sub.add_parser("demo", help="App. J experiments + compressing a small built-in model")
+    d.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
+    d.add_argument("--json", help="write the results as JSON to this path")
+    d.add_argument("--plots", help="directory for PNG plots")
+    d.add_argument("--no-progress", action="store_true")
+    d.set_defaults(func=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"lowrank-jax {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
