@@ -27,4 +27,12 @@ from lowrank_jax.leaves import (
     trainable_mask,
 )
 
+from lowrank_jax.analysis import analyze, eps_rank  # noqa: E402
+from lowrank_jax.compress import (  # noqa: E402
+    compress,
+    head_truncated_svd,
+    project_inputs,
+    truncated_svd,
+)
+
 __version__ = "0.1.0"

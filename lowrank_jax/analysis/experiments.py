@@ -18,7 +18,9 @@ attention has none) and ``1/sqrt(d_head)`` scaling.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,6 +41,7 @@ def spectrum_matrix(n_tokens: int, d: int, s: np.ndarray, rng: np.random.Generat
     return (a * s) @ b.T
 
 
+@functools.partial(jax.jit, static_argnums=(4,))
 def _attention(x, wq, wk, wv, num_heads: int):
     d = x.shape[-1]
     cfg = AttentionConfig(d_model=d, num_heads=num_heads, d_head=d // num_heads, scaled=True)
@@ -48,20 +51,31 @@ def _attention(x, wq, wk, wv, num_heads: int):
 
 def _project(w: np.ndarray, basis: np.ndarray) -> LowRank:
     # Theorem 3 construction in row orientation: w~ = B B^T w, B = leading right singular
-    # vectors of the inputs (the paper's U_d).
-    return LowRank(u=jnp.asarray(basis, jnp.float32), v=jnp.asarray(basis.T @ w, jnp.float32))
+    # vectors of the inputs (the paper's U_d). The basis is zero-padded to d columns so every
+    # rank has the same leaf shapes and the jitted attention compiles once (the zero columns
+    # add nothing to the product).
+    d, r = basis.shape
+    b = np.zeros((d, d))
+    b[:, :r] = basis
+    return LowRank(u=jnp.asarray(b, jnp.float32), v=jnp.asarray(b.T @ w, jnp.float32))
 
 
 @dataclasses.dataclass
 class SlopeResult:
     x: np.ndarray  # sigma_{d~+1} (or widths d)
     error: np.ndarray  # ||Y - Y~||_F
-    slope: float  # least-squares slope of log(error) vs log(x)
+    slope: float  # least-squares slope of log(error) vs log(x) over the fitted points
     reference_slope: float
+    slope_all: float | None = None  # the slope over every point, when some were not fitted
+    fitted: np.ndarray | None = None  # boolean mask of the points in the fit
 
     def to_dict(self) -> dict:
-        return {"x": self.x.tolist(), "error": self.error.tolist(), "slope": self.slope,
-                "reference_slope": self.reference_slope}
+        out = {"x": self.x.tolist(), "error": self.error.tolist(), "slope": self.slope,
+               "reference_slope": self.reference_slope}
+        if self.slope_all is not None:
+            out["slope_all_points"] = self.slope_all
+            out["fitted"] = self.fitted.tolist()
+        return out
 
 
 def _slope(x, y) -> float:
@@ -77,7 +91,8 @@ def _random_weights(d: int, rng: np.random.Generator):
 
 
 def theorem3_experiment(d: int = 512, n_tokens: int = 4096, ranks=None, *, seed: int = 0,
-                        log_sigma_range: tuple[float, float] = (0.0, -5.0)) -> SlopeResult:
+                        log_sigma_range: tuple[float, float] = (0.0, -5.0),
+                        fit_max_rank_fraction: float = 0.9) -> SlopeResult:
     """Seed 000 App. J.1 (left): error vs ``sigma_{d~+1}`` for ``d~`` in ``ranks``.
 
     Args:
@@ -86,6 +101,11 @@ def theorem3_experiment(d: int = 512, n_tokens: int = 4096, ranks=None, *, seed:
       ranks: truncation ranks ``d~`` (default: 16 values spread over ``1 .. d-1``).
       seed: NumPy seed.
       log_sigma_range: singular values run log-uniformly from ``e^a`` to ``e^b``.
+      fit_max_rank_fraction: the slope is fitted over ranks ``d~ <= fraction * d``. Near
+        ``d~ = d`` the discarded tail holds only a few singular values, so the error drops
+        below the ``sigma_{d~+1}`` line (a finite-tail effect the bound ignores; at
+        ``d = 512``, ``d~ = 511`` the error is 40x under the trend). Those points are still
+        returned, and ``slope_all`` is the fit over all of them.
 
     Returns:
       A :class:`SlopeResult` whose ``slope`` is about 1 (Theorem 3: error ``O(sqrt(d) sigma)``).
@@ -107,7 +127,11 @@ def theorem3_experiment(d: int = 512, n_tokens: int = 4096, ranks=None, *, seed:
         errs.append(np.linalg.norm(y - yt))
     sig = sx[np.asarray(ranks)]
     errs = np.asarray(errs)
-    return SlopeResult(x=sig, error=errs, slope=_slope(sig, errs), reference_slope=1.0)
+    fitted = np.asarray(ranks) <= fit_max_rank_fraction * d
+    if fitted.sum() < 2:
+        raise ValueError(f"theorem3_experiment: need >= 2 ranks <= {fit_max_rank_fraction} * d, got {ranks}")
+    return SlopeResult(x=sig, error=errs, slope=_slope(sig[fitted], errs[fitted]), reference_slope=1.0,
+                       slope_all=_slope(sig, errs), fitted=fitted)
 
 
 def theorem3_width_experiment(widths=(64, 128, 256, 512), rank: int = 8, n_tokens: int = 1024, *,

@@ -1,0 +1,458 @@
+"""compress(): report numbers, budgets, rules, per-head, inputs, errors -- against NumPy here."""
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowrank_jax.compress import (
+    ATTENTION_QKV_PER_HEAD,
+    CompressionReport,
+    compress,
+    power_schedule,
+)
+from lowrank_jax.leaves import (
+    Dense,
+    HeadLowRank,
+    LowRank,
+    init_dense,
+    init_lowrank,
+    linear,
+    materialize,
+    named_leaves,
+    param_count,
+)
+
+D, FF, LAYERS, HEADS = 24, 48, 3, 4
+ATTN = re.compile(r"attn/(q|k|v|o)$")
+
+
+def make_tree(seed=0):
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 64))
+    layers = []
+    for i in range(LAYERS):
+        attn = {n: init_dense(next(keys), D, D, bias=(n == "q")) for n in "qkvo"}
+        # give layer 1's q a real bias, so "bias kept" is visible
+        if i == 1:
+            attn["q"] = Dense(attn["q"].w, jnp.arange(D, dtype=jnp.float32) / D)
+        layers.append({
+            "attn": attn,
+            "norm": {"scale": jnp.ones(D)},
+            "mlp": {"wi": init_dense(next(keys), D, FF), "wo": init_dense(next(keys), FF, D)},
+        })
+    return {"layers": layers, "embed": jax.random.normal(next(keys), (10, D))}
+
+
+def weights(tree, pattern=ATTN):
+    """{path: (w float64, bias size)} of the Dense leaves matched by ``pattern``."""
+    out = {}
+    for p, leaf in named_leaves(tree):
+        if isinstance(leaf, Dense) and pattern.search(p):
+            out[p] = (np.asarray(leaf.w, np.float64), 0 if leaf.b is None else leaf.b.size)
+    return out
+
+
+def sv(w):
+    # Same LAPACK driver as a thin SVD with vectors, so that candidate eps values (normalized
+    # singular values) compare exactly; compute_uv=False may differ in the last bit.
+    return np.linalg.svd(w, full_matrices=False)[1]
+
+
+def np_truncate(w, r):
+    U, s, Vt = np.linalg.svd(w, full_matrices=False)
+    return (U[:, :r] * s[:r]) @ Vt[:r]
+
+
+def eps_rank(w, eps):
+    s = sv(w)
+    return max(1, int(np.sum(s / s[0] > eps)))
+
+
+def cost(w, nb, r, keep=True):
+    """Parameters after truncating ``w`` to rank ``r`` (bias ``nb``), dense if not smaller."""
+    before = w.size + nb
+    f = r * sum(w.shape) + nb
+    return before if keep and f >= before else f
+
+
+def leaf_at(tree, path):
+    return dict(named_leaves(tree))[path]
+
+
+def snapshot(tree):
+    return [(p, type(n), [np.array(a) for a in jax.tree_util.tree_leaves(n)])
+            for p, n in named_leaves(tree)]
+
+
+# ---------------------------------------------------------------------------------------------
+
+def test_eps_report_and_leaves():
+    t = make_tree()
+    ws = weights(t)
+    new, rep = compress(t, eps=0.6)
+    assert isinstance(rep, CompressionReport) and len(rep.rows) == len(ws) == 4 * LAYERS
+    total_before = total_after = 0
+    for row in rep.rows:
+        w, nb = ws[row.path]
+        s = sv(w)
+        r = eps_rank(w, 0.6)
+        assert row.shape == w.shape and row.rank == r
+        assert row.params_before == w.size + nb
+        assert row.params_after == r * 2 * D + nb
+        assert row.method == "svd"
+        assert row.rel_spectral_error == pytest.approx(s[r] / s[0], rel=1e-9)
+        assert row.rel_spectral_error <= 0.6
+        leaf = leaf_at(new, row.path)
+        assert isinstance(leaf, LowRank) and leaf.rank == r
+        np.testing.assert_allclose(np.asarray(materialize(leaf), np.float64), np_truncate(w, r),
+                                   atol=1e-5)
+        total_before += row.params_before
+        total_after += row.params_after
+    assert rep.totals == {"params_before": total_before, "params_after": total_after,
+                          "ratio": total_after / total_before}
+    # bias kept, and the new tree computes with it
+    q1 = leaf_at(new, "layers/1/attn/q")
+    x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
+    w, _ = ws["layers/1/attn/q"]
+    np.testing.assert_allclose(np.asarray(linear(q1, x)),
+                               x @ np_truncate(w, q1.rank) + np.arange(D) / D, atol=1e-5)
+    # untouched parts are the same objects
+    assert new["layers"][0]["mlp"]["wi"] is t["layers"][0]["mlp"]["wi"]
+    assert new["embed"] is t["embed"]
+
+
+def test_input_tree_unchanged():
+    t = make_tree()
+    before = snapshot(t)
+    ids = [id(n) for _, n in named_leaves(t)]
+    compress(t, eps=0.3)
+    compress(t, ratio=0.5, allocation="energy", per_head=True, num_heads=HEADS,
+             rules=ATTENTION_QKV_PER_HEAD)
+    after = snapshot(t)
+    assert [id(n) for _, n in named_leaves(t)] == ids
+    assert len(before) == len(after)
+    for (p0, t0, a0), (p1, t1, a1) in zip(before, after, strict=True):
+        assert p0 == p1 and t0 is t1
+        for x0, x1 in zip(a0, a1, strict=True):
+            np.testing.assert_array_equal(x0, x1)
+
+
+def test_rank_and_keep_dense():
+    t = make_tree()
+    ws = weights(t)
+    new, rep = compress(t, rank=12)  # 12 * (24 + 24) == 24 * 24: not smaller
+    for row in rep.rows:
+        assert row.method == "kept-dense" and row.params_after == row.params_before
+        assert row.rel_spectral_error == 0.0
+        assert leaf_at(new, row.path) is leaf_at(t, row.path)
+    assert rep.ratio == 1.0
+    new, rep = compress(t, rank=12, keep_dense_if_larger=False)
+    for row in rep.rows:
+        w, nb = ws[row.path]
+        s = sv(w)
+        assert row.method == "svd" and row.params_after == 12 * 48 + nb
+        assert row.rel_spectral_error == pytest.approx(s[12] / s[0], rel=1e-9)
+    new, rep = compress(t, rank=11)
+    assert all(r.method == "svd" and r.rank == 11 for r in rep.rows)
+
+
+def eps_budget_reference(ws, eps, keep=True):
+    return sum(cost(w, nb, eps_rank(w, eps), keep) for w, nb in ws.values())
+
+
+@pytest.mark.parametrize("target", [0.3, 0.45, 0.62, 0.9])
+def test_ratio_eps_search_is_exact(target):
+    t = make_tree(1)
+    rules = (r"attn/(q|k|v|o)$", r"mlp/w")
+    ws = weights(t, re.compile(r"attn/(q|k|v|o)$|mlp/w"))
+    new, rep = compress(t, rules=rules, ratio=target)
+    before = sum(w.size + nb for w, nb in ws.values())
+    budget = target * before
+    chosen = rep.settings["chosen_eps"]
+    cand = sorted({float(c) for w, _ in ws.values() for c in sv(w) / sv(w)[0] if 0 < c < 1})
+    assert chosen in cand
+    after = eps_budget_reference(ws, chosen)
+    assert rep.params_before == before and rep.params_after == after
+    assert rep.ratio == pytest.approx(after / before) and rep.ratio <= target
+    # the next larger configuration (next smaller eps candidate) would exceed the target
+    i = cand.index(chosen)
+    assert i > 0 and eps_budget_reference(ws, cand[i - 1]) > budget
+    for row in rep.rows:
+        w, nb = ws[row.path]
+        assert row.rank == eps_rank(w, chosen)
+        assert row.params_after == cost(w, nb, row.rank)
+
+
+def test_ratio_one_keeps_everything():
+    t = make_tree()
+    new, rep = compress(t, ratio=1.0)
+    assert rep.ratio == 1.0 and all(r.method == "kept-dense" for r in rep.rows)
+
+
+def energy_reference(ws, budget):
+    """Plain greedy: rank 1 each, then the best sigma_j^2/||W||_F^2/(d_in+d_out) that fits."""
+    ranks = {p: 1 for p in ws}
+    left = budget - sum(cost(w, nb, 1) for w, nb in ws.values())
+    closed = set()
+    while True:
+        best, best_prio = None, -1.0
+        for p, (w, _) in ws.items():
+            s = sv(w)
+            if p in closed or ranks[p] >= len(s):
+                continue
+            prio = s[ranks[p]] ** 2 / np.sum(s ** 2) / sum(w.shape)
+            if prio > best_prio:
+                best, best_prio = p, prio
+        if best is None:
+            return ranks, left
+        c = sum(ws[best][0].shape)
+        if c > left:
+            closed.add(best)
+        else:
+            left -= c
+            ranks[best] += 1
+
+
+@pytest.mark.parametrize("target", [0.2, 0.35])
+def test_ratio_energy_allocation(target):
+    t = make_tree(2)
+    rules = (r"attn/(q|k|v|o)$", r"mlp/w")
+    ws = weights(t, re.compile(r"attn/(q|k|v|o)$|mlp/w"))
+    new, rep = compress(t, rules=rules, ratio=target, allocation="energy")
+    before = sum(w.size + nb for w, nb in ws.values())
+    budget = target * before
+    ranks, left = energy_reference(ws, budget)
+    got = {r.path: r.rank for r in rep.rows}
+    assert got == ranks
+    assert len(set(ranks.values())) > 1  # energy per cost differs between matrices
+    after = sum(cost(w, nb, ranks[p]) for p, (w, nb) in ws.items())
+    assert rep.params_after == after <= budget
+    # the budget is used up: no matrix can take one more singular value
+    for row in rep.rows:
+        w, _ = ws[row.path]
+        assert row.method == "svd"
+        assert after + sum(w.shape) > budget
+    assert budget - after == pytest.approx(left)
+
+
+@pytest.mark.parametrize("target", [0.9, 1.0])
+def test_ratio_energy_near_dense(target):
+    # near the dense size some matrices take the "keep it dense" step
+    t = make_tree(5)
+    rules = (r"attn/(q|k|v|o)$", r"mlp/w")
+    new, rep = compress(t, rules=rules, ratio=target, allocation="energy")
+    budget = target * rep.params_before
+    assert rep.params_after <= budget
+    kept = [r for r in rep.rows if r.method == "kept-dense"]
+    assert kept and all(r.params_after == r.params_before for r in kept)
+    if target == 1.0:
+        assert len(kept) == len(rep.rows) and rep.ratio == 1.0
+    for row in rep.rows:  # budget used: no matrix can take its next step
+        if row.method == "svd":
+            nxt = min(sum(row.shape), row.params_before - row.params_after)
+            assert rep.params_after + nxt > budget
+    ws = weights(t, re.compile(r"attn/(q|k|v|o)$|mlp/w"))
+    for row in rep.rows:
+        w, nb = ws[row.path]
+        if row.method == "svd":
+            assert row.params_after == cost(w, nb, row.rank) < row.params_before
+
+
+def test_ratio_energy_per_head_budget():
+    t = make_tree(6)
+    new, rep = compress(t, rules=ATTENTION_QKV_PER_HEAD, ratio=0.4, allocation="energy",
+                        per_head=True, num_heads=HEADS)
+    budget = 0.4 * rep.params_before
+    assert rep.params_after <= budget
+    dh = D // HEADS
+    for row in rep.rows:
+        unit = D + (dh if row.method == "svd-per-head" else D)
+        assert rep.params_after + unit > budget
+    assert param_count(new) == param_count(t) - rep.params_before + rep.params_after
+
+
+def test_lowrank_leaves_are_retruncated():
+    t = make_tree()
+    for i in range(LAYERS):
+        t["layers"][i]["mlp"]["wo"] = init_lowrank(jax.random.PRNGKey(i), FF, D, 6)
+    new, rep = compress(t, rules=[r"mlp/wo$"], rank=3)
+    for i in range(LAYERS):
+        old = t["layers"][i]["mlp"]["wo"]
+        prod = np.asarray(old.u, np.float64) @ np.asarray(old.v, np.float64)
+        leaf = new["layers"][i]["mlp"]["wo"]
+        assert isinstance(leaf, LowRank) and leaf.rank == 3
+        np.testing.assert_allclose(np.asarray(materialize(leaf), np.float64),
+                                   np_truncate(prod, 3), atol=1e-5)
+        s = sv(prod)
+        row = rep.row(f"layers/{i}/mlp/wo")
+        assert row.params_before == 6 * (FF + D) and row.params_after == 3 * (FF + D)
+        assert row.rel_spectral_error == pytest.approx(s[3] / s[0], rel=1e-6)
+    new, rep = compress(t, rules=[r"mlp/wo$"], rank=6)  # not smaller than the old leaf
+    assert all(r.method == "kept" for r in rep.rows)
+    assert new["layers"][0]["mlp"]["wo"] is t["layers"][0]["mlp"]["wo"]
+
+
+def test_per_head():
+    t = make_tree(3)
+    ws = weights(t)
+    new, rep = compress(t, rules=ATTENTION_QKV_PER_HEAD, eps=0.6, per_head=True,
+                        num_heads=HEADS)
+    dh = D // HEADS
+    n_per_head = 0
+    x = np.random.default_rng(1).standard_normal((5, D)).astype(np.float32)
+    for row in rep.rows:
+        w, nb = ws[row.path]
+        leaf = leaf_at(new, row.path)
+        if row.path.endswith("/o"):  # shared sketch for the output projection
+            assert row.method == "svd" and isinstance(leaf, LowRank)
+            assert row.rank == eps_rank(w, 0.6)
+            continue
+        heads = [w[:, i * dh:(i + 1) * dh] for i in range(HEADS)]
+        ranks = tuple(eps_rank(h, 0.6) for h in heads)
+        assert row.rank == ranks
+        if sum(r * (D + dh) for r in ranks) + nb >= w.size + nb:
+            assert row.method == "kept-dense" and leaf is leaf_at(t, row.path)
+            continue
+        n_per_head += 1
+        assert row.method == "svd-per-head"
+        assert isinstance(leaf, HeadLowRank) and leaf.head_ranks == ranks
+        ref = np.concatenate([np_truncate(h, r) for h, r in zip(heads, ranks, strict=True)], axis=1)
+        assert row.rel_spectral_error == pytest.approx(
+            np.linalg.norm(w - ref, 2) / np.linalg.norm(w, 2), rel=1e-9)
+        assert row.params_after == sum(r * (D + dh) for r in ranks) + nb
+        b = 0.0 if leaf.b is None else np.asarray(leaf.b)
+        np.testing.assert_allclose(np.asarray(linear(leaf, x)), x @ ref + b, atol=1e-5)
+    assert n_per_head >= 6
+    assert len({r.rank for r in rep.rows if r.method == "svd-per-head"}) > 1
+
+
+def test_rule_overrides_first_match_and_skip():
+    t = make_tree()
+    ws = weights(t)
+    rules = [
+        (r"^layers/0/attn/q$", {"rank": 2}),
+        (r"attn/v$", {"eps": 0.3}),
+        (r"attn/o$", None),
+        (r"^layers/2/attn/k$", {"per_head": True, "num_heads": 2, "rank": 1}),
+        r"attn/(q|k)$",
+    ]
+    new, rep = compress(t, rules=rules, rank=3)
+    got = {r.path: r for r in rep.rows}
+    assert got["layers/0/attn/q"].rank == 2
+    assert got["layers/1/attn/q"].rank == 3 and got["layers/0/attn/k"].rank == 3
+    for i in range(LAYERS):
+        assert got[f"layers/{i}/attn/v"].rank == eps_rank(ws[f"layers/{i}/attn/v"][0], 0.3)
+        assert f"layers/{i}/attn/o" not in got
+        assert leaf_at(new, f"layers/{i}/attn/o") is leaf_at(t, f"layers/{i}/attn/o")
+    assert got["layers/2/attn/k"].rank == (1, 1)
+    assert isinstance(leaf_at(new, "layers/2/attn/k"), HeadLowRank)
+    assert got["layers/1/attn/q"].rule == r"attn/(q|k)$"
+
+
+def test_ratio_with_fixed_overrides():
+    t = make_tree()
+    ws = weights(t)
+    new, rep = compress(t, rules=[(r"^layers/0/attn/", {"rank": 1}), r"attn/"], ratio=0.4)
+    before = sum(w.size + nb for w, nb in ws.values())
+    assert rep.params_after <= 0.4 * before
+    for row in rep.rows:
+        if row.path.startswith("layers/0/"):
+            assert row.rank == 1
+    chosen = rep.settings["chosen_eps"]
+    for row in rep.rows:
+        if not row.path.startswith("layers/0/"):
+            assert row.rank == eps_rank(ws[row.path][0], chosen)
+
+
+def test_schedule():
+    t = make_tree()
+    sched = power_schedule(2, 0.5, LAYERS)  # [2, 3, 4]
+    new, rep = compress(t, schedule=sched)
+    for row in rep.rows:
+        i = int(row.path.split("/")[1])
+        w, _ = weights(t)[row.path]
+        assert row.rank == sched[i]
+        assert row.rel_spectral_error == pytest.approx(sv(w)[sched[i]] / sv(w)[0], rel=1e-9)
+
+
+def test_inputs_projection():
+    t = make_tree()
+    rng = np.random.default_rng(4)
+    x = (rng.standard_normal((2, 30, 3)) @ rng.standard_normal((3, D))).astype(np.float32)
+    path = "layers/1/attn/v"
+    new, rep = compress(t, rank=3, inputs={path: x})
+    row = rep.row(path)
+    assert row.method == "inputs" and row.rank == 3
+    w = np.asarray(leaf_at(t, path).w, np.float64)
+    x2 = x.reshape(-1, D).astype(np.float64)
+    B = np.linalg.svd(x2)[2][:3].T
+    assert row.rel_spectral_error == pytest.approx(
+        np.linalg.norm(w - B @ B.T @ w, 2) / np.linalg.norm(w, 2), rel=1e-7)
+    y_ref = x2 @ w
+    y = np.asarray(linear(leaf_at(new, path), x), np.float64).reshape(-1, D)
+    assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) <= 1e-5
+    assert rep.row("layers/1/attn/k").method == "svd"
+    # eps on the inputs' spectrum
+    new, rep = compress(t, eps=0.5, inputs={path: x})
+    assert rep.row(path).rank == eps_rank(x2, 0.5)
+
+
+def test_report_json_and_table():
+    t = make_tree()
+    new, rep = compress(t, rules=ATTENTION_QKV_PER_HEAD, per_head=True, num_heads=HEADS,
+                        eps=0.5)
+    d = json.loads(json.dumps(rep.to_dict()))
+    assert d["totals"]["params_before"] == rep.params_before
+    assert d["totals"]["params_after"] == rep.params_after
+    assert [r["path"] for r in d["rows"]] == [r.path for r in rep.rows]
+    for rd, r in zip(d["rows"], rep.rows, strict=True):
+        assert rd["rank"] == (list(r.rank) if isinstance(r.rank, tuple) else r.rank)
+        assert rd["rel_spectral_error"] == r.rel_spectral_error
+    table = rep.format_table()
+    for r in rep.rows:
+        assert r.path in table
+    assert f"{rep.params_after}" in table.splitlines()[-1]
+
+
+def test_progress_same_result():
+    t = make_tree()
+    a, ra = compress(t, eps=0.4, progress=True)
+    b, rb = compress(t, eps=0.4)
+    assert ra.to_dict() == rb.to_dict()
+    assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
+    for x, y in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("kwargs, needles", [
+    (dict(ratio=0.0), ["ratio", "0.0"]),
+    (dict(ratio=1.5), ["ratio", "1.5"]),
+    (dict(eps=0.0), ["eps", "0.0"]),
+    (dict(eps=1.0), ["eps", "1.0"]),
+    (dict(eps=0.1, rank=2), ["eps", "rank"]),
+    (dict(rank=25), ["layers/0/attn/k", "25"]),
+    (dict(schedule=[2, 3]), ["layers/2/attn/k", "2 ranks", "layer 2"]),
+    (dict(rank=2, rules=[r"attn/q$", r"ffn/x"]), ["ffn/x", "layers/0/attn/q"]),
+    (dict(rank=2, per_head=True), ["layers/0/attn/k", "num_heads", "None"]),
+    (dict(rank=2, per_head=True, num_heads=5), ["layers/0/attn/k", "5"]),
+    (dict(rank=2, rules=[(r"attn/q$", {"rank": 30})]), ["layers/0/attn/q", "30"]),
+    (dict(rank=2, inputs={"layers/0/mlp/wi": np.ones((4, D))}), ["layers/0/mlp/wi"]),
+    (dict(ratio=0.01), ["0.01", "not reachable"]),
+    (dict(ratio=0.01, allocation="energy"), ["0.01", "not reachable"]),
+    (dict(ratio=0.5, allocation="greedy"), ["allocation", "greedy"]),
+    (dict(), ["layers/0/attn/k", "eps="]),
+])
+def test_errors(kwargs, needles):
+    with pytest.raises(ValueError) as e:
+        compress(make_tree(), **kwargs)
+    for n in needles:
+        assert n in str(e.value), (n, str(e.value))
+
+
+def test_schedule_needs_layer_index():
+    t = {"proj": init_dense(jax.random.PRNGKey(0), 8, 8), **make_tree()}
+    with pytest.raises(ValueError, match=r"'proj'.*no layer index"):
+        compress(t, rules=[r"^proj$"], schedule=[2, 2, 2])
