@@ -142,6 +142,22 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
             row = {"method": method, "rank": rank, "size_ratio": size / full, "rel_error": _rel(y, y_c)}
             rows.append(row)
             print(f"  {method:<26} {rank:>5d} {row['size_ratio']:>11.3f} {row['rel_error']:>11.4f}")
+    # Flow-of-ranks (seed 000 sec. 5): per-layer ranks from the hidden states' eps-rank at
+    # eps = 0.05, against one uniform rank with (about) the same total, both by projection.
+    sched = [max(1, h.eps_ranks[0.05]) for h in report.hidden]
+    uniform = [max(1, round(sum(sched) / len(sched)))] * len(sched)
+    print("\nrank per layer from the flow-of-ranks vs uniform at the same budget (input projection)")
+    for label, ranks in (("flow-of-ranks schedule", sched), ("uniform", uniform)):
+        new_enc, rep = compress(params["encoder"], rules=rules, schedule=ranks, inputs=inputs,
+                                progress=False, keep_dense_if_larger=False)
+        y_c, _ = apply({**params, "encoder": new_enc}, x)
+        new_layers = new_enc["layers"]
+        size = param_count([new_layers[i]["attn"][n] for i in range(cfg.num_layers) for n in "qkv"])
+        row = {"method": f"{label} {ranks}", "rank": ranks, "size_ratio": size / full,
+               "rel_error": _rel(y, y_c)}
+        rows.append(row)
+        print(f"  {label:<24} ranks={str(ranks):<18} size ratio {row['size_ratio']:.3f}  "
+              f"rel. error {row['rel_error']:.4f}")
     result["model"] = {
         "config": {k: getattr(cfg, k) for k in ("patch", "d_model", "num_heads", "d_ff", "num_layers")},
         "data": source,

@@ -1,0 +1,114 @@
+"""The lowrank-jax command on saved parameter trees: reports recomputed independently."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+import lowrank_jax as lj
+from lowrank_jax.cli.main import main
+from lowrank_jax.io import load_params, save_params
+
+
+def np_eps_rank(w, eps):
+    s = np.linalg.svd(np.asarray(w, np.float64), compute_uv=False)
+    return int(np.sum(s / s[0] > eps))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    key = jax.random.PRNGKey(0)
+    r = np.random.default_rng(0)
+    layers = []
+    for i in range(2):
+        attn = {}
+        for n in "qkvo":
+            # Decaying spectrum so eps truncation actually drops something.
+            a, _ = np.linalg.qr(r.normal(size=(16, 16)))
+            b, _ = np.linalg.qr(r.normal(size=(16, 16)))
+            w = (a * np.exp(-0.4 * np.arange(16))) @ b.T
+            attn[n] = lj.Dense(np.asarray(w, np.float32))
+        layers.append({"attn": attn, "mlp": {"wi": lj.init_dense(key, 16, 32)}})
+    params = {"layers": layers}
+    d = tmp_path_factory.mktemp("ckpt") / "params"
+    save_params(d, params, metadata={"num_heads": 4, "num_layers": 2})
+    return d, params
+
+
+def test_analyze_writes_json_matching_numpy(saved, tmp_path, capsys):
+    d, params = saved
+    out = tmp_path / "report.json"
+    assert main(["analyze", str(d), "--eps", "0.1", "0.01", "--json", str(out), "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert "layers/1/attn/v" in printed
+    rep = json.loads(out.read_text())
+    by_path = {w["path"]: w for w in rep["weights"]}
+    assert set(by_path) == {f"layers/{i}/attn/{n}" for i in range(2) for n in "qkvo"} | {
+        "layers/0/mlp/wi", "layers/1/mlp/wi"}
+    for i in range(2):
+        w = np.asarray(params["layers"][i]["attn"]["q"].w)
+        assert by_path[f"layers/{i}/attn/q"]["eps_rank"]["0.1"] == np_eps_rank(w, 0.1)
+        assert by_path[f"layers/{i}/attn/q"]["eps_rank"]["0.01"] == np_eps_rank(w, 0.01)
+        # per-head ranks: metadata says 4 heads -> 4 column blocks of 4
+        heads = [np_eps_rank(w[:, h * 4:(h + 1) * 4], 0.1) for h in range(4)]
+        assert by_path[f"layers/{i}/attn/q"]["head_eps_rank"]["0.1"] == heads
+
+
+def test_compress_saves_factorized_tree_and_report(saved, tmp_path):
+    d, params = saved
+    out_dir, js = tmp_path / "small", tmp_path / "c.json"
+    assert main(["compress", str(d), "--eps", "0.1", "--out", str(out_dir), "--json", str(js),
+                 "--no-progress"]) == 0
+    new = load_params(out_dir)
+    rep = json.loads(js.read_text())
+    before = after = 0
+    for i in range(2):
+        assert isinstance(new["layers"][i]["mlp"]["wi"], lj.Dense)  # not selected by default rules
+        for n in "qkvo":
+            w = np.asarray(params["layers"][i]["attn"][n].w, np.float64)
+            leaf = new["layers"][i]["attn"][n]
+            r = np_eps_rank(w, 0.1)
+            assert isinstance(leaf, lj.LowRank) and leaf.rank == r
+            s = np.linalg.svd(w, compute_uv=False)
+            err = np.linalg.norm(w - np.asarray(lj.materialize(leaf), np.float64), 2) / s[0]
+            assert err <= 0.1 + 1e-5
+            np.testing.assert_allclose(err, s[r] / s[0], atol=1e-4)
+            before += w.size
+            after += r * 32
+    assert rep["totals"]["params_before"] == before
+    assert rep["totals"]["params_after"] == after
+    np.testing.assert_allclose(rep["totals"]["ratio"], after / before, rtol=1e-9)
+
+
+def test_compress_errors_exit_2_with_message(saved, tmp_path, capsys):
+    d, _ = saved
+    assert main(["compress", str(d), "--eps", "1.5", "--no-progress"]) == 2
+    assert "1.5" in capsys.readouterr().err
+    assert main(["compress", str(d), "--eps", "0.1", "--rule", "nothing/here", "--no-progress"]) == 2
+    assert "nothing/here" in capsys.readouterr().err
+    assert main(["analyze", str(tmp_path / "missing"), "--no-progress"]) == 2
+    assert "missing" in capsys.readouterr().err
+    # a failed compress writes nothing
+    assert not (tmp_path / "never").exists()
+    assert main(["compress", str(d), "--rank", "99", "--out", str(tmp_path / "never"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "layers/0/attn/k" in err and "got 99" in err and "[1, 16]" in err
+    assert not (tmp_path / "never").exists()
+
+
+def test_demo_quick_json(tmp_path):
+    js = tmp_path / "demo.json"
+    assert main(["demo", "--quick", "--no-progress", "--json", str(js)]) == 0
+    res = json.loads(js.read_text())
+    assert 0.8 <= res["appendix_j"]["theorem3"]["slope"] <= 1.2
+    rows = [r for r in res["model"]["compression"] if isinstance(r["rank"], int)]
+    by = {(r["method"], r["rank"]): r for r in rows}
+    for rank in (4, 8, 16, 32):
+        svd, proj = by[("truncated SVD", rank)], by[("input projection (Thm 3)", rank)]
+        # equal size, and Theorem 3's projection is the better one on low-rank inputs
+        assert svd["size_ratio"] == proj["size_ratio"] == pytest.approx(rank * 256 / (128 * 128))
+        assert proj["rel_error"] < svd["rel_error"]
+    hidden = res["model"]["analysis"]["hidden"]
+    ranks = [h["eps_rank"]["0.05"] for h in hidden]
+    assert ranks == sorted(ranks) and ranks[-1] > ranks[0]  # flow-of-ranks
