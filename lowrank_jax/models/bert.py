@@ -1,0 +1,233 @@
+"""BERT encoder (Devlin et al. 2019): the computation of Hugging Face ``BertModel`` in eval mode.
+
+Word + absolute position + token-type embeddings and a LayerNorm, a post-norm encoder
+(``norm(x + f(x))``) with scaled, biased attention and an exact-gelu MLP, and a pooler (dense +
+tanh on the ``[CLS]`` token). Optionally the ``BertForSequenceClassification`` head on the
+pooled output. Built from :mod:`lowrank_jax.nn` blocks, so every weight matrix is a leaf.
+
+Parameter tree::
+
+    embeddings/word        [vocab_size, d]
+    embeddings/position    [max_position_embeddings, d]
+    embeddings/token_type  [type_vocab_size, d]
+    embeddings/norm        {'scale', 'bias'} [d]
+    encoder                see lowrank_jax.nn.init_encoder (no 'final_norm': post-norm)
+    pooler                 leaf [d, d]              (if cfg.pooler)
+    classifier             leaf [d, num_labels]     (if cfg.num_labels > 0)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.models.vit import activation_from_hf
+from lowrank_jax.nn import (
+    AttentionConfig,
+    EncoderConfig,
+    EncoderLayerConfig,
+    MLPConfig,
+    NormConfig,
+    apply_encoder,
+    apply_norm,
+    init_encoder,
+    init_norm,
+    padding_mask,
+)
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class BertConfig:
+    """BERT configuration (field names as in Hugging Face ``BertConfig``).
+
+    Attributes:
+      vocab_size, hidden_size, num_hidden_layers, num_attention_heads, intermediate_size: sizes.
+      hidden_act: lowrank_jax activation name (``'gelu'`` is the exact erf form, as HF).
+      max_position_embeddings: rows of the absolute position table (longest input).
+      type_vocab_size: number of token types (segments).
+      layer_norm_eps: LayerNorm epsilon.
+      pooler: dense + tanh on ``[CLS]`` (``BertModel(add_pooling_layer=True)``).
+      num_labels: ``BertForSequenceClassification`` head on the pooled output; ``0`` = none.
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pooler: bool = True
+    num_labels: int = 0
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "intermediate_size", "max_position_embeddings", "type_vocab_size"):
+            val = getattr(self, name)
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"BertConfig: {name} must be a positive int, got {val!r}")
+        if not isinstance(self.num_labels, int) or self.num_labels < 0:
+            raise ValueError(f"BertConfig: num_labels must be an int >= 0, got "
+                             f"{self.num_labels!r}")
+        if self.num_labels > 0 and not self.pooler:
+            raise ValueError("BertConfig: a classification head (num_labels > 0) needs the "
+                             "pooler (pooler=True), as BertForSequenceClassification")
+        self.encoder  # noqa: B018  (the nn configs validate heads, activation, eps)
+
+    @property
+    def encoder(self) -> EncoderConfig:
+        d = self.hidden_size
+        layer = EncoderLayerConfig(
+            attention=AttentionConfig(d_model=d, num_heads=self.num_attention_heads,
+                                      use_bias=True, scaled=True),
+            mlp=MLPConfig(d_model=d, d_ff=self.intermediate_size, activation=self.hidden_act,
+                          use_bias=True),
+            norm=NormConfig(kind="layer", eps=self.layer_norm_eps),
+            prenorm=False,
+        )
+        return EncoderConfig(layer=layer, num_layers=self.num_hidden_layers, final_norm=False)
+
+    @property
+    def embedding_norm(self) -> NormConfig:
+        return NormConfig(kind="layer", eps=self.layer_norm_eps)
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, **overrides) -> "BertConfig":
+        """Configuration from a Hugging Face ``config.json`` dict (``model_type`` bert).
+
+        ``BertForSequenceClassification`` gets ``num_labels`` classes; other architectures a
+        pooler and no head. ``add_pooling_layer`` is not recorded in ``config.json``: pass
+        ``pooler=False`` (the converter decides from the checkpoint's keys).
+
+        Args:
+          d: the parsed ``config.json``.
+          **overrides: fields to set explicitly after reading ``d``.
+
+        Returns:
+          The configuration.
+        """
+        if d.get("model_type", "bert") != "bert":
+            raise ValueError(f"BertConfig.from_hf_dict: model_type must be 'bert', "
+                             f"got {d.get('model_type')!r}")
+        if d.get("is_decoder", False) or d.get("add_cross_attention", False):
+            raise ValueError("BertConfig.from_hf_dict: only the bidirectional encoder is "
+                             "supported (is_decoder and add_cross_attention must be false)")
+        pet = d.get("position_embedding_type", "absolute")
+        if pet != "absolute":
+            raise ValueError(f"BertConfig.from_hf_dict: position_embedding_type must be "
+                             f"'absolute', got {pet!r}")
+        arch = (d.get("architectures") or [""])[0]
+        is_classifier = arch.endswith("ForSequenceClassification")
+        n_labels = len(d["id2label"]) if "id2label" in d else int(d.get("num_labels", 2))
+        kwargs = dict(
+            vocab_size=d.get("vocab_size", 30522),
+            hidden_size=d.get("hidden_size", 768),
+            num_hidden_layers=d.get("num_hidden_layers", 12),
+            num_attention_heads=d.get("num_attention_heads", 12),
+            intermediate_size=d.get("intermediate_size", 3072),
+            hidden_act=activation_from_hf(d.get("hidden_act", "gelu"),
+                                          "BertConfig.from_hf_dict"),
+            max_position_embeddings=d.get("max_position_embeddings", 512),
+            type_vocab_size=d.get("type_vocab_size", 2),
+            layer_norm_eps=float(d.get("layer_norm_eps", 1e-12)),
+            pooler=True,
+            num_labels=n_labels if is_classifier else 0,
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
+
+
+def init(key: Array, cfg: BertConfig) -> dict:
+    """Random parameters (Dense leaves; embeddings ``N(0, 0.02^2)`` as HF).
+
+    Args:
+      key: PRNG key.
+      cfg: model configuration.
+
+    Returns:
+      The parameter tree described in the module docstring.
+    """
+    kw, kp, kt, ke, kpool, kh = jax.random.split(key, 6)
+    d = cfg.hidden_size
+    params = {
+        "embeddings": {
+            "word": 0.02 * jax.random.normal(kw, (cfg.vocab_size, d), jnp.float32),
+            "position": 0.02 * jax.random.normal(kp, (cfg.max_position_embeddings, d),
+                                                 jnp.float32),
+            "token_type": 0.02 * jax.random.normal(kt, (cfg.type_vocab_size, d), jnp.float32),
+            "norm": init_norm(d, cfg.embedding_norm),
+        },
+        "encoder": init_encoder(ke, cfg.encoder),
+    }
+    if cfg.pooler:
+        params["pooler"] = init_dense(kpool, d, d, bias=True)
+    if cfg.num_labels > 0:
+        params["classifier"] = init_dense(kh, d, cfg.num_labels, bias=True)
+    return params
+
+
+def embed(params: dict, input_ids: Array, cfg: BertConfig, *,
+          token_type_ids: Array | None = None) -> Array:
+    """``LayerNorm(word[input_ids] + token_type[token_type_ids] + position[arange(seq)])``.
+
+    Returns:
+      ``[batch, seq, hidden_size]``.
+    """
+    emb = params["embeddings"]
+    seq = input_ids.shape[1]
+    if token_type_ids is None:
+        token_type_ids = jnp.zeros_like(input_ids)
+    x = jnp.take(emb["word"], input_ids, axis=0)  # [b, s, d]
+    x = x + jnp.take(emb["token_type"], token_type_ids, axis=0)
+    x = x + emb["position"][:seq][None]
+    return apply_norm(emb["norm"], x, cfg.embedding_norm)
+
+
+def apply(params: dict, cfg: BertConfig, *, input_ids: Array,
+          attention_mask: Array | None = None, token_type_ids: Array | None = None) -> dict:
+    """Run BERT (eval mode: no dropout).
+
+    Args:
+      params: from :func:`init` or :func:`lowrank_jax.convert.load_pretrained`.
+      cfg: model configuration.
+      input_ids: ``int[batch, seq]`` with ``seq <= max_position_embeddings``.
+      attention_mask: ``[batch, seq]``, 1 for real tokens and 0 for padding (keys that are
+        padding get no attention); default all ones.
+      token_type_ids: ``int[batch, seq]`` segment ids; default zeros.
+
+    Returns:
+      ``last_hidden_state [batch, seq, d]``, plus ``pooler_output [batch, d]`` if
+      ``cfg.pooler`` and ``logits [batch, num_labels]`` if ``cfg.num_labels > 0``.
+    """
+    input_ids = jnp.asarray(input_ids)
+    if input_ids.ndim != 2:
+        raise ValueError(f"bert.apply: input_ids must be [batch, seq], got shape "
+                         f"{tuple(input_ids.shape)}")
+    if input_ids.shape[1] > cfg.max_position_embeddings:
+        raise ValueError(
+            f"bert.apply: sequence length {input_ids.shape[1]} exceeds "
+            f"max_position_embeddings={cfg.max_position_embeddings}"
+        )
+    for name, arr in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
+        if arr is not None and tuple(jnp.shape(arr)) != tuple(input_ids.shape):
+            raise ValueError(f"bert.apply: {name} must have the shape of input_ids "
+                             f"{tuple(input_ids.shape)}, got {tuple(jnp.shape(arr))}")
+    if token_type_ids is not None:
+        token_type_ids = jnp.asarray(token_type_ids)
+    x = embed(params, input_ids, cfg, token_type_ids=token_type_ids)  # [b, s, d]
+    mask = None if attention_mask is None else padding_mask(jnp.asarray(attention_mask))
+    h = apply_encoder(params["encoder"], x, cfg.encoder, mask=mask)  # [b, s, d]
+    out = {"last_hidden_state": h}
+    if cfg.pooler:
+        pooled = jnp.tanh(linear(params["pooler"], h[:, 0]))  # [b, d]
+        out["pooler_output"] = pooled
+        if cfg.num_labels > 0:
+            out["logits"] = linear(params["classifier"], pooled)  # [b, num_labels]
+    return out

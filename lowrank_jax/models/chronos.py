@@ -1,0 +1,344 @@
+"""Chronos (Ansari et al. 2024): mean-scale uniform-bins tokenizer + T5 + sampled forecasts.
+
+Semantics follow ``chronos-forecasting``'s ``chronos.py`` (``MeanScaleUniformBins``,
+``ChronosModel``, ``ChronosPipeline.predict``) for ``model_type='seq2seq'``:
+
+* context: the last ``context_length`` values; ``scale = mean |x|`` over the observed (non-NaN)
+  values, 1 where that is not > 0; ``token = bucketize(x / scale, boundaries, right=True) +
+  n_special_tokens`` clipped to ``[0, n_tokens - 1]``; NaNs become ``pad_token_id`` with
+  attention mask 0; an EOS token is appended when ``use_eos_token``.
+* forecast: sample ``prediction_length`` tokens autoregressively from the T5 decoder (started
+  from ``decoder_start_token_id``) with EOS suppressed (HF ``min_new_tokens``), temperature,
+  top-k and top-p as HF's warpers; token ``t`` maps back to ``centers[t - n_special - 1] *
+  scale``. Longer horizons loop as the pipeline does: append the per-step median sample to the
+  context and forecast again.
+
+Sampling is jit-friendly: static shapes, the encoder runs once, and the decoder is re-run on a
+fixed ``[batch * num_samples, horizon + 1]`` token buffer under ``lax.fori_loop`` with the causal
+mask (no KV cache: position ``t`` only sees tokens ``<= t``, so later buffer slots do not
+matter). That costs ``O(horizon^2)`` decoder work per forecast instead of ``O(horizon)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowrank_jax.models import t5 as t5_model
+from lowrank_jax.models.t5 import T5Config
+
+Array = jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class ChronosConfig:
+    """A Chronos model: the T5 configuration plus the tokenizer and sampling settings.
+
+    Attributes are named as in ``chronos.ChronosConfig`` (``tokenizer_kwargs`` flattened into
+    ``low_limit`` / ``high_limit``).
+    """
+
+    t5: T5Config
+    n_tokens: int = 4096
+    n_special_tokens: int = 2
+    context_length: int = 512
+    prediction_length: int = 64
+    num_samples: int = 20
+    temperature: float = 1.0
+    top_k: int = 50
+    top_p: float = 1.0
+    low_limit: float = -15.0
+    high_limit: float = 15.0
+    use_eos_token: bool = True
+    pad_token_id: int = 0
+    eos_token_id: int = 1
+
+    def __post_init__(self):
+        if not isinstance(self.t5, T5Config):
+            raise ValueError(f"ChronosConfig: t5 must be a T5Config, got {type(self.t5).__name__}")
+        if not (self.pad_token_id < self.n_special_tokens
+                and self.eos_token_id < self.n_special_tokens):
+            raise ValueError(
+                f"ChronosConfig: pad_token_id={self.pad_token_id} and eos_token_id="
+                f"{self.eos_token_id} must be < n_special_tokens={self.n_special_tokens}"
+            )
+        if self.n_tokens - self.n_special_tokens - 1 < 2:
+            raise ValueError(f"ChronosConfig: n_tokens={self.n_tokens} leaves fewer than 2 bins")
+        if self.n_tokens > self.t5.vocab_size:
+            raise ValueError(
+                f"ChronosConfig: n_tokens={self.n_tokens} exceeds the T5 vocab_size "
+                f"{self.t5.vocab_size}"
+            )
+        if not self.high_limit > self.low_limit:
+            raise ValueError(
+                f"ChronosConfig: high_limit must exceed low_limit, got {self.low_limit}, "
+                f"{self.high_limit}"
+            )
+
+    @classmethod
+    def from_hf_dict(cls, d: dict, *, t5: T5Config | None = None) -> "ChronosConfig":
+        """From a Chronos ``config.json`` dict (a T5 config with a ``chronos_config`` entry)."""
+        cc = d.get("chronos_config")
+        if not isinstance(cc, dict):
+            raise ValueError("ChronosConfig.from_hf_dict: config has no 'chronos_config' dict")
+        if cc.get("tokenizer_class", "MeanScaleUniformBins") != "MeanScaleUniformBins":
+            raise ValueError(
+                "ChronosConfig: only tokenizer_class='MeanScaleUniformBins' is supported, got "
+                f"{cc.get('tokenizer_class')!r}"
+            )
+        if cc.get("model_type", "seq2seq") != "seq2seq":
+            raise ValueError(
+                "ChronosConfig: only model_type='seq2seq' (T5) Chronos models are supported, "
+                f"got {cc.get('model_type')!r}"
+            )
+        kw = cc.get("tokenizer_kwargs") or {}
+        return cls(
+            t5=T5Config.from_hf_dict(d) if t5 is None else t5,
+            n_tokens=int(cc["n_tokens"]), n_special_tokens=int(cc["n_special_tokens"]),
+            context_length=int(cc["context_length"]),
+            prediction_length=int(cc["prediction_length"]),
+            num_samples=int(cc["num_samples"]), temperature=float(cc["temperature"]),
+            top_k=int(cc["top_k"]), top_p=float(cc["top_p"]),
+            low_limit=float(kw.get("low_limit", -15.0)),
+            high_limit=float(kw.get("high_limit", 15.0)),
+            use_eos_token=bool(cc["use_eos_token"]), pad_token_id=int(cc["pad_token_id"]),
+            eos_token_id=int(cc["eos_token_id"]),
+        )
+
+    def to_hf_chronos_dict(self) -> dict:
+        """The ``chronos_config`` entry of a Chronos ``config.json``."""
+        return {
+            "tokenizer_class": "MeanScaleUniformBins",
+            "tokenizer_kwargs": {"low_limit": self.low_limit, "high_limit": self.high_limit},
+            "context_length": self.context_length, "prediction_length": self.prediction_length,
+            "n_tokens": self.n_tokens, "n_special_tokens": self.n_special_tokens,
+            "pad_token_id": self.pad_token_id, "eos_token_id": self.eos_token_id,
+            "use_eos_token": self.use_eos_token, "model_type": "seq2seq",
+            "num_samples": self.num_samples, "temperature": self.temperature,
+            "top_k": self.top_k, "top_p": self.top_p,
+        }
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer (MeanScaleUniformBins).
+
+def _linspace_f32(start: float, end: float, steps: int) -> np.ndarray:
+    """``torch.linspace`` in float32, bit for bit (so token ids agree at bin edges).
+
+    Its CPU kernel computes ``step`` in float32 and walks in from both ends with a fused
+    multiply-add: ``start + step * i`` for ``i < steps // 2``, else
+    ``end - step * (steps - 1 - i)``, rounded once. In float64 the product of a float32 and a
+    small integer is exact, so one rounding to float32 reproduces the FMA.
+    """
+    start32, end32 = np.float32(start), np.float32(end)
+    step = np.float64((end32 - start32) / np.float32(max(steps - 1, 1)))
+    i = np.arange(steps, dtype=np.float64)
+    lo = np.float64(start32) + step * i
+    hi = np.float64(end32) - step * (steps - 1 - i)
+    return np.where(np.arange(steps) < steps // 2, lo, hi).astype(np.float32)
+
+
+def bin_centers(cfg: ChronosConfig) -> np.ndarray:
+    """``float32[n_tokens - n_special_tokens - 1]``: the values of the bins."""
+    return _linspace_f32(cfg.low_limit, cfg.high_limit, cfg.n_tokens - cfg.n_special_tokens - 1)
+
+
+def bin_boundaries(cfg: ChronosConfig) -> np.ndarray:
+    """``float32[len(centers) + 1]``: ``-1e20``, midpoints of the centers, ``1e20``."""
+    c = bin_centers(cfg)
+    mid = (c[1:] + c[:-1]) / np.float32(2)
+    return np.concatenate([[np.float32(-1e20)], mid, [np.float32(1e20)]]).astype(np.float32)
+
+
+def _input_transform(cfg: ChronosConfig, x: Array, scale: Array | None):
+    x = jnp.asarray(x, jnp.float32)  # [batch, t]
+    observed = ~jnp.isnan(x)
+    if scale is None:
+        total = jnp.sum(jnp.where(observed, jnp.abs(x), 0.0), axis=-1)
+        scale = total / jnp.sum(observed, axis=-1).astype(jnp.float32)  # 0/0 -> nan -> 1
+        scale = jnp.where(scale > 0, scale, 1.0)  # [batch]
+    scaled = x / scale[:, None]
+    ids = jnp.searchsorted(jnp.asarray(bin_boundaries(cfg)), scaled, side="right")
+    ids = jnp.clip(ids.astype(jnp.int32) + cfg.n_special_tokens, 0, cfg.n_tokens - 1)
+    ids = jnp.where(observed, ids, cfg.pad_token_id)
+    return ids, observed, scale
+
+
+def _append_eos(cfg: ChronosConfig, ids: Array, mask: Array):
+    b = ids.shape[0]
+    ids = jnp.concatenate([ids, jnp.full((b, 1), cfg.eos_token_id, ids.dtype)], axis=1)
+    mask = jnp.concatenate([mask, jnp.ones((b, 1), bool)], axis=1)
+    return ids, mask
+
+
+def context_input_transform(cfg: ChronosConfig, context: Array):
+    """Tokenize a context (``MeanScaleUniformBins.context_input_transform``).
+
+    Args:
+      cfg: Chronos configuration.
+      context: ``float[batch, t]`` (or ``[t]``), left-padded with NaN.
+
+    Returns:
+      ``(token_ids int32[batch, t'], attention_mask bool[batch, t'], scale float32[batch])``
+      with ``t' = min(t, context_length) (+ 1 for EOS)``.
+    """
+    context = jnp.asarray(context, jnp.float32)
+    if context.ndim == 1:
+        context = context[None]
+    if context.ndim != 2:
+        raise ValueError(f"chronos: context must be [batch, time] or [time], got {context.shape}")
+    context = context[:, -cfg.context_length:]
+    ids, mask, scale = _input_transform(cfg, context, None)
+    if cfg.use_eos_token:
+        ids, mask = _append_eos(cfg, ids, mask)
+    return ids, mask, scale
+
+
+def label_input_transform(cfg: ChronosConfig, label: Array, scale: Array):
+    """Tokenize targets with the context's scale (``label_input_transform``)."""
+    label = jnp.asarray(label, jnp.float32)
+    if label.shape[-1] != cfg.prediction_length:
+        raise ValueError(
+            f"chronos: label length must equal prediction_length={cfg.prediction_length}, "
+            f"got {label.shape[-1]}"
+        )
+    ids, mask, _ = _input_transform(cfg, label, jnp.asarray(scale, jnp.float32))
+    if cfg.use_eos_token:
+        ids, mask = _append_eos(cfg, ids, mask)
+    return ids, mask
+
+
+def output_transform(cfg: ChronosConfig, samples: Array, scale: Array) -> Array:
+    """Token ids ``[batch, n, t]`` -> values ``centers[id - n_special - 1] * scale``."""
+    centers = jnp.asarray(bin_centers(cfg))
+    idx = jnp.clip(jnp.asarray(samples) - cfg.n_special_tokens - 1, 0, centers.shape[0] - 1)
+    return centers[idx] * jnp.asarray(scale)[:, None, None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Model.
+
+def init(key: Array, cfg: ChronosConfig) -> dict:
+    """Random parameters (a T5 tree)."""
+    return t5_model.init(key, cfg.t5)
+
+
+def apply(params: dict, cfg: ChronosConfig, **inputs) -> dict:
+    """T5 forward on token ids (inputs/outputs as :func:`lowrank_jax.models.t5.apply`)."""
+    return t5_model.apply(params, cfg.t5, **inputs)
+
+
+def embed(params: dict, cfg: ChronosConfig, context: Array):
+    """Encoder embeddings of a context (``ChronosPipeline.embed``): ``(states, scale)``."""
+    ids, mask, scale = context_input_transform(cfg, context)
+    return t5_model.encode(params, cfg.t5, input_ids=ids, attention_mask=mask), scale
+
+
+def process_logits(logits: Array, *, eos_token_id: int, temperature: float, top_k: int | None,
+                   top_p: float) -> Array:
+    """HF's sampling pipeline for Chronos: suppress EOS, then temperature, top-k, top-p.
+
+    Removed entries become ``-inf``. ``top_k`` 0/None and ``top_p >= 1`` disable those steps.
+    """
+    logits = logits.astype(jnp.float32).at[..., eos_token_id].set(-jnp.inf)  # min_new_tokens
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k:
+        k = min(int(top_k), logits.shape[-1])
+        kth = jax.lax.top_k(logits, k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(logits, axis=-1)  # ascending, as HF
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        remove_sorted = (cum <= 1.0 - top_p).at[..., -1].set(False)  # keep >= 1 token
+        remove = jnp.take_along_axis(remove_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        logits = jnp.where(remove, -jnp.inf, logits)
+    return logits
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "horizon", "num_samples", "temperature",
+                                             "top_k", "top_p"))
+def sample_tokens(params: dict, cfg: ChronosConfig, input_ids: Array, attention_mask: Array,
+                  key: Array, *, horizon: int, num_samples: int, temperature: float,
+                  top_k: int | None, top_p: float) -> Array:
+    """Sample ``num_samples`` token paths of length ``horizon`` (``ChronosModel.forward``).
+
+    Returns:
+      ``int32[batch, num_samples, horizon]``.
+    """
+    t5 = cfg.t5
+    batch = input_ids.shape[0]
+    enc = t5_model.encode(params, t5, input_ids=input_ids, attention_mask=attention_mask)
+    # HF num_return_sequences: every series repeated num_samples times, consecutively.
+    enc = jnp.repeat(enc, num_samples, axis=0)  # [batch * n, s, d]
+    mask = jnp.repeat(attention_mask, num_samples, axis=0)  # [batch * n, s]
+    n = batch * num_samples
+    buf = jnp.full((n, horizon + 1), t5.decoder_start_token_id, jnp.int32)
+
+    def step(t, carry):
+        buf, key = carry
+        hidden = t5_model.decode(params, t5, decoder_input_ids=buf, encoder_hidden=enc,
+                                 attention_mask=mask)  # [n, horizon + 1, d]
+        h_t = jax.lax.dynamic_index_in_dim(hidden, t, axis=1, keepdims=False)  # [n, d]
+        logits = process_logits(t5_model.lm_logits(params, t5, h_t),
+                                eos_token_id=cfg.eos_token_id, temperature=temperature,
+                                top_k=top_k, top_p=top_p)  # [n, vocab]
+        key, sub = jax.random.split(key)
+        tok = jax.random.categorical(sub, logits, axis=-1).astype(jnp.int32)  # [n]
+        return jax.lax.dynamic_update_index_in_dim(buf, tok, t + 1, axis=1), key
+
+    buf, _ = jax.lax.fori_loop(0, horizon, step, (buf, key))
+    return buf[:, 1:].reshape(batch, num_samples, horizon)
+
+
+def predict(params: dict, cfg: ChronosConfig, context: Array, horizon: int | None = None,
+            num_samples: int | None = None, key: Array | None = None, *,
+            temperature: float | None = None, top_k: int | None = None,
+            top_p: float | None = None) -> Array:
+    """Sampled forecasts (``ChronosPipeline.predict``).
+
+    Args:
+      params: model parameters.
+      cfg: Chronos configuration.
+      context: ``float[batch, t]`` or ``[t]``, left-padded with NaN.
+      horizon: forecast length (default ``prediction_length``); longer horizons are forecast
+        ``prediction_length`` at a time, appending the per-step median sample (the lower
+        median, as ``torch.median``) to the context in between, as the pipeline does.
+      num_samples: sample paths per series (default ``cfg.num_samples``).
+      key: PRNG key (required).
+      temperature, top_k, top_p: override the config's sampling settings.
+
+    Returns:
+      ``float32[batch, num_samples, horizon]``.
+    """
+    if key is None:
+        raise ValueError("chronos.predict: pass a PRNG key (key=jax.random.PRNGKey(...))")
+    horizon = cfg.prediction_length if horizon is None else int(horizon)
+    num_samples = cfg.num_samples if num_samples is None else int(num_samples)
+    settings = dict(
+        temperature=float(cfg.temperature if temperature is None else temperature),
+        top_k=int(cfg.top_k if top_k is None else top_k),
+        top_p=float(cfg.top_p if top_p is None else top_p),
+    )
+    context = jnp.asarray(context, jnp.float32)
+    if context.ndim == 1:
+        context = context[None]
+    chunks, remaining = [], horizon
+    while remaining > 0:
+        ids, mask, scale = context_input_transform(cfg, context)
+        key, sub = jax.random.split(key)
+        length = min(remaining, cfg.prediction_length)
+        tokens = sample_tokens(params, cfg, ids, mask, sub, horizon=length,
+                               num_samples=num_samples, **settings)
+        values = output_transform(cfg, tokens, scale)  # [batch, n, length]
+        chunks.append(values)
+        remaining -= length
+        if remaining > 0:
+            lower_median = jnp.sort(values, axis=1)[:, (num_samples - 1) // 2]  # [batch, length]
+            context = jnp.concatenate([context, lower_median], axis=-1)
+    return jnp.concatenate(chunks, axis=-1)

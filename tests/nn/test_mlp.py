@@ -1,0 +1,148 @@
+"""MLP blocks (each activation, gated or not) against plain float64 NumPy."""
+
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lowrank_jax.leaves import Dense, LowRank, MaskedBinary, materialize
+from lowrank_jax.nn import MLPConfig, apply_mlp, init_mlp
+
+TOL = 1e-5
+
+
+def rand(seed, shape, scale=1.0):
+    # Cast in NumPy: a float64 -> float32 cast in JAX would compile per shape.
+    z = scale * np.random.default_rng(seed).standard_normal(shape)
+    return jnp.asarray(z.astype(np.float32))
+
+
+# Activations written from their definitions.
+_erf = np.vectorize(math.erf)
+NP_ACT = {
+    "relu": lambda x: np.maximum(x, 0.0),
+    "gelu": lambda x: 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0))),
+    "gelu_tanh": lambda x: 0.5 * x * (1.0 + np.tanh(math.sqrt(2.0 / math.pi)
+                                                     * (x + 0.044715 * x ** 3))),
+    "silu": lambda x: x / (1.0 + np.exp(-x)),
+}
+
+
+def np_linear(leaf, x):
+    y = x @ np.asarray(leaf.w, np.float64)
+    return y if leaf.b is None else y + np.asarray(leaf.b, np.float64)
+
+
+def np_mlp(p, x, activation, gated):
+    x = np.asarray(x, np.float64)
+    act = NP_ACT[activation]
+    h = act(np_linear(p["wi_0"], x)) * np_linear(p["wi_1"], x) if gated else act(
+        np_linear(p["wi"], x))
+    return np_linear(p["wo"], h)
+
+
+def dense_params(seed, cfg):
+    names = ["wi_0", "wi_1"] if cfg.gated else ["wi"]
+    p = {}
+    for i, n in enumerate(names):
+        b = rand(seed + 10 + i, (cfg.d_ff,), 0.5) if cfg.use_bias else None
+        p[n] = Dense(w=rand(seed + i, (cfg.d_model, cfg.d_ff), 1.5 / math.sqrt(cfg.d_model)), b=b)
+    b = rand(seed + 20, (cfg.d_model,), 0.5) if cfg.use_bias else None
+    p["wo"] = Dense(w=rand(seed + 5, (cfg.d_ff, cfg.d_model), 1.0 / math.sqrt(cfg.d_ff)), b=b)
+    return p
+
+
+def max_err(a, b):
+    return float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))))
+
+
+mlp = jax.jit(apply_mlp, static_argnames=("cfg",))
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+@pytest.mark.parametrize("gated", [False, True])
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_mlp_matches_reference(activation, gated, use_bias):
+    cfg = MLPConfig(d_model=8, d_ff=12, activation=activation, gated=gated, use_bias=use_bias)
+    p = dense_params(1, cfg)
+    x = rand(2, (2, 5, 8))
+    assert max_err(mlp(p, x, cfg=cfg), np_mlp(p, x, activation, gated)) <= TOL
+
+
+def test_gelu_variants_differ():
+    # Exact erf gelu and tanh gelu must not be confused (T5 v1.1 uses the tanh form).
+    x = np.linspace(-4, 4, 101)
+    assert np.max(np.abs(NP_ACT["gelu"](x) - NP_ACT["gelu_tanh"](x))) > 1e-4
+    cfg = MLPConfig(d_model=8, d_ff=12, activation="gelu")
+    p = dense_params(3, cfg)
+    xx = rand(4, (1, 6, 8), 2.0)
+    y_exact = mlp(p, xx, cfg=cfg)
+    y_tanh = mlp(p, xx, cfg=MLPConfig(d_model=8, d_ff=12, activation="gelu_tanh"))
+    assert max_err(y_exact, y_tanh) > 1e-5
+    assert max_err(y_exact, np_mlp(p, xx, "gelu", False)) <= TOL
+
+
+def test_init_mlp_shapes():
+    p = init_mlp(jax.random.PRNGKey(0), MLPConfig(d_model=8, d_ff=12, use_bias=True))
+    assert set(p) == {"wi", "wo"}
+    assert p["wi"].shape == (8, 12) and p["wo"].shape == (12, 8) and p["wi"].b is not None
+    g = init_mlp(jax.random.PRNGKey(0), MLPConfig(d_model=8, d_ff=12, gated=True))
+    assert set(g) == {"wi_0", "wi_1", "wo"} and g["wi_1"].shape == (8, 12) and g["wo"].b is None
+    assert not np.array_equal(np.asarray(g["wi_0"].w), np.asarray(g["wi_1"].w))
+
+
+@pytest.mark.parametrize("gated", [False, True])
+def test_compressed_leaves_equal_dense_materialization(gated):
+    cfg = MLPConfig(d_model=8, d_ff=12, activation="gelu_tanh", gated=gated, use_bias=True)
+    p = {}
+    names = ["wi_0", "wi_1"] if gated else ["wi"]
+    for i, n in enumerate(names):
+        if i == 0:
+            p[n] = LowRank(u=rand(10, (8, 3), 0.5), v=rand(11, (3, 12), 0.5), b=rand(12, (12,)))
+        else:
+            p[n] = MaskedBinary(w=rand(13, (8, 12)), s=rand(14, (8, 12)), b=rand(15, (12,)),
+                                keep=0.3)
+    p["wo"] = MaskedBinary(w=rand(16, (12, 8)), s=rand(17, (12, 8)), b=None, keep=0.6)
+    p_dense = {n: Dense(w=materialize(leaf), b=leaf.b) for n, leaf in p.items()}
+    x = rand(18, (2, 4, 8))
+    y = mlp(p, x, cfg=cfg)
+    assert max_err(y, mlp(p_dense, x, cfg=cfg)) <= TOL
+    assert max_err(y, np_mlp(p_dense, x, "gelu_tanh", gated)) <= TOL
+
+
+def test_jit_eager_grad_and_no_retrace():
+    cfg = MLPConfig(d_model=8, d_ff=12, activation="silu", gated=True)
+    p = dense_params(20, cfg)
+    p["wi_1"] = LowRank(u=rand(21, (8, 2)), v=rand(22, (2, 12)))
+    x = rand(23, (2, 3, 8))
+    assert max_err(apply_mlp(p, x, cfg), mlp(p, x, cfg=cfg)) <= TOL
+    g = jax.jit(jax.grad(lambda p: jnp.sum(apply_mlp(p, x, cfg) ** 2)))(p)
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(p)
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def f(p, x):
+        return apply_mlp(p, x, cfg)
+
+    f(p, x)
+    f(p, x + 1.0)
+    chex.clear_trace_counter()
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"d_model": 0, "d_ff": 4}, "d_model"),
+    ({"d_model": 4, "d_ff": -1}, "d_ff"),
+    ({"d_model": 4, "d_ff": 4, "activation": "tanh"}, "activation"),
+])
+def test_bad_config_raises(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        MLPConfig(**kwargs)
+
+
+def test_wrong_input_width_raises():
+    cfg = MLPConfig(d_model=8, d_ff=12)
+    with pytest.raises(ValueError, match="d_in=8"):
+        apply_mlp(dense_params(30, cfg), jnp.ones((2, 6)), cfg)
