@@ -506,3 +506,89 @@ def _restore_arrays(arrays_dir: str, specs: dict[str, tuple], tree_file: str) ->
         return ckptr.restore(arrays_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     except Exception as e:
         raise ValueError(f"load_params: cannot restore the arrays in {arrays_dir}: {e}") from e
+
+
+# ---------------------------------------------------------------------------------------------
+# Model checkpoints: parameters plus the model's config dataclass.
+
+def config_to_dict(config: Any) -> dict:
+    """A frozen config dataclass (possibly nested) as a JSON-able dict with its class name.
+
+    Only classes defined inside ``lowrank_jax`` are accepted, so :func:`config_from_dict` never
+    imports arbitrary code named in a file.
+    """
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        raise TypeError(f"config_to_dict: expected a config dataclass instance, got {config!r}")
+    cls = type(config)
+    if not cls.__module__.startswith("lowrank_jax."):
+        raise TypeError(f"config_to_dict: {cls.__module__}.{cls.__qualname__} is not a lowrank_jax config")
+
+    def enc(v):
+        if dataclasses.is_dataclass(v) and not isinstance(v, type):
+            return config_to_dict(v)
+        if isinstance(v, (list, tuple)):
+            return [enc(x) for x in v]
+        if isinstance(v, dict):
+            return {str(k): enc(x) for k, x in v.items()}
+        if isinstance(v, (np.integer, np.floating)):
+            return v.item()
+        return v
+
+    fields = {f.name: enc(getattr(config, f.name)) for f in dataclasses.fields(config) if f.init}
+    return {"__config__": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
+
+
+def config_from_dict(d: dict, *, source: str = "config") -> Any:
+    """Inverse of :func:`config_to_dict` (lists become tuples where the field is a tuple)."""
+    import importlib
+    import typing
+
+    if not isinstance(d, dict) or "__config__" not in d or not isinstance(d.get("fields"), dict):
+        raise ValueError(f"{source}: not a serialized lowrank_jax config: {str(d)[:200]}")
+    module, _, qual = d["__config__"].partition(":")
+    if not module.startswith("lowrank_jax."):
+        raise ValueError(f"{source}: refusing to load config class from {module!r}")
+    try:
+        cls = importlib.import_module(module)
+        for part in qual.split("."):
+            cls = getattr(cls, part)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{source}: unknown config class {d['__config__']!r}: {e}") from e
+    hints = typing.get_type_hints(cls)
+
+    def dec(v, hint):
+        if isinstance(v, dict) and "__config__" in v:
+            return config_from_dict(v, source=source)
+        if isinstance(v, list):
+            items = [dec(x, None) for x in v]
+            return tuple(items) if "tuple" in str(hint) or "Sequence" in str(hint) else items
+        return v
+
+    kwargs = {k: dec(v, hints.get(k)) for k, v in d["fields"].items()}
+    try:
+        return cls(**kwargs)
+    except TypeError as e:
+        raise ValueError(f"{source}: cannot build {qual} from the stored fields: {e}") from e
+
+
+def save_model(path: str | os.PathLike, config: Any, params: Any, *, metadata: dict | None = None,
+               overwrite: bool = False) -> None:
+    """Save a model: :func:`save_params` with the config stored in the metadata.
+
+    Compressed leaves are saved as they are (factors, masks, scores); nothing is densified.
+    """
+    meta = dict(metadata or {})
+    meta["config"] = config_to_dict(config)
+    save_params(path, params, metadata=meta, overwrite=overwrite)
+
+
+def load_model(path: str | os.PathLike) -> tuple[Any, Any]:
+    """``(config, params)`` of a checkpoint written by :func:`save_model`."""
+    meta = load_metadata(path)
+    if "config" not in meta:
+        raise ValueError(
+            f"load_model: {os.fspath(path)} holds a parameter tree without a model config "
+            "(written by save_params, not save_model); use load_params"
+        )
+    config = config_from_dict(meta["config"], source=os.path.join(os.fspath(path), TREE_FILE))
+    return config, load_params(path)

@@ -19,53 +19,10 @@ import numpy as np
 
 from lowrank_jax.analysis import analyze, embedding_rank, run_appendix_j
 from lowrank_jax.compress import compress
+from lowrank_jax.datasets import builtin_series, windows
 from lowrank_jax.leaves import param_count
 from lowrank_jax.models import patch_encoder as pe
 from lowrank_jax.nn import apply_norm
-
-
-def demo_series() -> tuple[list[np.ndarray], str]:
-    """Real univariate series shipped with aeon, or synthetic ones if aeon is not installed."""
-    try:
-        from aeon import datasets as ds
-
-        out = []
-        for name in ("load_airline", "load_solar", "load_longley", "load_uschange"):
-            fn = getattr(ds, name, None)
-            if fn is None:
-                continue
-            try:
-                y = fn()
-            except Exception:  # a loader whose file is missing: skip it
-                continue
-            y = y[0] if isinstance(y, tuple) else y
-            a = np.asarray(y, dtype=np.float64)
-            a = a.reshape(a.shape[0], -1) if a.ndim > 1 else a[:, None]
-            out.extend(a[:, j] for j in range(a.shape[1]))
-        out = [s[np.isfinite(s)] for s in out]
-        out = [s for s in out if s.size >= 32]
-        if out:
-            return out, "aeon (airline, solar, longley, uschange)"
-    except ImportError:
-        pass
-    t = np.arange(2048, dtype=np.float64)
-    rng = np.random.default_rng(0)
-    synth = [np.sin(2 * np.pi * t / p) for p in (12, 24, 50, 168)]
-    synth += [np.exp(-t / 400.0), np.exp(t / 2048.0), rng.normal(size=t.size)]
-    return synth, "synthetic (sinusoids, exponentials, white noise; install aeon for real series)"
-
-
-def windows(series: list[np.ndarray], length: int, n: int, seed: int = 0) -> np.ndarray:
-    """``n`` windows of ``length`` values, stretched by linear interpolation if a series is short."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        s = series[i % len(series)]
-        if s.size < length:
-            s = np.interp(np.linspace(0, s.size - 1, length), np.arange(s.size), s)
-        start = rng.integers(0, s.size - length + 1)
-        out.append(s[start:start + length])
-    return np.stack(out)
 
 
 def _rel(a, b) -> float:
@@ -94,7 +51,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     # Part 2: the built-in model on real series.
     cfg = pe.PatchEncoderConfig()
     params = pe.init(jax.random.PRNGKey(0), cfg)
-    series, source = demo_series()
+    series, source = builtin_series()
     context = 128
     x = windows(series, context, 64 if quick else 256)
     apply = jax.jit(lambda p, s: pe.apply(p, s, cfg, return_hidden=True))

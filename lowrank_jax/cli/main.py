@@ -1,4 +1,8 @@
-"""The ``lowrank-jax`` command: ``analyze``, ``compress`` and ``demo``."""
+"""The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert`` and ``demo``.
+
+User errors (bad arguments, missing or malformed checkpoints) print one line and exit with
+status 2; set ``LOWRANK_JAX_DEBUG=1`` to get the traceback instead.
+"""
 
 from __future__ import annotations
 
@@ -34,12 +38,34 @@ def _parse_rules(rules: list[str] | None):
     return tuple(out)
 
 
+def _model_dims(config) -> dict:
+    """num_heads / num_layers of a model config, for per-head analysis and schedules."""
+    if config is None:
+        return {}
+    for cfg in (config, getattr(config, "t5", None)):
+        if cfg is None:
+            continue
+        heads = getattr(cfg, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
+        layers = getattr(cfg, "num_layers", None) or getattr(cfg, "num_hidden_layers", None)
+        if heads or layers:
+            return {"num_heads": heads, "num_layers": layers}
+    return {}
+
+
+def _load(path):
+    """``(config or None, params, metadata)`` of a params or model checkpoint."""
+    from lowrank_jax.io import config_from_dict, load_metadata, load_params
+
+    meta = load_metadata(path)
+    config = config_from_dict(meta["config"], source=str(path)) if "config" in meta else None
+    meta = {**_model_dims(config), **{k: v for k, v in meta.items() if v is not None}}
+    return config, load_params(path), meta
+
+
 def cmd_analyze(args) -> int:
     from lowrank_jax.analysis import analyze
-    from lowrank_jax.io import load_metadata, load_params
 
-    params = load_params(args.params)
-    meta = load_metadata(args.params)
+    _, params, meta = _load(args.params)
     num_heads = args.heads or meta.get("num_heads")
     report = analyze(params, eps=args.eps, num_heads=num_heads, pattern=args.pattern,
                      progress=not args.no_progress)
@@ -50,10 +76,9 @@ def cmd_analyze(args) -> int:
 
 def cmd_compress(args) -> int:
     from lowrank_jax.compress import compress
-    from lowrank_jax.io import load_metadata, load_params, save_params
+    from lowrank_jax.io import save_model, save_params
 
-    params = load_params(args.params)
-    meta = load_metadata(args.params)
+    config, params, meta = _load(args.params)
     num_heads = args.heads or meta.get("num_heads")
     schedule = None
     if args.schedule:
@@ -77,11 +102,39 @@ def cmd_compress(args) -> int:
         allocation=args.allocation, progress=not args.no_progress,
     )
     print(report.format_table())
+    out = report.to_dict()
+    if config is not None and not args.no_eval:
+        from lowrank_jax.compress import compare_models
+
+        ev = compare_models(config, params, new_params, time_runs=args.time_runs)
+        out["model"] = ev
+        print(f"\nmodel: parameter ratio {ev['param_ratio']:.4f}, FLOP ratio {ev['flop_ratio']:.4f}, "
+              f"{ev['output']} max abs error {ev['max_abs_error']:.3e}, rel. error {ev['rel_error']:.3e}"
+              + (f", top-10 Jaccard {ev['top10_jaccard']:.3f}" if "top10_jaccard" in ev else "")
+              + f", measured time ratio {ev['time_ratio']:.3f}")
     if args.out:
-        save_params(args.out, new_params, metadata={**meta, "compression": report.to_dict()["totals"]},
-                    overwrite=args.overwrite)
-        print(f"saved compressed parameters to {args.out}")
-    _write_json(args.json, report.to_dict())
+        meta_out = {k: v for k, v in meta.items() if k != "config"}
+        meta_out["compression"] = out["totals"]
+        if config is not None:
+            save_model(args.out, config, new_params, metadata=meta_out, overwrite=args.overwrite)
+        else:
+            save_params(args.out, new_params, metadata=meta_out, overwrite=args.overwrite)
+        print(f"saved compressed parameters to {args.out} (factors kept, nothing densified)")
+    _write_json(args.json, out)
+    return 0
+
+
+def cmd_convert(args) -> int:
+    from lowrank_jax.convert import load_pretrained
+    from lowrank_jax.io import save_model
+    from lowrank_jax.leaves import param_count
+
+    config, params = load_pretrained(args.src, family=args.family)
+    save_model(args.out, config, params,
+               metadata={"source": os.path.abspath(args.src), **_model_dims(config)},
+               overwrite=args.overwrite)
+    print(f"converted {args.src} ({type(config).__name__}, {param_count(params):,} parameters) "
+          f"to {args.out}")
     return 0
 
 
@@ -124,8 +177,18 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", help="save the compressed tree to this directory")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--json", help="write the report as JSON to this path")
+    c.add_argument("--no-eval", action="store_true",
+                   help="skip running the model (error, overlap, time ratio) for model checkpoints")
+    c.add_argument("--time-runs", type=int, default=20, help="timed forward calls per model")
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=cmd_compress)
+
+    v = sub.add_parser("convert", help="Hugging Face checkpoint directory -> lowrank_jax checkpoint")
+    v.add_argument("src", help="directory with config.json and model.safetensors / pytorch_model.bin")
+    v.add_argument("--out", required=True, help="output directory (a lowrank_jax model checkpoint)")
+    v.add_argument("--family", help="force the model family instead of detecting it")
+    v.add_argument("--overwrite", action="store_true")
+    v.set_defaults(func=cmd_convert)
 
     d = sub.add_parser("demo", help="App. J experiments + compressing a small built-in model")
     d.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
@@ -140,7 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
+        if os.environ.get("LOWRANK_JAX_DEBUG"):
+            raise
         print(f"lowrank-jax {args.command}: error: {e}", file=sys.stderr)
         return 2
 

@@ -11,9 +11,11 @@ Public API:
   :func:`uniform_schedule` -- per-layer ranks.
 * :func:`select`, :data:`ATTENTION_QKVO`, :data:`ATTENTION_QKV_PER_HEAD` -- path rules.
 * :func:`compress` -- the tree rewrite, returning ``(new_params, CompressionReport)``.
+* :func:`compare_models` -- output error, top-10 overlap and measured time of a compressed model.
 """
 
 from lowrank_jax.compress.compress import CompressionReport, CompressionRow, compress
+from lowrank_jax.compress.evaluate import compare_models, sample_inputs, top_k_jaccard
 from lowrank_jax.compress.rules import (
     ATTENTION_QKV_PER_HEAD,
     ATTENTION_QKVO,
@@ -34,6 +36,7 @@ from lowrank_jax.compress.svd import (
 )
 
 __all__ = [
+    "compare_models", "sample_inputs", "top_k_jaccard",
     "ATTENTION_QKVO", "ATTENTION_QKV_PER_HEAD", "CompressionReport", "CompressionRow",
     "Selection", "compare_truncations", "compress", "head_truncated_svd",
     "interpolation_schedule", "normalize_rules", "power_schedule", "project_inputs", "select",

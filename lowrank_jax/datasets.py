@@ -1,0 +1,61 @@
+"""Built-in time series for demos and checks: real series shipped with aeon, else synthetic.
+
+The bottom of the package (no lowrank_jax imports), so every layer may use it. Training data
+pipelines (window samplers, ETT-style CSV loaders) belong to the ``train`` layer.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+
+
+def builtin_series() -> tuple[list[np.ndarray], str]:
+    """Real univariate series shipped with aeon, or synthetic ones if aeon is not installed."""
+    try:
+        from aeon import datasets as ds
+
+        out, names = [], []
+        for name in ("load_airline", "load_solar", "load_longley", "load_uschange"):
+            fn = getattr(ds, name, None)
+            if fn is None:
+                continue
+            try:
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    y = fn()
+            except Exception:  # a loader whose file is missing: skip it
+                continue
+            y = y[0] if isinstance(y, tuple) else y
+            a = np.asarray(y, dtype=np.float64)
+            a = a.reshape(a.shape[0], -1) if a.ndim > 1 else a[:, None]
+            cols = [c[np.isfinite(c)] for c in a.T]
+            cols = [c for c in cols if c.size >= 32]
+            if cols:
+                out.extend(cols)
+                names.append(name.removeprefix("load_"))
+        if out:
+            return out, f"aeon ({', '.join(names)})"
+    except ImportError:
+        pass
+    t = np.arange(2048, dtype=np.float64)
+    rng = np.random.default_rng(0)
+    synth = [np.sin(2 * np.pi * t / p) for p in (12, 24, 50, 168)]
+    synth += [np.exp(-t / 400.0), np.exp(t / 2048.0), rng.normal(size=t.size)]
+    return synth, "synthetic (sinusoids, exponentials, white noise; install aeon for real series)"
+
+
+def windows(series: list[np.ndarray], length: int, n: int, seed: int = 0) -> np.ndarray:
+    """``n`` windows of ``length`` values, stretched by linear interpolation if a series is short."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        s = series[i % len(series)]
+        if s.size < length:
+            s = np.interp(np.linspace(0, s.size - 1, length), np.arange(s.size), s)
+        start = rng.integers(0, s.size - length + 1)
+        out.append(s[start:start + length])
+    return np.stack(out)
+
+
