@@ -8,12 +8,14 @@ listed in ``_FAMILY_MODULES`` that does not exist (yet) is skipped.
 import importlib
 
 from lowrank_jax.convert.errors import CheckpointError
+from lowrank_jax.convert.export import save_pretrained
 from lowrank_jax.convert.hf import detect_family, families, load_pretrained, register_family
 
 _FAMILY_MODULES = (
     "lowrank_jax.convert.t5",
     "lowrank_jax.convert.vit",
     "lowrank_jax.convert.bert",
+    "lowrank_jax.convert.chronos_bolt",
 )
 
 for _name in _FAMILY_MODULES:
@@ -24,4 +26,5 @@ for _name in _FAMILY_MODULES:
             raise
 del _name
 
-__all__ = ["CheckpointError", "detect_family", "families", "load_pretrained", "register_family"]
+__all__ = ["CheckpointError", "detect_family", "families", "load_pretrained", "register_family",
+           "save_pretrained"]

@@ -190,8 +190,13 @@ def load(hf_config: dict, state: dict, source: str):
 
 
 def detect_chronos(hf_config: dict) -> bool:
-    """A Chronos (T5) checkpoint: a T5 config with a ``chronos_config`` entry."""
-    return "chronos_config" in hf_config and hf_config.get("model_type", "t5") == "t5"
+    """A Chronos (T5) checkpoint: a T5 config with a ``chronos_config`` entry (not Bolt's)."""
+    chronos_cfg = hf_config.get("chronos_config") or {}
+    return (
+        "chronos_config" in hf_config and hf_config.get("model_type", "t5") == "t5"
+        and "input_patch_size" not in chronos_cfg
+        and "ChronosBoltModelForForecasting" not in (hf_config.get("architectures") or [])
+    )
 
 
 def load_chronos(hf_config: dict, state: dict, source: str):

@@ -13,6 +13,7 @@ from typing import Any, Callable
 
 from lowrank_jax.models import bert as _bert
 from lowrank_jax.models import chronos as _chronos
+from lowrank_jax.models import chronos_bolt as _chronos_bolt
 from lowrank_jax.models import t5 as _t5
 from lowrank_jax.models import vit as _vit
 
@@ -57,3 +58,4 @@ register(_chronos.ChronosConfig,
          lambda cfg, params, **inputs: _chronos.apply(params, cfg, **inputs))
 register(_vit.ViTConfig, lambda cfg, params, **inputs: _vit.apply(params, cfg, **inputs))
 register(_bert.BertConfig, lambda cfg, params, **inputs: _bert.apply(params, cfg, **inputs))
+register(_chronos_bolt.ChronosBoltConfig, _chronos_bolt.registry_apply)

@@ -220,8 +220,7 @@ def test_bert_malformed_and_foreign_heads(bert_dir, tmp_path):
 
 def test_models_apply_entry_point(vit_dir, bert_dir):
     """``lowrank_jax.models.registry.apply(config, params, **inputs)`` dispatches to ViT/BERT."""
-    if not {vit.ViTConfig, bert.BertConfig} <= set(registered()):
-        pytest.skip("ViTConfig/BertConfig are not registered in lowrank_jax.models.registry yet")
+    assert {vit.ViTConfig, bert.BertConfig} <= set(registered())
     cfg, params = load_pretrained(vit_dir[1])
     x = _pixels(3)
     np.testing.assert_array_equal(models_apply(cfg, params, pixel_values=x)["logits"],

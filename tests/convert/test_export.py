@@ -1,0 +1,444 @@
+"""lowrank_jax trees -> Hugging Face directories: HF -> load_pretrained -> save_pretrained -> HF.
+
+Every model is a tiny random Hugging Face model with O(1) weights (so that a transposed,
+misplaced or dropped tensor shows up in the outputs). A dense round trip must reproduce the
+original PyTorch outputs (1e-5: the same numbers, only re-filed); a compressed export must
+reproduce the JAX model on the compressed parameters (1e-4, the whole-model tolerance).
+"""
+
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+from safetensors import safe_open  # noqa: E402
+from safetensors.numpy import load_file  # noqa: E402
+
+from lowrank_jax import Dense, LowRank, compress, init_masked_binary, materialize  # noqa: E402
+from lowrank_jax.convert import CheckpointError, load_pretrained, save_pretrained  # noqa: E402
+from lowrank_jax.convert import t5 as convert_t5  # noqa: E402
+from lowrank_jax.convert.export import register_exporter, state_from_rows  # noqa: E402
+from lowrank_jax.leaves import Leaf, named_leaves  # noqa: E402
+from lowrank_jax.models import bert, chronos, t5, vit  # noqa: E402
+
+torch.set_num_threads(1)
+
+EXACT = 1e-5  # same weights re-filed: the outputs must agree to float32 rounding
+MODEL = 1e-4  # whole-model parity (design.md)
+
+T5_SMALL = dict(vocab_size=40, d_model=16, d_kv=6, d_ff=24, num_layers=2, num_heads=2,
+                relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                decoder_start_token_id=0, dropout_rate=0.0)
+CHRONOS_CONFIG = dict(
+    tokenizer_class="MeanScaleUniformBins", tokenizer_kwargs={"low_limit": -15.0,
+                                                              "high_limit": 15.0},
+    context_length=16, prediction_length=4, n_tokens=40, n_special_tokens=2, pad_token_id=0,
+    eos_token_id=1, use_eos_token=True, model_type="seq2seq", num_samples=3, temperature=1.0,
+    top_k=50, top_p=1.0)
+
+
+def _randomize(model, seed):
+    """O(1) weights: N(0, 0.15^2), norm scales 1 + N(0, 0.15^2)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = 0.15 * torch.randn(p.shape, generator=g)
+            is_norm_scale = "norm" in name.lower() and name.endswith("weight") and p.ndim == 1
+            p.copy_(1.0 + noise if is_norm_scale else noise)
+    return model.eval()
+
+
+def _hf_load(cls, path, **kw):
+    """``cls.from_pretrained`` that insists on a complete, exactly matching checkpoint."""
+    model, info = cls.from_pretrained(str(path), output_loading_info=True, **kw)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
+    return model.eval()
+
+
+def _err(a, b) -> float:
+    a = a.detach().numpy() if isinstance(a, torch.Tensor) else np.asarray(a)
+    b = b.detach().numpy() if isinstance(b, torch.Tensor) else np.asarray(b)
+    assert a.shape == b.shape
+    return float(np.max(np.abs(a - b)))
+
+
+def _compressed_paths(params) -> set:
+    return {p for p, n in named_leaves(params) if isinstance(n, Leaf) and not isinstance(n, Dense)}
+
+
+def _same_files(original_dir, exported_dir):
+    """Exported tensors == the tensors HF's own save_pretrained wrote (keys and values)."""
+    ref = load_file(os.path.join(original_dir, "model.safetensors"))
+    got = load_file(os.path.join(exported_dir, "model.safetensors"))
+    assert set(got) == set(ref)
+    for k in ref:
+        np.testing.assert_array_equal(got[k], ref[k], err_msg=k)
+        assert got[k].dtype == np.float32
+
+
+def _hf_roundtrip(model, tmp_path, name):
+    """HF save -> load_pretrained -> our save_pretrained; returns (cfg, params, summary, out)."""
+    src = tmp_path / f"{name}_hf"
+    model.save_pretrained(str(src))
+    cfg, params = load_pretrained(src)
+    out = tmp_path / f"{name}_export"
+    summary = save_pretrained(cfg, params, out)
+    assert summary["materialized"] == [] and summary["path"] == str(out)
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    _same_files(src, out)
+    return cfg, params, summary, out
+
+
+# ---------------------------------------------------------------------------------------------
+# T5 and Chronos.
+
+def _t5_ids(vocab, seed=0):
+    rs = np.random.RandomState(seed)
+    return rs.randint(2, vocab, (2, 7)), rs.randint(2, vocab, (2, 5))
+
+
+def _t5_logits(model, ids, dec):
+    with torch.no_grad():
+        return model(input_ids=torch.from_numpy(ids),
+                     decoder_input_ids=torch.from_numpy(dec)).logits
+
+
+def _check_t5_compressed(cfg, params, tmp_path, name):
+    rules = (r"attn/(q|k|v|o)$", r"mlp/(wi|wi_0|wi_1|wo)$")
+    small, _ = compress(params, rules=rules, rank=3)
+    expected = _compressed_paths(small)
+    assert any("mlp" in p for p in expected) and any("cross_attn" in p for p in expected)
+    summary = save_pretrained(cfg, small, tmp_path / f"{name}_lowrank")
+    assert set(summary["materialized"]) == expected
+    with safe_open(str(tmp_path / f"{name}_lowrank" / "model.safetensors"), "np") as f:
+        recorded = f.metadata()["lowrank_jax_materialized"].split(",")
+    assert set(recorded) == expected
+    hf = _hf_load(transformers.T5ForConditionalGeneration, tmp_path / f"{name}_lowrank")
+    ids, dec = _t5_ids(cfg.vocab_size, 1)
+    ours = t5.apply(small, cfg, input_ids=ids, decoder_input_ids=dec)["logits"]
+    ref = t5.apply(params, cfg, input_ids=ids, decoder_input_ids=dec)["logits"]
+    assert _err(ours, ref) > 1e-2  # the compression changed the model...
+    assert _err(_t5_logits(hf, ids, dec), ours) <= MODEL  # ...and HF runs the compressed one
+
+
+def test_t5_tied_relu_roundtrip_and_compressed(tmp_path, caplog):
+    torch.manual_seed(0)
+    model = _randomize(transformers.T5ForConditionalGeneration(
+        transformers.T5Config(**T5_SMALL, feed_forward_proj="relu")), 1)
+    cfg, params, summary, out = _hf_roundtrip(model, tmp_path, "t5")
+    assert cfg.tie_word_embeddings and cfg.scales_decoder_outputs
+    assert summary["family"] == "t5" and summary["architecture"] == "T5ForConditionalGeneration"
+    state = load_file(os.path.join(out, "model.safetensors"))
+    assert "lm_head.weight" not in state and summary["n_tensors"] == len(state)
+    # The row engine agrees with t5.py's own inverse mapping.
+    for k, v in convert_t5.state_dict_from_params(cfg, params).items():
+        np.testing.assert_array_equal(state[k], v, err_msg=k)
+    hf = _hf_load(transformers.T5ForConditionalGeneration, out)
+    ids, dec = _t5_ids(cfg.vocab_size)
+    assert _err(_t5_logits(hf, ids, dec), _t5_logits(model, ids, dec)) <= EXACT
+    with caplog.at_level(logging.WARNING, logger="lowrank_jax.convert"):
+        _check_t5_compressed(cfg, params, tmp_path, "t5")
+    assert "export materialized 32 compressed leaves" in caplog.text
+    assert "decoder/layers/1/cross_attn/q" in caplog.text
+
+
+def test_t5_untied_gated_gelu_roundtrip_and_compressed(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        **T5_SMALL, feed_forward_proj="gated-gelu", tie_word_embeddings=False))
+    model.lm_head.weight = torch.nn.Parameter(torch.empty(40, 16))  # transformers 5 ties it
+    model = _randomize(model, 2)
+    cfg, params, summary, out = _hf_roundtrip(model, tmp_path, "t5v11")
+    assert not cfg.tie_word_embeddings and not cfg.scales_decoder_outputs and cfg.is_gated
+    assert "lm_head.weight" in load_file(os.path.join(out, "model.safetensors"))
+    hf = _hf_load(transformers.T5ForConditionalGeneration, out)
+    assert not torch.equal(hf.lm_head.weight, hf.shared.weight)
+    ids, dec = _t5_ids(cfg.vocab_size)
+    assert _err(_t5_logits(hf, ids, dec), _t5_logits(model, ids, dec)) <= EXACT
+    small, _ = compress(params, rules=(r"lm_head$",), rank=4)
+    assert isinstance(small["lm_head"], LowRank)
+    summary = save_pretrained(cfg, small, tmp_path / "t5v11_head")
+    assert summary["materialized"] == ["lm_head"]
+    hf = _hf_load(transformers.T5ForConditionalGeneration, tmp_path / "t5v11_head")
+    ours = t5.apply(small, cfg, input_ids=ids, decoder_input_ids=dec)["logits"]
+    assert _err(_t5_logits(hf, ids, dec), ours) <= MODEL
+    _check_t5_compressed(cfg, params, tmp_path, "t5v11")
+
+
+def test_chronos_roundtrip_pipeline_and_compressed(tmp_path):
+    chronos_ref = pytest.importorskip("chronos")
+    torch.manual_seed(0)
+    hf_cfg = transformers.T5Config(**T5_SMALL, feed_forward_proj="gated-gelu",
+                                   chronos_config=CHRONOS_CONFIG)
+    model = _randomize(transformers.T5ForConditionalGeneration(hf_cfg), 3)
+    cfg, params, summary, out = _hf_roundtrip(model, tmp_path, "chronos")
+    assert isinstance(cfg, chronos.ChronosConfig) and summary["family"] == "chronos"
+    with open(os.path.join(out, "config.json")) as f:
+        written = json.load(f)["chronos_config"]
+    assert written == CHRONOS_CONFIG
+    assert load_pretrained(out)[0] == cfg  # and it reads back as the same config
+
+    pipe_ref = chronos_ref.ChronosPipeline.from_pretrained(str(tmp_path / "chronos_hf"))
+    pipe = chronos_ref.ChronosPipeline.from_pretrained(str(out))
+    context = torch.from_numpy(np.random.RandomState(0).rand(2, 12).astype(np.float32) * 5)
+    emb_ref, scale_ref = pipe_ref.embed(context)
+    emb, scale = pipe.embed(context)
+    assert _err(emb, emb_ref) <= EXACT and _err(scale, scale_ref) == 0.0
+
+    small, _ = compress(params, rank=2)
+    summary = save_pretrained(cfg, small, tmp_path / "chronos_lowrank")
+    assert set(summary["materialized"]) == _compressed_paths(small)
+    pipe = chronos_ref.ChronosPipeline.from_pretrained(str(tmp_path / "chronos_lowrank"))
+    emb, _ = pipe.embed(context)
+    ours, _ = chronos.embed(small, cfg, context.numpy())
+    assert _err(emb, ours) <= MODEL and _err(emb, emb_ref) > 1e-2
+
+
+# ---------------------------------------------------------------------------------------------
+# ViT / DeiT and BERT.
+
+def _vit_hf_config(cls=transformers.ViTConfig, **kw):
+    base = dict(image_size=32, patch_size=8, num_channels=3, hidden_size=32,
+                num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+    return cls(**{**base, **kw})
+
+
+def _pixels(seed=0):
+    return np.random.RandomState(seed).randn(2, 3, 32, 32).astype(np.float32)
+
+
+VIT_RULES = ((r"attn/o$", {"per_head": False}), (r"attn/(q|k|v)$", {"per_head": True}),
+             r"embeddings/patch$", r"mlp/wi$", r"classifier$")
+
+
+@pytest.mark.parametrize("kind", ["vit", "deit_teacher"])
+def test_vit_deit_roundtrip_and_compressed(tmp_path, kind):
+    torch.manual_seed(0)
+    if kind == "vit":
+        cls = transformers.ViTForImageClassification
+        model = _randomize(cls(_vit_hf_config(num_labels=3)), 4)
+        heads = ("logits",)
+    else:
+        cls = transformers.DeiTForImageClassificationWithTeacher
+        model = _randomize(cls(_vit_hf_config(transformers.DeiTConfig, num_labels=3)), 5)
+        heads = ("logits", "cls_logits", "distillation_logits")
+    cfg, params, summary, out = _hf_roundtrip(model, tmp_path, kind)
+    assert summary["architecture"] == cls.__name__ and summary["load_kwargs"] == {}
+    x = torch.from_numpy(_pixels())
+    hf = _hf_load(cls, out)
+    with torch.no_grad():
+        ref, got = model(pixel_values=x), hf(pixel_values=x)
+    for name in heads:
+        assert _err(got[name], ref[name]) <= EXACT, name
+
+    small, _ = compress(params, rules=VIT_RULES, rank=2, num_heads=4)
+    kinds = {type(n).__name__ for _, n in named_leaves(small) if isinstance(n, Leaf)}
+    assert {"HeadLowRank", "LowRank", "Dense"} <= kinds
+    assert small["encoder"]["layers"][0]["attn"]["q"].b is not None  # biases from the leaf
+    summary = save_pretrained(cfg, small, tmp_path / f"{kind}_lowrank")
+    assert set(summary["materialized"]) == _compressed_paths(small)
+    assert "embeddings/patch" in summary["materialized"]
+    hf = _hf_load(cls, tmp_path / f"{kind}_lowrank")
+    ours = vit.apply(small, cfg, pixel_values=x.numpy())
+    with torch.no_grad():
+        got = hf(pixel_values=x, output_hidden_states=True)
+    for name in heads:
+        assert _err(got[name], ours[name]) <= MODEL, name
+    assert _err(got[heads[0]], ref[heads[0]]) > 1e-2
+
+
+def test_bert_roundtrip_and_compressed_with_masked_binary(tmp_path):
+    torch.manual_seed(0)
+    model = _randomize(transformers.BertModel(transformers.BertConfig(
+        vocab_size=40, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=16, type_vocab_size=2)), 6)
+    cfg, params, summary, out = _hf_roundtrip(model, tmp_path, "bert")
+    assert summary["architecture"] == "BertModel" and cfg.pooler
+    rs = np.random.RandomState(0)
+    ids = rs.randint(0, 40, (2, 9))
+    mask = np.ones((2, 9), np.int64)
+    mask[1, 6:] = 0
+    types = rs.randint(0, 2, (2, 9))
+    inputs = dict(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                  token_type_ids=torch.from_numpy(types))
+    hf = _hf_load(transformers.BertModel, out)
+    with torch.no_grad():
+        ref, got = model(**inputs), hf(**inputs)
+    assert _err(got.last_hidden_state, ref.last_hidden_state) <= EXACT
+    assert _err(got.pooler_output, ref.pooler_output) <= EXACT
+
+    small, _ = compress(params, rules=(r"attn/(q|k|v|o)$", r"pooler$"), rank=3)
+    binary = init_masked_binary(jax.random.PRNGKey(0), 64, 32, keep=0.5, bias=True)
+    binary = type(binary)(w=binary.w, s=binary.s, b=0.1 * jax.random.normal(
+        jax.random.PRNGKey(1), (32,)), keep=binary.keep)
+    small["encoder"]["layers"][1]["mlp"]["wo"] = binary
+    summary = save_pretrained(cfg, small, tmp_path / "bert_lowrank")
+    assert set(summary["materialized"]) == _compressed_paths(small)
+    assert "encoder/layers/1/mlp/wo" in summary["materialized"]
+    state = load_file(os.path.join(tmp_path / "bert_lowrank", "model.safetensors"))
+    np.testing.assert_array_equal(state["encoder.layer.1.output.dense.bias"], binary.b)
+    np.testing.assert_array_equal(state["encoder.layer.1.output.dense.weight"],
+                                  np.asarray(materialize(binary)).T)
+    hf = _hf_load(transformers.BertModel, tmp_path / "bert_lowrank")
+    ours = bert.apply(small, cfg, input_ids=ids, attention_mask=mask, token_type_ids=types)
+    with torch.no_grad():
+        got = hf(**inputs)
+    assert _err(got.last_hidden_state, ours["last_hidden_state"]) <= MODEL
+    assert _err(got.pooler_output, ours["pooler_output"]) <= MODEL
+    assert _err(got.pooler_output, ref.pooler_output) > 1e-2
+
+
+def test_vit_without_qkv_bias_drops_the_zero_biases(tmp_path):
+    model = _randomize(transformers.ViTForImageClassification(
+        _vit_hf_config(num_labels=2, qkv_bias=False, num_hidden_layers=1)), 7)
+    cfg, params, _, out = _hf_roundtrip(model, tmp_path, "vit_nobias")  # same keys as HF's
+    assert not cfg.qkv_bias
+    x = torch.from_numpy(_pixels(3))
+    with torch.no_grad():
+        ref = model(pixel_values=x).logits
+        got = _hf_load(transformers.ViTForImageClassification, out)(pixel_values=x).logits
+    assert _err(got, ref) <= EXACT
+    q = params["encoder"]["layers"][0]["attn"]["q"]
+    params["encoder"]["layers"][0]["attn"]["q"] = Dense(w=q.w, b=q.b + 1.0)
+    with pytest.raises(CheckpointError, match="encoder/layers/0/attn/q/b"):
+        save_pretrained(cfg, params, tmp_path / "bad")
+    assert not os.path.exists(tmp_path / "bad")
+
+
+def test_base_models_without_pooler_report_load_kwargs(tmp_path):
+    cfg = bert.BertConfig(vocab_size=20, hidden_size=16, num_hidden_layers=1,
+                          num_attention_heads=2, intermediate_size=32,
+                          max_position_embeddings=8, pooler=False)
+    params = bert.init(jax.random.PRNGKey(0), cfg)
+    summary = save_pretrained(cfg, params, tmp_path / "bert")
+    assert summary["load_kwargs"] == {"add_pooling_layer": False}
+    hf = _hf_load(transformers.BertModel, tmp_path / "bert", **summary["load_kwargs"])
+    ids = np.random.RandomState(0).randint(0, 20, (1, 5))
+    with torch.no_grad():
+        got = hf(input_ids=torch.from_numpy(ids)).last_hidden_state
+    assert _err(got, bert.apply(params, cfg, input_ids=ids)["last_hidden_state"]) <= MODEL
+    vcfg = vit.ViTConfig(image_size=16, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, intermediate_size=32, distillation=True)
+    summary = save_pretrained(vcfg, vit.init(jax.random.PRNGKey(1), vcfg), tmp_path / "deit")
+    assert summary["architecture"] == "DeiTModel"
+    assert summary["load_kwargs"] == {"add_pooling_layer": False}
+    _hf_load(transformers.DeiTModel, tmp_path / "deit", **summary["load_kwargs"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Malformed cases: the documented error, and nothing written.
+
+@pytest.fixture(scope="module")
+def tiny_t5():
+    cfg = t5.T5Config(vocab_size=20, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+                      relative_attention_num_buckets=4, relative_attention_max_distance=8)
+    return cfg, t5.init(jax.random.PRNGKey(0), cfg)
+
+
+def _listing(d):
+    return sorted(os.listdir(d))
+
+
+def test_non_empty_target_needs_overwrite(tmp_path, tiny_t5):
+    cfg, params = tiny_t5
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "keep.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty.*overwrite=True"):
+        save_pretrained(cfg, params, target)
+    assert _listing(target) == ["keep.txt"] and _listing(tmp_path) == ["out"]
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(FileExistsError, match="not a directory"):
+        save_pretrained(cfg, params, tmp_path / "a_file", overwrite=True)
+    # An empty directory is fine; overwrite=True replaces a non-empty one entirely.
+    (tmp_path / "empty").mkdir()
+    save_pretrained(cfg, params, tmp_path / "empty")
+    assert _listing(tmp_path / "empty") == ["config.json", "model.safetensors"]
+    save_pretrained(cfg, params, target, overwrite=True)
+    assert _listing(target) == ["config.json", "model.safetensors"]
+    assert _listing(tmp_path) == ["a_file", "empty", "out"]  # no temp or backup left
+    assert load_pretrained(target)[0].to_hf_dict() == cfg.to_hf_dict()
+
+
+def test_unknown_config_type(tmp_path, tiny_t5):
+    class OtherConfig:
+        pass
+
+    with pytest.raises(TypeError, match="no exporter for config type OtherConfig"):
+        save_pretrained(OtherConfig(), tiny_t5[1], tmp_path / "out")
+    assert _listing(tmp_path) == []
+
+
+def test_malformed_params_name_every_path_and_write_nothing(tmp_path, tiny_t5):
+    cfg, params = tiny_t5
+    bad = jax.tree_util.tree_map(lambda x: x, params, is_leaf=lambda n: isinstance(n, Leaf))
+    bad["encoder"]["layers"][0]["attn"] = dict(bad["encoder"]["layers"][0]["attn"])
+    del bad["encoder"]["layers"][0]["attn"]["k"]  # missing
+    bad["decoder"] = dict(bad["decoder"])
+    bad["decoder"]["final_norm"] = {"scale": np.ones(7, np.float32)}  # mis-shaped
+    bad["lm_head"] = Dense(w=np.zeros((8, 20), np.float32))  # no place in a tied T5
+    layer = dict(bad["decoder"]["layers"][0])
+    layer["mlp"] = dict(layer["mlp"], wo=Dense(w=layer["mlp"]["wo"].w, b=np.ones(8, np.float32)))
+    bad["decoder"]["layers"] = [layer]  # a bias T5 cannot store
+    target = tmp_path / "out"
+    with pytest.raises(CheckpointError) as e:
+        save_pretrained(cfg, bad, target)
+    err = e.value
+    assert set(err.missing) == {"encoder/layers/0/attn/k"}
+    assert err.missing["encoder/layers/0/attn/k"] == (8, 8)
+    assert err.mismatched == {"decoder/final_norm/scale": ((8,), (7,))}
+    assert set(err.unexpected) == {"lm_head", "decoder/layers/0/mlp/wo/b"}
+    assert _listing(tmp_path) == []
+    # A linear path holding a plain array of the wrong kind is named too.
+    bad2 = dict(params, shared=Dense(w=np.zeros((20, 8), np.float32)))
+    with pytest.raises(CheckpointError, match="shared .*must be a plain array"):
+        save_pretrained(cfg, bad2, target)
+    assert _listing(tmp_path) == []
+
+
+def test_error_while_writing_leaves_nothing(tmp_path, tiny_t5, monkeypatch):
+    cfg, params = tiny_t5
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    import lowrank_jax.convert.export as export
+
+    def boom(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(export, "_write_dir", boom)
+    with pytest.raises(OSError, match="disk full"):
+        save_pretrained(cfg, params, target, overwrite=True)
+    assert _listing(tmp_path) == ["out"] and _listing(target) == ["old.txt"]
+
+
+def test_register_exporter_and_state_from_rows(tmp_path):
+    """The hook other families (Chronos-Bolt) use: a config type, a key table, an exporter."""
+    import dataclasses
+
+    from lowrank_jax.convert.export import HFExport
+
+    @dataclasses.dataclass(frozen=True)
+    class ToyConfig:
+        d: int = 3
+
+    rows = [("proj.weight", ("proj",), "linear", (2, 3)), ("proj.bias", ("proj",), "bias", (2,)),
+            ("table", ("table",), "array", (1, 4))]
+    w = np.arange(6, dtype=np.float32).reshape(3, 2)
+    params = {"proj": LowRank(u=w, v=np.eye(2, dtype=np.float32), b=np.ones(2, np.float32)),
+              "table": np.arange(4, dtype=np.float32)}
+    state, mat = state_from_rows(rows, params)
+    np.testing.assert_array_equal(state["proj.weight"], w.T)
+    np.testing.assert_array_equal(state["proj.bias"], np.ones(2))
+    assert state["table"].shape == (1, 4) and mat == ["proj"]
+    register_exporter(ToyConfig, lambda c, p: HFExport(
+        "toy", {"model_type": "toy", "architectures": ["Toy"]}, *state_from_rows(rows, p)))
+    summary = save_pretrained(ToyConfig(), params, tmp_path / "toy")
+    assert summary["family"] == "toy" and summary["n_tensors"] == 3
+    assert summary["materialized"] == ["proj"]
