@@ -22,7 +22,7 @@ import numpy as np
 
 from lowrank_jax.datasets import builtin_series, windows
 from lowrank_jax.leaves import flops, param_count
-from lowrank_jax.models import BertConfig, ChronosConfig, T5Config, ViTConfig
+from lowrank_jax.models import BertConfig, ChronosBoltConfig, ChronosConfig, T5Config, ViTConfig
 from lowrank_jax.models import apply as model_apply
 from lowrank_jax.models import chronos as chronos_model
 from lowrank_jax.models import t5 as t5_model
@@ -57,6 +57,15 @@ def _chronos_inputs(cfg: ChronosConfig, rng, batch):
     return {"input_ids": ids, "attention_mask": mask.astype(jnp.int32), "decoder_input_ids": dec}
 
 
+def _chronos_bolt_inputs(cfg: ChronosBoltConfig, rng, batch):
+    # Real series windows of the model's context length, a few values missing (NaN).
+    series, _ = builtin_series()
+    w = windows(series, cfg.context_length, batch, seed=int(rng.integers(1 << 30)))
+    w[0, : cfg.context_length // 4] = np.nan  # a shorter, left-padded context
+    w[1, rng.integers(0, cfg.context_length, size=3)] = np.nan
+    return {"context": jnp.asarray(w, jnp.float32)}
+
+
 def _vit_inputs(cfg: ViTConfig, rng, batch):
     x = rng.normal(size=(batch, cfg.num_channels, cfg.image_size, cfg.image_size))
     return {"pixel_values": jnp.asarray(x, jnp.float32)}
@@ -72,6 +81,7 @@ def _bert_inputs(cfg: BertConfig, rng, batch):
 
 register_sampler(T5Config, _t5_inputs)
 register_sampler(ChronosConfig, _chronos_inputs)
+register_sampler(ChronosBoltConfig, _chronos_bolt_inputs)
 register_sampler(ViTConfig, _vit_inputs)
 register_sampler(BertConfig, _bert_inputs)
 

@@ -119,3 +119,42 @@ def test_convert_errors_write_nothing(t5_dir, tmp_path, capsys):
     assert main(["convert", str(bad), "--out", str(out)]) == 2
     assert "mystery" in capsys.readouterr().err.lower()
     assert not out.exists() and not any(n.startswith(".out") for n in os.listdir(tmp_path))
+
+
+@pytest.mark.parametrize("family", ["chronos_bolt", "vit", "bert"])
+def test_compress_converted_families_full_rank_is_exact(family, tmp_path):
+    """Every family converts, compresses at full rank without changing outputs (<= 1e-4),
+    and reports a changed model at a low rank."""
+    torch.manual_seed(0)
+    if family == "chronos_bolt":
+        bolt = pytest.importorskip("chronos.chronos_bolt")
+        cfg = transformers.T5Config(
+            d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=1, num_heads=4,
+            feed_forward_proj="relu", dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
+            eos_token_id=1, architectures=["ChronosBoltModelForForecasting"],
+            chronos_config=dict(context_length=64, prediction_length=8, input_patch_size=8,
+                                input_patch_stride=8, quantiles=[0.1, 0.5, 0.9], use_reg_token=True))
+        model = bolt.ChronosBoltModelForForecasting(cfg).eval()
+    elif family == "vit":
+        cfg = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, intermediate_size=48, num_labels=5)
+        model = transformers.ViTForImageClassification(cfg).eval()
+    else:
+        cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
+                                      num_attention_heads=4, intermediate_size=48)
+        model = transformers.BertModel(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    src = tmp_path / "hf"
+    model.save_pretrained(src)
+    assert main(["convert", str(src), "--out", str(tmp_path / "native")]) == 0
+    config, params = load_model(tmp_path / "native")
+    full, _ = lj.compress(params, rank=32, keep_dense_if_larger=False)
+    ev = compare_models(config, params, full, measure_time=False)
+    assert ev["max_abs_error"] <= 1e-4, ev
+    js = tmp_path / "rep.json"
+    assert main(["compress", str(tmp_path / "native"), "--rank", "2", "--json", str(js),
+                 "--time-runs", "2", "--no-progress"]) == 0
+    rep = json.loads(js.read_text())["model"]
+    assert rep["rel_error"] > 1e-3 and rep["param_ratio"] < 1.0
