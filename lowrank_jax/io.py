@@ -114,7 +114,7 @@ def _decode_static(value: Any, err) -> Any:
         if tag in ("tuple", "list") and isinstance(items, list):
             items = [_decode_static(v, err) for v in items]
             return tuple(items) if tag == "tuple" else items
-    raise err(f"a static value (JSON scalar, {{'tuple': [...]}} or {{'list': [...]}})",
+    raise err("a static value (JSON scalar, {'tuple': [...]} or {'list': [...]})",
               repr(value))
 
 
@@ -521,7 +521,9 @@ def config_to_dict(config: Any) -> dict:
         raise TypeError(f"config_to_dict: expected a config dataclass instance, got {config!r}")
     cls = type(config)
     if not cls.__module__.startswith("lowrank_jax."):
-        raise TypeError(f"config_to_dict: {cls.__module__}.{cls.__qualname__} is not a lowrank_jax config")
+        raise TypeError(
+            f"config_to_dict: {cls.__module__}.{cls.__qualname__} is not a lowrank_jax config"
+        )
 
     def enc(v):
         if dataclasses.is_dataclass(v) and not isinstance(v, type):

@@ -71,8 +71,8 @@ def _params():
         "extra": (np.arange(5, dtype=np.int8), np.linspace(0, 1, 3), None,
                   np.array([True, False]), np.float32(2.5), jnp.zeros((0, 4))),
         "by_index": {2: [lj.Dense(w=jnp.eye(3), b=None)], 0: None},
-        "custom": _Scaled(parts=(jnp.ones((3, 2)), jnp.full((3, 2), 0.5)), tags=(1, "a", 0.1, (2, None)),
-                          gains=[1.5, None, True]),
+        "custom": _Scaled(parts=(jnp.ones((3, 2)), jnp.full((3, 2), 0.5)),
+                          tags=(1, "a", 0.1, (2, None)), gains=[1.5, None, True]),
     }
 
 
@@ -80,7 +80,7 @@ def _assert_identical(a, b):
     assert jax.tree_util.tree_structure(a) == jax.tree_util.tree_structure(b)
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         assert type(x) is type(y)
         assert x.dtype == y.dtype and x.shape == y.shape
         assert np.asarray(x).tobytes() == np.asarray(y).tobytes()  # bit-identical, NaN included
@@ -103,7 +103,8 @@ def test_round_trip_is_exact(saved):
     assert loaded["layers"][0]["attn"]["k"].ranks == (1, 3)
     assert loaded["layers"][0]["attn"]["q"].ranks is None
     assert loaded["layers"][1]["mlp"]["wi"].keep == 0.37
-    assert loaded["custom"].tags == (1, "a", 0.1, (2, None)) and loaded["custom"].gains == [1.5, None, True]
+    assert loaded["custom"].tags == (1, "a", 0.1, (2, None))
+    assert loaded["custom"].gains == [1.5, None, True]
     assert loaded["layers"][0]["attn"]["o"].b is None and loaded["layers"][1]["mlp"]["wo"].b is None
     # Containers: dict insertion order, int keys, list vs tuple, numpy scalars.
     assert list(loaded) == list(params) and list(loaded["by_index"]) == [2, 0]

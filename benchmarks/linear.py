@@ -1,0 +1,164 @@
+"""Time ``linear`` on ``LowRank`` leaves against the dense leaf they replace.
+
+For every model width ``d`` and token count, three ``LowRank`` leaves whose FLOP ratio to the
+dense ``[d, d]`` leaf is about 0.1, 0.25 and 0.5 (rank ``r = round(ratio * d / 2)``; the table
+reports the exact ratio of the rank used, from :func:`lowrank_jax.flops`) are timed in the same
+loop as the dense leaf, so machine noise hits all of them alike. Each figure is the median of
+``--runs`` calls of ``jax.jit(lambda leaf, x: linear(leaf, x))`` (the leaf is an argument, not
+a constant folded into the program), after warm-up, each call ended by ``block_until_ready``.
+
+The figure of merit is ``time ratio / FLOP ratio``: 1.0 means the factorized product runs at
+the dense product's speed per multiply-add; the goal is ``<= 1.15``.
+
+Usage::
+
+    python benchmarks/linear.py                 # d = 768 and 512; 512, 2048, 8192 tokens
+    python benchmarks/linear.py --quick         # fewer runs, for a smoke test
+    python benchmarks/linear.py --json out.json --d 768 --tokens 8192 --runs 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+try:
+    import lowrank_jax as lj
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import lowrank_jax as lj
+
+GOAL = 1.15
+
+
+def _cpu_snapshot() -> tuple[float, float, float] | None:
+    """(busy CPU seconds of the whole machine, elapsed CPU seconds, this process's CPU seconds)."""
+    try:
+        with open("/proc/stat") as f:
+            jiffies = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None  # not Linux
+    hz = os.sysconf("SC_CLK_TCK")
+    idle = jiffies[3] + jiffies[4]  # idle + iowait
+    t = os.times()
+    return (sum(jiffies) - idle) / hz, sum(jiffies) / hz, t.user + t.system
+
+
+def _other_load(before, after) -> float | None:
+    """Fraction of the machine's CPU time used by other processes between two snapshots.
+
+    The timings are only as good as the machine is quiet; this is printed next to them.
+    """
+    if before is None or after is None or after[1] <= before[1]:
+        return None
+    others = (after[0] - before[0]) - (after[2] - before[2])
+    return min(1.0, max(0.0, others / (after[1] - before[1])))
+
+
+def _time_interleaved(fn, leaves, x, runs: int, warmup: int) -> list[float]:
+    """Median seconds of ``fn(leaf, x)`` for each leaf, calls interleaved within each run.
+
+    The order inside a run alternates (forward, backward) so no leaf is always first after a
+    pause or always right after the most expensive call.
+    """
+    for leaf in leaves:
+        for _ in range(warmup):
+            jax.block_until_ready(fn(leaf, x))
+    times: list[list[float]] = [[] for _ in leaves]
+    order = list(range(len(leaves)))
+    for i in range(runs):
+        for j in (order if i % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(leaves[j], x))
+            times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
+          seed: int = 0) -> list[dict]:
+    """Rows of the table for one ``(d, n_tokens)``: one row per target FLOP ratio."""
+    kx, kd, *kl = jax.random.split(jax.random.key(seed), 2 + len(ratios))
+    x = jax.random.normal(kx, (n_tokens, d), jnp.float32)  # [tokens, d]
+    dense = lj.init_dense(kd, d, d)
+    ranks = [max(1, round(q * d / 2)) for q in ratios]
+    lowranks = [lj.init_lowrank(k, d, d, r) for k, r in zip(kl, ranks, strict=True)]
+    fn = jax.jit(lambda leaf, x: lj.linear(leaf, x))
+    before = _cpu_snapshot()
+    med = _time_interleaved(fn, [dense, *lowranks], x, runs, warmup)
+    load = _other_load(before, _cpu_snapshot())
+    dense_flops = lj.flops(dense, n_tokens)
+    rows = []
+    for q, r, leaf, t in zip(ratios, ranks, lowranks, med[1:], strict=True):
+        flop_ratio = lj.flops(leaf, n_tokens) / dense_flops
+        time_ratio = t / med[0]
+        rows.append({
+            "d": d, "tokens": n_tokens, "target_ratio": q, "rank": r,
+            "flop_ratio": flop_ratio, "dense_ms": med[0] * 1e3, "lowrank_ms": t * 1e3,
+            "time_ratio": time_ratio, "time_per_flop_ratio": time_ratio / flop_ratio,
+            "other_load": load,
+        })
+    return rows
+
+
+HEADER = (f"{'d':>4} {'tokens':>6} {'target':>6} {'rank':>4} {'flop ratio':>10} "
+          f"{'dense ms':>9} {'lowrank ms':>10} {'time ratio':>10} {'time/flop':>9} "
+          f"{'other load':>10}")
+
+
+def format_row(row: dict) -> str:
+    flag = "" if row["time_per_flop_ratio"] <= GOAL else "  > goal"
+    load = "n/a" if row["other_load"] is None else f"{100 * row['other_load']:.0f}%"
+    return (f"{row['d']:>4} {row['tokens']:>6} {row['target_ratio']:>6.2f} {row['rank']:>4} "
+            f"{row['flop_ratio']:>10.4f} {row['dense_ms']:>9.3f} {row['lowrank_ms']:>10.3f} "
+            f"{row['time_ratio']:>10.3f} {row['time_per_flop_ratio']:>9.2f} {load:>10}{flag}")
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--d", type=int, nargs="+", default=[768, 512], help="model widths")
+    p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.25, 0.5],
+                   help="target FLOP ratios of the low-rank leaves to the dense one")
+    p.add_argument("--runs", type=int, default=None, help="timed runs per leaf (default 30)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="5 runs, 1 warm-up: a smoke test")
+    p.add_argument("--json", metavar="PATH", help="write the rows (and the setup) as JSON")
+    args = p.parse_args(argv)
+    runs = args.runs if args.runs is not None else (5 if args.quick else 30)
+    warmup = 1 if args.quick else args.warmup
+
+    setup = {
+        "jax": jax.__version__, "backend": jax.default_backend(),
+        "devices": [str(dv) for dv in jax.devices()], "cpu_count": os.cpu_count(),
+        "machine": platform.processor() or platform.machine(), "runs": runs,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+    }
+    print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs), median of "
+          f"{runs} interleaved runs; time/flop = (lowrank ms / dense ms) / flop ratio, "
+          f"goal <= {GOAL}; other load = CPU share used by other processes meanwhile")
+    print(HEADER)
+    rows = []
+    for d in args.d:
+        for n in args.tokens:
+            for row in bench(d, n, args.ratios, runs=runs, warmup=warmup):
+                print(format_row(row), flush=True)
+                rows.append(row)
+    worst = max(r["time_per_flop_ratio"] for r in rows)
+    print(f"# worst time/flop ratio {worst:.2f} (goal <= {GOAL}): "
+          f"{sum(r['time_per_flop_ratio'] <= GOAL for r in rows)}/{len(rows)} rows meet it")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"setup": setup, "rows": rows}, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
