@@ -2,9 +2,12 @@
 
 Parameter trees hold *leaves* (:class:`Dense`, :class:`LowRank`, :class:`HeadLowRank`,
 :class:`MaskedBinary`); every block computes ``x @ W`` through :func:`linear`. See the README's
-architecture section for the layers of the package.
+architecture section for the layers of the package: ``leaves``, ``nn``, ``models``,
+``analysis``, ``compress``, ``io``, ``convert``, ``cli``.
 """
 
+from lowrank_jax.analysis import analyze, eps_rank
+from lowrank_jax.compress import compress, head_truncated_svd, project_inputs, truncated_svd
 from lowrank_jax.leaves import (
     Dense,
     HeadLowRank,
@@ -27,12 +30,11 @@ from lowrank_jax.leaves import (
     trainable_mask,
 )
 
-from lowrank_jax.analysis import analyze, eps_rank  # noqa: E402
-from lowrank_jax.compress import (  # noqa: E402
-    compress,
-    head_truncated_svd,
-    project_inputs,
-    truncated_svd,
-)
-
 __version__ = "0.1.0"
+
+__all__ = [
+    "Dense", "HeadLowRank", "Leaf", "LowRank", "MaskedBinary", "analyze", "combine", "compress",
+    "eps_rank", "flops", "head_truncated_svd", "init_dense", "init_head_lowrank", "init_lowrank",
+    "init_masked_binary", "is_leaf", "linear", "materialize", "named_leaves", "param_count",
+    "partition", "project_inputs", "storage_bits", "trainable_mask", "truncated_svd",
+]

@@ -47,7 +47,7 @@ def builtin_series() -> tuple[list[np.ndarray], str]:
 
 
 def windows(series: list[np.ndarray], length: int, n: int, seed: int = 0) -> np.ndarray:
-    """``n`` windows of ``length`` values, stretched by linear interpolation if a series is short."""
+    """``n`` windows of ``length`` values (a short series is stretched by interpolation)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):
@@ -55,7 +55,5 @@ def windows(series: list[np.ndarray], length: int, n: int, seed: int = 0) -> np.
         if s.size < length:
             s = np.interp(np.linspace(0, s.size - 1, length), np.arange(s.size), s)
         start = rng.integers(0, s.size - length + 1)
-        out.append(s[start:start + length])
+        out.append(s[start : start + length])
     return np.stack(out)
-
-

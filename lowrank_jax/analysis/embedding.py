@@ -1,4 +1,4 @@
-"""Rank of embeddings over a corpus of patches, and the Chebyshev embedding (seed 000 sec. 2, App. I)."""
+"""Embedding rank over a corpus of patches; the Chebyshev embedding (seed 000 sec. 2, App. I)."""
 
 from __future__ import annotations
 

@@ -70,8 +70,12 @@ class SlopeResult:
     fitted: np.ndarray | None = None  # boolean mask of the points in the fit
 
     def to_dict(self) -> dict:
-        out = {"x": self.x.tolist(), "error": self.error.tolist(), "slope": self.slope,
-               "reference_slope": self.reference_slope}
+        out = {
+            "x": self.x.tolist(),
+            "error": self.error.tolist(),
+            "slope": self.slope,
+            "reference_slope": self.reference_slope,
+        }
         if self.slope_all is not None:
             out["slope_all_points"] = self.slope_all
             out["fitted"] = self.fitted.tolist()
@@ -84,15 +88,21 @@ def _slope(x, y) -> float:
 
 def _random_weights(d: int, rng: np.random.Generator):
     # ||W_Q^T W_K||_2 ~ 4 sqrt(d) and ||W_V||_2 ~ 2 sqrt(d): the C sqrt(d) bounds of Theorem 3.
-    wq = rng.normal(size=(d, d)) * d ** -0.25
-    wk = rng.normal(size=(d, d)) * d ** -0.25
+    wq = rng.normal(size=(d, d)) * d**-0.25
+    wk = rng.normal(size=(d, d)) * d**-0.25
     wv = rng.normal(size=(d, d))
     return wq, wk, wv
 
 
-def theorem3_experiment(d: int = 512, n_tokens: int = 4096, ranks=None, *, seed: int = 0,
-                        log_sigma_range: tuple[float, float] = (0.0, -5.0),
-                        fit_max_rank_fraction: float = 0.9) -> SlopeResult:
+def theorem3_experiment(
+    d: int = 512,
+    n_tokens: int = 4096,
+    ranks=None,
+    *,
+    seed: int = 0,
+    log_sigma_range: tuple[float, float] = (0.0, -5.0),
+    fit_max_rank_fraction: float = 0.9,
+) -> SlopeResult:
     """Seed 000 App. J.1 (left): error vs ``sigma_{d~+1}`` for ``d~`` in ``ranks``.
 
     Args:
@@ -117,25 +127,49 @@ def theorem3_experiment(d: int = 512, n_tokens: int = 4096, ranks=None, *, seed:
     ranks = list(ranks) if ranks is not None else sorted(set(np.linspace(1, d - 1, 16).astype(int)))
     _, sx, bt = np.linalg.svd(x, full_matrices=False)
     xj = jnp.asarray(x, jnp.float32)
-    y = np.asarray(_attention(xj, Dense(jnp.asarray(wq, jnp.float32)), Dense(jnp.asarray(wk, jnp.float32)),
-                              Dense(jnp.asarray(wv, jnp.float32)), 1), np.float64)
+    y = np.asarray(
+        _attention(
+            xj,
+            Dense(jnp.asarray(wq, jnp.float32)),
+            Dense(jnp.asarray(wk, jnp.float32)),
+            Dense(jnp.asarray(wv, jnp.float32)),
+            1,
+        ),
+        np.float64,
+    )
     errs = []
     for r in ranks:
         basis = bt[:r].T
-        yt = np.asarray(_attention(xj, _project(wq, basis), _project(wk, basis), _project(wv, basis), 1),
-                        np.float64)
+        yt = np.asarray(
+            _attention(xj, _project(wq, basis), _project(wk, basis), _project(wv, basis), 1),
+            np.float64,
+        )
         errs.append(np.linalg.norm(y - yt))
     sig = sx[np.asarray(ranks)]
     errs = np.asarray(errs)
     fitted = np.asarray(ranks) <= fit_max_rank_fraction * d
     if fitted.sum() < 2:
-        raise ValueError(f"theorem3_experiment: need >= 2 ranks <= {fit_max_rank_fraction} * d, got {ranks}")
-    return SlopeResult(x=sig, error=errs, slope=_slope(sig[fitted], errs[fitted]), reference_slope=1.0,
-                       slope_all=_slope(sig, errs), fitted=fitted)
+        raise ValueError(
+            f"theorem3_experiment: need >= 2 ranks <= {fit_max_rank_fraction} * d, got {ranks}"
+        )
+    return SlopeResult(
+        x=sig,
+        error=errs,
+        slope=_slope(sig[fitted], errs[fitted]),
+        reference_slope=1.0,
+        slope_all=_slope(sig, errs),
+        fitted=fitted,
+    )
 
 
-def theorem3_width_experiment(widths=(64, 128, 256, 512), rank: int = 8, n_tokens: int = 1024, *,
-                              seeds: int = 3, decay: float = 5.0 / 511) -> SlopeResult:
+def theorem3_width_experiment(
+    widths=(64, 128, 256, 512),
+    rank: int = 8,
+    n_tokens: int = 1024,
+    *,
+    seeds: int = 3,
+    decay: float = 5.0 / 511,
+) -> SlopeResult:
     """Seed 000 App. J.1 (right): error at a fixed rank ``d~`` as the width ``d`` grows.
 
     The leading singular values are held fixed across widths, ``s_j = exp(-decay (j - 1))``
@@ -176,15 +210,22 @@ class HeadsRankResult:
 
     def to_dict(self) -> dict:
         return {
-            "heads": self.heads, "eps": list(self.eps),
+            "heads": self.heads,
+            "eps": list(self.eps),
             "input_eps_rank": {f"{e:g}": r for e, r in self.input_eps_rank.items()},
             "output_eps_rank": {f"{e:g}": r for e, r in self.output_eps_rank.items()},
         }
 
 
-def theorem4_experiment(d: int = 64, n_tokens: int = 256, heads=(1, 2, 4, 8, 16, 32), *,
-                        decay: float = 0.5, eps=(1e-2, 1e-3, 1e-4), seed: int = 0
-                        ) -> HeadsRankResult:
+def theorem4_experiment(
+    d: int = 64,
+    n_tokens: int = 256,
+    heads=(1, 2, 4, 8, 16, 32),
+    *,
+    decay: float = 0.5,
+    eps=(1e-2, 1e-3, 1e-4),
+    seed: int = 0,
+) -> HeadsRankResult:
     """Seed 000 App. J.3: eps-rank of ``Y = MH-Attention(X) + X`` for each number of heads.
 
     ``X`` has singular values ``exp(-decay j)``, rows scaled to norm at most 1; ``W_Q, W_K``
@@ -209,9 +250,14 @@ def theorem4_experiment(d: int = 64, n_tokens: int = 256, heads=(1, 2, 4, 8, 16,
         spectra.append(sy / sy[0])
         for e in eps:
             out_ranks[e].append(eps_rank_from_sv(sy, e))
-    return HeadsRankResult(heads=list(heads), eps=eps,
-                           input_eps_rank={e: eps_rank_from_sv(sx, e) for e in eps},
-                           output_eps_rank=out_ranks, input_spectrum=sx / sx[0], output_spectra=spectra)
+    return HeadsRankResult(
+        heads=list(heads),
+        eps=eps,
+        input_eps_rank={e: eps_rank_from_sv(sx, e) for e in eps},
+        output_eps_rank=out_ranks,
+        input_spectrum=sx / sx[0],
+        output_spectra=spectra,
+    )
 
 
 def run_appendix_j(quick: bool = False) -> dict:
@@ -227,6 +273,11 @@ def run_appendix_j(quick: bool = False) -> dict:
 
 
 __all__ = [
-    "HeadsRankResult", "SlopeResult", "run_appendix_j", "spectrum_matrix", "theorem3_experiment",
-    "theorem3_width_experiment", "theorem4_experiment",
+    "HeadsRankResult",
+    "SlopeResult",
+    "run_appendix_j",
+    "spectrum_matrix",
+    "theorem3_experiment",
+    "theorem3_width_experiment",
+    "theorem4_experiment",
 ]

@@ -22,7 +22,7 @@ def plot_spectra(spectra: Sequence, labels: Sequence[str], path: str, *, title: 
 
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for s, lab in zip(spectra, labels):
+    for s, lab in zip(spectra, labels, strict=True):
         s = np.asarray(s, dtype=float)
         ax.semilogy(np.arange(1, len(s) + 1), s / s[0], label=lab)
     ax.set_xlabel("index j")

@@ -57,11 +57,16 @@ class AnalysisReport:
         rows = []
         for layer in sorted(by_layer):
             ws = by_layer[layer]
-            rows.append({
-                "layer": layer,
-                "n_weights": len(ws),
-                **{f"mean_rank@{e:g}": float(np.mean([w.eps_ranks[e] for w in ws])) for e in self.eps},
-            })
+            rows.append(
+                {
+                    "layer": layer,
+                    "n_weights": len(ws),
+                    **{
+                        f"mean_rank@{e:g}": float(np.mean([w.eps_ranks[e] for w in ws]))
+                        for e in self.eps
+                    },
+                }
+            )
         return rows
 
     def to_dict(self) -> dict:
@@ -72,23 +77,33 @@ class AnalysisReport:
             "eps": list(self.eps),
             "weights": [
                 {
-                    "path": w.path, "layer": w.layer, "shape": list(w.shape), "leaf": w.leaf_type,
-                    "eps_rank": conv(w.eps_ranks), "singular_values": w.singular_values,
+                    "path": w.path,
+                    "layer": w.layer,
+                    "shape": list(w.shape),
+                    "leaf": w.leaf_type,
+                    "eps_rank": conv(w.eps_ranks),
+                    "singular_values": w.singular_values,
                     **({"head_eps_rank": conv(w.head_eps_ranks)} if w.head_eps_ranks else {}),
                 }
                 for w in self.weights
             ],
             "layers": self.layer_summary(),
             "hidden": [
-                {"layer": h.layer, "n_tokens": h.n_tokens, "eps_rank": conv(h.eps_ranks),
-                 "singular_values": h.singular_values}
+                {
+                    "layer": h.layer,
+                    "n_tokens": h.n_tokens,
+                    "eps_rank": conv(h.eps_ranks),
+                    "singular_values": h.singular_values,
+                }
                 for h in self.hidden
             ],
         }
 
     def format_table(self) -> str:
         eps_cols = [f"r@{e:g}" for e in self.eps]
-        lines = [f"{'path':<40} {'shape':>12} {'leaf':>12} " + " ".join(f"{c:>8}" for c in eps_cols)]
+        lines = [
+            f"{'path':<40} {'shape':>12} {'leaf':>12} " + " ".join(f"{c:>8}" for c in eps_cols)
+        ]
         for w in self.weights:
             shape = f"{w.shape[0]}x{w.shape[1]}"
             ranks = " ".join(f"{w.eps_ranks[e]:>8d}" for e in self.eps)
@@ -117,9 +132,14 @@ def _eps_tuple(eps) -> tuple[float, ...]:
     return eps
 
 
-def weight_ranks(params: Any, eps: float | Sequence[float] = DEFAULT_EPS, *,
-                 num_heads: int | None = None, pattern: str | None = None,
-                 progress: bool = False) -> list[WeightRanks]:
+def weight_ranks(
+    params: Any,
+    eps: float | Sequence[float] = DEFAULT_EPS,
+    *,
+    num_heads: int | None = None,
+    pattern: str | None = None,
+    progress: bool = False,
+) -> list[WeightRanks]:
     """eps-rank of every weight leaf of ``params`` (paths matching ``pattern`` if given).
 
     Args:
@@ -146,24 +166,36 @@ def weight_ranks(params: Any, eps: float | Sequence[float] = DEFAULT_EPS, *,
         if num_heads and re.search(r"attn/(q|k|v)$", path) and leaf.d_out % num_heads == 0:
             w = np.asarray(leaf.to_dense(), np.float64)
             dh = leaf.d_out // num_heads
-            head_sv = [np.linalg.svd(w[:, i * dh:(i + 1) * dh], compute_uv=False) for i in range(num_heads)]
+            head_sv = [
+                np.linalg.svd(w[:, i * dh : (i + 1) * dh], compute_uv=False)
+                for i in range(num_heads)
+            ]
             head = {e: [eps_rank_from_sv(s, e) for s in head_sv] for e in eps}
         elif isinstance(leaf, HeadLowRank):
             w = np.asarray(leaf.to_dense(), np.float64)
             dh = leaf.d_head
-            head_sv = [np.linalg.svd(w[:, i * dh:(i + 1) * dh], compute_uv=False)
-                       for i in range(leaf.num_heads)]
+            head_sv = [
+                np.linalg.svd(w[:, i * dh : (i + 1) * dh], compute_uv=False)
+                for i in range(leaf.num_heads)
+            ]
             head = {e: [eps_rank_from_sv(s, e) for s in head_sv] for e in eps}
-        rows.append(WeightRanks(
-            path=path, layer=layer_index(path), shape=leaf.shape, leaf_type=type(leaf).__name__,
-            eps_ranks={e: eps_rank_from_sv(sv, e) for e in eps}, singular_values=sv.tolist(),
-            head_eps_ranks=head,
-        ))
+        rows.append(
+            WeightRanks(
+                path=path,
+                layer=layer_index(path),
+                shape=leaf.shape,
+                leaf_type=type(leaf).__name__,
+                eps_ranks={e: eps_rank_from_sv(sv, e) for e in eps},
+                singular_values=sv.tolist(),
+                head_eps_ranks=head,
+            )
+        )
     return rows
 
 
-def hidden_state_ranks(hidden: Sequence[Any], eps: float | Sequence[float] = DEFAULT_EPS
-                       ) -> list[HiddenRanks]:
+def hidden_state_ranks(
+    hidden: Sequence[Any], eps: float | Sequence[float] = DEFAULT_EPS
+) -> list[HiddenRanks]:
     """eps-rank of the hidden states entering each layer (seed 000 sec. 4, Fig. 5c).
 
     Args:
@@ -177,19 +209,32 @@ def hidden_state_ranks(hidden: Sequence[Any], eps: float | Sequence[float] = DEF
     for i, h in enumerate(hidden):
         m = tokens_matrix(h)
         sv = singular_values(m, name=f"hidden[{i}]")
-        rows.append(HiddenRanks(layer=i, n_tokens=m.shape[0],
-                                eps_ranks={e: eps_rank_from_sv(sv, e) for e in eps},
-                                singular_values=sv.tolist()))
+        rows.append(
+            HiddenRanks(
+                layer=i,
+                n_tokens=m.shape[0],
+                eps_ranks={e: eps_rank_from_sv(sv, e) for e in eps},
+                singular_values=sv.tolist(),
+            )
+        )
     return rows
 
 
-def analyze(params: Any, eps: float | Sequence[float] = DEFAULT_EPS, *, hidden=None,
-            num_heads: int | None = None, pattern: str | None = None,
-            progress: bool = False) -> AnalysisReport:
+def analyze(
+    params: Any,
+    eps: float | Sequence[float] = DEFAULT_EPS,
+    *,
+    hidden=None,
+    num_heads: int | None = None,
+    pattern: str | None = None,
+    progress: bool = False,
+) -> AnalysisReport:
     """The per-layer report: eps-ranks of every weight, and of the hidden states if given."""
     eps_t = _eps_tuple(eps)
     return AnalysisReport(
         eps=eps_t,
-        weights=weight_ranks(params, eps_t, num_heads=num_heads, pattern=pattern, progress=progress),
+        weights=weight_ranks(
+            params, eps_t, num_heads=num_heads, pattern=pattern, progress=progress
+        ),
         hidden=hidden_state_ranks(hidden, eps_t) if hidden is not None else [],
     )

@@ -34,12 +34,17 @@ def _print_appendix_j(res: dict) -> dict:
     t3, t3w, t4 = res["theorem3"], res["theorem3_width"], res["theorem4"]
     print("== Seed 000 App. J: numerical experiments ==")
     print(f"Theorem 3: log-log slope of ||Y - Y~||_F vs sigma_(d~+1) = {t3.slope:.3f} (paper: 1)")
-    print(f"Theorem 3: slope of the error vs width d at fixed d~ = {t3w.slope:.3f} "
-          f"(paper's reference: 0.5; see theorem3_width_experiment's docstring)")
+    print(
+        f"Theorem 3: slope of the error vs width d at fixed d~ = {t3w.slope:.3f} "
+        f"(paper's reference: 0.5; see theorem3_width_experiment's docstring)"
+    )
     print("Theorem 4: eps-rank of X + MH-Attention(X) by number of heads")
     print(f"  {'eps':>8} {'input':>6} " + " ".join(f"h={h:<4d}" for h in t4.heads))
     for e in t4.eps:
-        print(f"  {e:>8g} {t4.input_eps_rank[e]:>6d} " + " ".join(f"{r:<6d}" for r in t4.output_eps_rank[e]))
+        print(
+            f"  {e:>8g} {t4.input_eps_rank[e]:>6d} "
+            + " ".join(f"{r:<6d}" for r in t4.output_eps_rank[e])
+        )
     return {"theorem3": t3.to_dict(), "theorem3_width": t3w.to_dict(), "theorem4": t4.to_dict()}
 
 
@@ -58,23 +63,37 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     y, hidden = apply(params, x)
     patches = pe.patchify(x, cfg)
     emb = pe.embed(params, patches, cfg)
-    print(f"\n== Built-in model: {cfg.num_layers}-layer patch encoder, d_model={cfg.d_model}, "
-          f"{cfg.num_heads} heads, patch={cfg.patch} ==")
+    print(
+        f"\n== Built-in model: {cfg.num_layers}-layer patch encoder, d_model={cfg.d_model}, "
+        f"{cfg.num_heads} heads, patch={cfg.patch} =="
+    )
     print(f"data: {x.shape[0]} windows of {context} values from {source}")
     er = embedding_rank(emb, eps=(1e-2, 1e-3))
-    print(f"embedding of {x.shape[0] * patches.shape[1]} patches: eps-rank "
-          + ", ".join(f"{r} @ eps={e:g}" for e, r in er["eps_rank"].items())
-          + f" out of d_model={cfg.d_model} (patch size {cfg.patch}; seed 000 Theorem 2)")
+    print(
+        f"embedding of {x.shape[0] * patches.shape[1]} patches: eps-rank "
+        + ", ".join(f"{r} @ eps={e:g}" for e, r in er["eps_rank"].items())
+        + f" out of d_model={cfg.d_model} (patch size {cfg.patch}; seed 000 Theorem 2)"
+    )
 
-    report = analyze(params["encoder"], eps=(0.01, 0.05, 0.1), hidden=hidden,
-                     num_heads=cfg.num_heads, pattern=r"attn/(q|k|v|o)$")
+    report = analyze(
+        params["encoder"],
+        eps=(0.01, 0.05, 0.1),
+        hidden=hidden,
+        num_heads=cfg.num_heads,
+        pattern=r"attn/(q|k|v|o)$",
+    )
     print("\nflow-of-ranks: eps-rank of the hidden states entering each layer")
     for h in report.hidden:
-        print(f"  layer {h.layer}: " + ", ".join(f"{r:>3d} @ eps={e:g}" for e, r in h.eps_ranks.items()))
+        print(
+            f"  layer {h.layer}: "
+            + ", ".join(f"{r:>3d} @ eps={e:g}" for e, r in h.eps_ranks.items())
+        )
     print("attention weights (random init) are nearly full rank: mean eps-rank per layer")
     for row in report.layer_summary():
-        print(f"  layer {row['layer']}: " + ", ".join(
-            f"{row[f'mean_rank@{e:g}']:.1f} @ eps={e:g}" for e in report.eps))
+        print(
+            f"  layer {row['layer']}: "
+            + ", ".join(f"{row[f'mean_rank@{e:g}']:.1f} @ eps={e:g}" for e in report.eps)
+        )
 
     # Compression of q/k/v: plain truncated SVD vs Theorem 3's projection onto the inputs.
     norm_cfg = cfg.encoder.layer.norm
@@ -90,33 +109,65 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     print("\ncompressing attention q/k/v (no fine-tuning): final-state error on the windows")
     print(f"  {'method':<26} {'rank':>5} {'size ratio':>11} {'rel. error':>11}")
     for rank in (4, 8, 16, 32):
-        for method, extra in (("truncated SVD", {}), ("input projection (Thm 3)", {"inputs": inputs})):
-            new_enc, rep = compress(params["encoder"], rules=rules, rank=rank, progress=False,
-                                    keep_dense_if_larger=False, **extra)
+        for method, extra in (
+            ("truncated SVD", {}),
+            ("input projection (Thm 3)", {"inputs": inputs}),
+        ):
+            new_enc, rep = compress(
+                params["encoder"],
+                rules=rules,
+                rank=rank,
+                progress=False,
+                keep_dense_if_larger=False,
+                **extra,
+            )
             y_c, _ = apply({**params, "encoder": new_enc}, x)
             new_layers = new_enc["layers"]
-            size = param_count([new_layers[i]["attn"][n] for i in range(cfg.num_layers) for n in "qkv"])
-            row = {"method": method, "rank": rank, "size_ratio": size / full, "rel_error": _rel(y, y_c)}
+            size = param_count(
+                [new_layers[i]["attn"][n] for i in range(cfg.num_layers) for n in "qkv"]
+            )
+            row = {
+                "method": method,
+                "rank": rank,
+                "size_ratio": size / full,
+                "rel_error": _rel(y, y_c),
+            }
             rows.append(row)
             print(f"  {method:<26} {rank:>5d} {row['size_ratio']:>11.3f} {row['rel_error']:>11.4f}")
     # Flow-of-ranks (seed 000 sec. 5): per-layer ranks from the hidden states' eps-rank at
     # eps = 0.05, against one uniform rank with (about) the same total, both by projection.
     sched = [max(1, h.eps_ranks[0.05]) for h in report.hidden]
     uniform = [max(1, round(sum(sched) / len(sched)))] * len(sched)
-    print("\nrank per layer from the flow-of-ranks vs uniform at the same budget (input projection)")
+    print(
+        "\nrank per layer from the flow-of-ranks vs uniform at the same budget (input projection)"
+    )
     for label, ranks in (("flow-of-ranks schedule", sched), ("uniform", uniform)):
-        new_enc, rep = compress(params["encoder"], rules=rules, schedule=ranks, inputs=inputs,
-                                progress=False, keep_dense_if_larger=False)
+        new_enc, rep = compress(
+            params["encoder"],
+            rules=rules,
+            schedule=ranks,
+            inputs=inputs,
+            progress=False,
+            keep_dense_if_larger=False,
+        )
         y_c, _ = apply({**params, "encoder": new_enc}, x)
         new_layers = new_enc["layers"]
         size = param_count([new_layers[i]["attn"][n] for i in range(cfg.num_layers) for n in "qkv"])
-        row = {"method": f"{label} {ranks}", "rank": ranks, "size_ratio": size / full,
-               "rel_error": _rel(y, y_c)}
+        row = {
+            "method": f"{label} {ranks}",
+            "rank": ranks,
+            "size_ratio": size / full,
+            "rel_error": _rel(y, y_c),
+        }
         rows.append(row)
-        print(f"  {label:<24} ranks={str(ranks):<18} size ratio {row['size_ratio']:.3f}  "
-              f"rel. error {row['rel_error']:.4f}")
+        print(
+            f"  {label:<24} ranks={str(ranks):<18} size ratio {row['size_ratio']:.3f}  "
+            f"rel. error {row['rel_error']:.4f}"
+        )
     result["model"] = {
-        "config": {k: getattr(cfg, k) for k in ("patch", "d_model", "num_heads", "d_ff", "num_layers")},
+        "config": {
+            k: getattr(cfg, k) for k in ("patch", "d_model", "num_heads", "d_ff", "num_layers")
+        },
         "data": source,
         "embedding_eps_rank": {f"{e:g}": r for e, r in er["eps_rank"].items()},
         "analysis": report.to_dict(),
@@ -133,17 +184,26 @@ def _plots(plots_dir: str, report, appj: dict) -> list[str]:
 
     os.makedirs(plots_dir, exist_ok=True)
     paths = [
-        plot_spectra([h.singular_values for h in report.hidden],
-                     [f"input to layer {h.layer}" for h in report.hidden],
-                     os.path.join(plots_dir, "hidden_spectra.png"),
-                     title="flow-of-ranks: singular values of hidden states"),
-        plot_layer_ranks([h.layer for h in report.hidden],
-                         {e: [h.eps_ranks[e] for h in report.hidden] for e in report.eps},
-                         os.path.join(plots_dir, "hidden_eps_rank.png"),
-                         title="eps-rank of the hidden states per layer"),
-        plot_slope(appj["theorem3"]["x"], appj["theorem3"]["error"],
-                   os.path.join(plots_dir, "theorem3.png"), reference_slope=1.0,
-                   xlabel="sigma_(d~+1)", title="Theorem 3 (App. J.1)"),
+        plot_spectra(
+            [h.singular_values for h in report.hidden],
+            [f"input to layer {h.layer}" for h in report.hidden],
+            os.path.join(plots_dir, "hidden_spectra.png"),
+            title="flow-of-ranks: singular values of hidden states",
+        ),
+        plot_layer_ranks(
+            [h.layer for h in report.hidden],
+            {e: [h.eps_ranks[e] for h in report.hidden] for e in report.eps},
+            os.path.join(plots_dir, "hidden_eps_rank.png"),
+            title="eps-rank of the hidden states per layer",
+        ),
+        plot_slope(
+            appj["theorem3"]["x"],
+            appj["theorem3"]["error"],
+            os.path.join(plots_dir, "theorem3.png"),
+            reference_slope=1.0,
+            xlabel="sigma_(d~+1)",
+            title="Theorem 3 (App. J.1)",
+        ),
     ]
     for p in paths:
         print(f"wrote {p}")

@@ -67,8 +67,13 @@ def cmd_analyze(args) -> int:
 
     _, params, meta = _load(args.params)
     num_heads = args.heads or meta.get("num_heads")
-    report = analyze(params, eps=args.eps, num_heads=num_heads, pattern=args.pattern,
-                     progress=not args.no_progress)
+    report = analyze(
+        params,
+        eps=args.eps,
+        num_heads=num_heads,
+        pattern=args.pattern,
+        progress=not args.no_progress,
+    )
     print(report.format_table())
     _write_json(args.json, report.to_dict())
     return 0
@@ -87,7 +92,9 @@ def cmd_compress(args) -> int:
         kind, *vals = args.schedule.split(":")
         n_layers = args.num_layers or meta.get("num_layers")
         if not n_layers:
-            raise SystemExit("--schedule needs --num-layers (or num_layers in the checkpoint metadata)")
+            raise SystemExit(
+                "--schedule needs --num-layers (or num_layers in the checkpoint metadata)"
+            )
         nums = [float(v) for v in vals]
         if kind == "power" and len(nums) == 2:
             schedule = power_schedule(nums[0], nums[1], int(n_layers))
@@ -95,11 +102,20 @@ def cmd_compress(args) -> int:
             schedule = interpolation_schedule(int(nums[0]), int(nums[1]), nums[2], int(n_layers))
         else:
             raise SystemExit(
-                f"--schedule: expected 'power:D0:ALPHA' or 'interp:R1:RD:ALPHA', got {args.schedule!r}")
+                "--schedule: expected 'power:D0:ALPHA' or 'interp:R1:RD:ALPHA', "
+                f"got {args.schedule!r}"
+            )
     new_params, report = compress(
-        params, rules=_parse_rules(args.rule), eps=args.eps, rank=args.rank, ratio=args.ratio,
-        schedule=schedule, per_head=args.per_head, num_heads=num_heads,
-        allocation=args.allocation, progress=not args.no_progress,
+        params,
+        rules=_parse_rules(args.rule),
+        eps=args.eps,
+        rank=args.rank,
+        ratio=args.ratio,
+        schedule=schedule,
+        per_head=args.per_head,
+        num_heads=num_heads,
+        allocation=args.allocation,
+        progress=not args.no_progress,
     )
     print(report.format_table())
     out = report.to_dict()
@@ -108,10 +124,13 @@ def cmd_compress(args) -> int:
 
         ev = compare_models(config, params, new_params, time_runs=args.time_runs)
         out["model"] = ev
-        print(f"\nmodel: parameter ratio {ev['param_ratio']:.4f}, FLOP ratio {ev['flop_ratio']:.4f}, "
-              f"{ev['output']} max abs error {ev['max_abs_error']:.3e}, rel. error {ev['rel_error']:.3e}"
-              + (f", top-10 Jaccard {ev['top10_jaccard']:.3f}" if "top10_jaccard" in ev else "")
-              + f", measured time ratio {ev['time_ratio']:.3f}")
+        print(
+            f"\nmodel: parameter ratio {ev['param_ratio']:.4f}, FLOP ratio {ev['flop_ratio']:.4f}, "
+            f"{ev['output']} max abs error {ev['max_abs_error']:.3e}, "
+            f"rel. error {ev['rel_error']:.3e}"
+            + (f", top-10 Jaccard {ev['top10_jaccard']:.3f}" if "top10_jaccard" in ev else "")
+            + f", measured time ratio {ev['time_ratio']:.3f}"
+        )
     if args.out:
         meta_out = {k: v for k, v in meta.items() if k != "config"}
         meta_out["compression"] = out["totals"]
@@ -130,11 +149,17 @@ def cmd_convert(args) -> int:
     from lowrank_jax.leaves import param_count
 
     config, params = load_pretrained(args.src, family=args.family)
-    save_model(args.out, config, params,
-               metadata={"source": os.path.abspath(args.src), **_model_dims(config)},
-               overwrite=args.overwrite)
-    print(f"converted {args.src} ({type(config).__name__}, {param_count(params):,} parameters) "
-          f"to {args.out}")
+    save_model(
+        args.out,
+        config,
+        params,
+        metadata={"source": os.path.abspath(args.src), **_model_dims(config)},
+        overwrite=args.overwrite,
+    )
+    print(
+        f"converted {args.src} ({type(config).__name__}, {param_count(params):,} parameters) "
+        f"to {args.out}"
+    )
     return 0
 
 
@@ -166,25 +191,39 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--rank", type=int, help="truncate every selected matrix to this rank")
     g.add_argument("--ratio", type=float, help="target parameter ratio of the selected weights")
     g.add_argument("--schedule", help="layer rank schedule: power:D0:ALPHA or interp:R1:RD:ALPHA")
-    c.add_argument("--rule", action="append",
-                   help="path regex selecting weights (first match wins; '!regex' skips); "
-                        "default: attention q/k/v/o")
+    c.add_argument(
+        "--rule",
+        action="append",
+        help="path regex selecting weights (first match wins; '!regex' skips); "
+        "default: attention q/k/v/o",
+    )
     c.add_argument("--per-head", action="store_true", help="per-head sketching (seed 000 eq. 20)")
     c.add_argument("--heads", type=int, help="number of heads (for --per-head)")
     c.add_argument("--num-layers", type=int, help="number of layers (for --schedule)")
-    c.add_argument("--allocation", choices=["eps", "energy"], default="eps",
-                   help="with --ratio: one global eps, or ranks by singular-value energy")
+    c.add_argument(
+        "--allocation",
+        choices=["eps", "energy"],
+        default="eps",
+        help="with --ratio: one global eps, or ranks by singular-value energy",
+    )
     c.add_argument("--out", help="save the compressed tree to this directory")
     c.add_argument("--overwrite", action="store_true")
     c.add_argument("--json", help="write the report as JSON to this path")
-    c.add_argument("--no-eval", action="store_true",
-                   help="skip running the model (error, overlap, time ratio) for model checkpoints")
+    c.add_argument(
+        "--no-eval",
+        action="store_true",
+        help="skip running the model (error, overlap, time ratio) for model checkpoints",
+    )
     c.add_argument("--time-runs", type=int, default=20, help="timed forward calls per model")
     c.add_argument("--no-progress", action="store_true")
     c.set_defaults(func=cmd_compress)
 
-    v = sub.add_parser("convert", help="Hugging Face checkpoint directory -> lowrank_jax checkpoint")
-    v.add_argument("src", help="directory with config.json and model.safetensors / pytorch_model.bin")
+    v = sub.add_parser(
+        "convert", help="Hugging Face checkpoint directory -> lowrank_jax checkpoint"
+    )
+    v.add_argument(
+        "src", help="directory with config.json and model.safetensors / pytorch_model.bin"
+    )
     v.add_argument("--out", required=True, help="output directory (a lowrank_jax model checkpoint)")
     v.add_argument("--family", help="force the model family instead of detecting it")
     v.add_argument("--overwrite", action="store_true")

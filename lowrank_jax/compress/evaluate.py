@@ -42,8 +42,11 @@ def _t5_inputs(cfg: T5Config, rng, batch):
     mask = np.ones_like(ids)
     mask[0, -5:] = 0  # some padding
     dec = rng.integers(2, cfg.vocab_size, size=(batch, 16))
-    return {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(mask, jnp.int32),
-            "decoder_input_ids": jnp.asarray(dec, jnp.int32)}
+    return {
+        "input_ids": jnp.asarray(ids, jnp.int32),
+        "attention_mask": jnp.asarray(mask, jnp.int32),
+        "decoder_input_ids": jnp.asarray(dec, jnp.int32),
+    }
 
 
 def _chronos_inputs(cfg: ChronosConfig, rng, batch):
@@ -75,8 +78,11 @@ def _bert_inputs(cfg: BertConfig, rng, batch):
     ids = rng.integers(1, cfg.vocab_size, size=(batch, 32))
     mask = np.ones_like(ids)
     mask[0, -5:] = 0
-    return {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(mask, jnp.int32),
-            "token_type_ids": jnp.zeros_like(jnp.asarray(ids, jnp.int32))}
+    return {
+        "input_ids": jnp.asarray(ids, jnp.int32),
+        "attention_mask": jnp.asarray(mask, jnp.int32),
+        "token_type_ids": jnp.zeros_like(jnp.asarray(ids, jnp.int32)),
+    }
 
 
 register_sampler(T5Config, _t5_inputs)
@@ -101,7 +107,7 @@ def top_k_jaccard(a, b, k: int = 10) -> float:
     ta = np.argpartition(-a, k - 1, axis=-1)[:, :k]
     tb = np.argpartition(-b, k - 1, axis=-1)[:, :k]
     scores = []
-    for x, y in zip(ta, tb):
+    for x, y in zip(ta, tb, strict=True):
         sx, sy = set(x.tolist()), set(y.tolist())
         scores.append(len(sx & sy) / len(sx | sy))
     return float(np.mean(scores))
@@ -120,8 +126,15 @@ def _token_count(inputs: dict) -> int:
     return 0
 
 
-def compare_models(config: Any, params: Any, new_params: Any, *, inputs: dict | None = None,
-                   time_runs: int = 20, measure_time: bool = True) -> dict:
+def compare_models(
+    config: Any,
+    params: Any,
+    new_params: Any,
+    *,
+    inputs: dict | None = None,
+    time_runs: int = 20,
+    measure_time: bool = True,
+) -> dict:
     """Compare a compressed model with the original on the same inputs.
 
     Args:
@@ -163,5 +176,8 @@ def compare_models(config: Any, params: Any, new_params: Any, *, inputs: dict | 
             t_ref.append(t1 - t0)
             t_new.append(t2 - t1)
         out["time_ratio"] = float(np.median(t_new) / np.median(t_ref))
-        out["time_ms"] = {"original": 1e3 * float(np.median(t_ref)), "compressed": 1e3 * float(np.median(t_new))}
+        out["time_ms"] = {
+            "original": 1e3 * float(np.median(t_ref)),
+            "compressed": 1e3 * float(np.median(t_new)),
+        }
     return out

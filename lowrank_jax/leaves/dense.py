@@ -39,7 +39,9 @@ class Dense(Leaf):
     def __post_init__(self):
         if isinstance(self.w, _ARRAY):
             if self.w.ndim != 2:
-                raise ValueError(f"Dense: w must be 2-D [d_in, d_out], got shape {tuple(self.w.shape)}")
+                raise ValueError(
+                    f"Dense: w must be 2-D [d_in, d_out], got shape {tuple(self.w.shape)}"
+                )
             check_bias("Dense", self.b, self.w.shape[1])
 
     @property

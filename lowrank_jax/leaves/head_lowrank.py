@@ -54,8 +54,12 @@ class HeadLowRank(Leaf):
                 )
             check_bias("HeadLowRank", self.b, v.shape[0] * v.shape[2])
         if self.ranks is not None:
-            h, r = (self.u.shape[1], self.u.shape[2]) if isinstance(self.u, _ARRAY) else (None, None)
-            if h is not None and (len(self.ranks) != h or max(self.ranks) > r or min(self.ranks) < 0):
+            h, r = (
+                (self.u.shape[1], self.u.shape[2]) if isinstance(self.u, _ARRAY) else (None, None)
+            )
+            if h is not None and (
+                len(self.ranks) != h or max(self.ranks) > r or min(self.ranks) < 0
+            ):
                 raise ValueError(
                     f"HeadLowRank: ranks must give one rank in [0, {r}] per head ({h} heads), "
                     f"got {self.ranks}"
@@ -84,7 +88,9 @@ class HeadLowRank(Leaf):
     def _rank_mask(self) -> np.ndarray | None:
         if self.ranks is None or all(r == self.max_rank for r in self.ranks):
             return None
-        return (np.arange(self.max_rank)[None, :] < np.asarray(self.ranks)[:, None]).astype(np.float32)
+        return (np.arange(self.max_rank)[None, :] < np.asarray(self.ranks)[:, None]).astype(
+            np.float32
+        )
 
     def apply(self, x: Array) -> Array:
         d_in, h, r = self.u.shape
@@ -106,7 +112,9 @@ class HeadLowRank(Leaf):
 
     def storage_bits(self) -> int:
         bits_per = jnp.dtype(self.u.dtype).itemsize * 8
-        return sum(r * (self.d_in + self.d_head) for r in self.head_ranks) * bits_per + _bits(self.b)
+        return sum(r * (self.d_in + self.d_head) for r in self.head_ranks) * bits_per + _bits(
+            self.b
+        )
 
     def flops(self, n_tokens: int) -> int:
         return n_tokens * self.num_heads * self.max_rank * (self.d_in + self.d_head)

@@ -14,6 +14,19 @@ from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.models.vit import ViTConfig
 
 __all__ = [
-    "BertConfig", "ChronosBoltConfig", "ChronosConfig", "PatchEncoderConfig", "T5Config", "ViTConfig", "apply", "bert",
-    "chronos", "chronos_bolt", "patch_encoder", "register", "registered", "t5", "vit",
+    "BertConfig",
+    "ChronosBoltConfig",
+    "ChronosConfig",
+    "PatchEncoderConfig",
+    "T5Config",
+    "ViTConfig",
+    "apply",
+    "bert",
+    "chronos",
+    "chronos_bolt",
+    "patch_encoder",
+    "register",
+    "registered",
+    "t5",
+    "vit",
 ]

@@ -43,7 +43,8 @@ class PatchEncoderConfig:
                 raise ValueError(f"PatchEncoderConfig.{f} must be a positive int, got {v!r}")
         if self.d_model % self.num_heads:
             raise ValueError(
-                f"PatchEncoderConfig: num_heads={self.num_heads} must divide d_model={self.d_model}")
+                f"PatchEncoderConfig: num_heads={self.num_heads} must divide d_model={self.d_model}"
+            )
 
     @property
     def encoder(self) -> EncoderConfig:
@@ -54,8 +55,12 @@ class PatchEncoderConfig:
             norm=NormConfig(kind="rms", eps=1e-6),
             prenorm=True,
         )
-        return EncoderConfig(layer=layer, num_layers=self.num_layers, final_norm=True,
-                             relative_bias=RelativeBiasConfig(num_buckets=32, max_distance=128))
+        return EncoderConfig(
+            layer=layer,
+            num_layers=self.num_layers,
+            final_norm=True,
+            relative_bias=RelativeBiasConfig(num_buckets=32, max_distance=128),
+        )
 
 
 def init(key, cfg: PatchEncoderConfig) -> dict:
@@ -77,7 +82,8 @@ def patchify(series, cfg: PatchEncoderConfig):
     if series.ndim != 2 or series.shape[1] % cfg.patch:
         raise ValueError(
             f"patchify: expected series [batch, T] with T a multiple of patch={cfg.patch}, "
-            f"got shape {tuple(series.shape)}")
+            f"got shape {tuple(series.shape)}"
+        )
     mean = series.mean(axis=1, keepdims=True)
     std = series.std(axis=1, keepdims=True) + 1e-5
     z = (series - mean) / std

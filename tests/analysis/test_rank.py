@@ -39,8 +39,10 @@ def test_eps_rank_prescribed_spectrum():
 
 def test_eps_rank_of_leaves_uses_the_product():
     r = np.random.default_rng(1)
-    leaf = lj.LowRank(jnp.asarray(r.normal(size=(16, 3)), jnp.float32),
-                      jnp.asarray(r.normal(size=(3, 10)), jnp.float32))
+    leaf = lj.LowRank(
+        jnp.asarray(r.normal(size=(16, 3)), jnp.float32),
+        jnp.asarray(r.normal(size=(3, 10)), jnp.float32),
+    )
     assert eps_rank(leaf, 1e-4) == 3
 
 
@@ -51,7 +53,9 @@ def test_eps_out_of_range(eps):
 
 
 def test_non_2d_names_the_parameter():
-    with pytest.raises(ValueError, match=r"layers/0/attn/q: expected a 2-D matrix, got shape \(3,\)"):
+    with pytest.raises(
+        ValueError, match=r"layers/0/attn/q: expected a 2-D matrix, got shape \(3,\)"
+    ):
         singular_values(np.ones(3), name="layers/0/attn/q")
 
 

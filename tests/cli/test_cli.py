@@ -21,7 +21,7 @@ def saved(tmp_path_factory):
     key = jax.random.PRNGKey(0)
     r = np.random.default_rng(0)
     layers = []
-    for i in range(2):
+    for _ in range(2):
         attn = {}
         for n in "qkvo":
             # Decaying spectrum so eps truncation actually drops something.
@@ -39,27 +39,45 @@ def saved(tmp_path_factory):
 def test_analyze_writes_json_matching_numpy(saved, tmp_path, capsys):
     d, params = saved
     out = tmp_path / "report.json"
-    assert main(["analyze", str(d), "--eps", "0.1", "0.01", "--json", str(out), "--no-progress"]) == 0
+    assert (
+        main(["analyze", str(d), "--eps", "0.1", "0.01", "--json", str(out), "--no-progress"]) == 0
+    )
     printed = capsys.readouterr().out
     assert "layers/1/attn/v" in printed
     rep = json.loads(out.read_text())
     by_path = {w["path"]: w for w in rep["weights"]}
     assert set(by_path) == {f"layers/{i}/attn/{n}" for i in range(2) for n in "qkvo"} | {
-        "layers/0/mlp/wi", "layers/1/mlp/wi"}
+        "layers/0/mlp/wi",
+        "layers/1/mlp/wi",
+    }
     for i in range(2):
         w = np.asarray(params["layers"][i]["attn"]["q"].w)
         assert by_path[f"layers/{i}/attn/q"]["eps_rank"]["0.1"] == np_eps_rank(w, 0.1)
         assert by_path[f"layers/{i}/attn/q"]["eps_rank"]["0.01"] == np_eps_rank(w, 0.01)
         # per-head ranks: metadata says 4 heads -> 4 column blocks of 4
-        heads = [np_eps_rank(w[:, h * 4:(h + 1) * 4], 0.1) for h in range(4)]
+        heads = [np_eps_rank(w[:, h * 4 : (h + 1) * 4], 0.1) for h in range(4)]
         assert by_path[f"layers/{i}/attn/q"]["head_eps_rank"]["0.1"] == heads
 
 
 def test_compress_saves_factorized_tree_and_report(saved, tmp_path):
     d, params = saved
     out_dir, js = tmp_path / "small", tmp_path / "c.json"
-    assert main(["compress", str(d), "--eps", "0.1", "--out", str(out_dir), "--json", str(js),
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(d),
+                "--eps",
+                "0.1",
+                "--out",
+                str(out_dir),
+                "--json",
+                str(js),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     new = load_params(out_dir)
     rep = json.loads(js.read_text())
     before = after = 0
@@ -85,13 +103,20 @@ def test_compress_errors_exit_2_with_message(saved, tmp_path, capsys):
     d, _ = saved
     assert main(["compress", str(d), "--eps", "1.5", "--no-progress"]) == 2
     assert "1.5" in capsys.readouterr().err
-    assert main(["compress", str(d), "--eps", "0.1", "--rule", "nothing/here", "--no-progress"]) == 2
+    assert (
+        main(["compress", str(d), "--eps", "0.1", "--rule", "nothing/here", "--no-progress"]) == 2
+    )
     assert "nothing/here" in capsys.readouterr().err
     assert main(["analyze", str(tmp_path / "missing"), "--no-progress"]) == 2
     assert "missing" in capsys.readouterr().err
     # a failed compress writes nothing
     assert not (tmp_path / "never").exists()
-    assert main(["compress", str(d), "--rank", "99", "--out", str(tmp_path / "never"), "--no-progress"]) == 2
+    assert (
+        main(
+            ["compress", str(d), "--rank", "99", "--out", str(tmp_path / "never"), "--no-progress"]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "layers/0/attn/k" in err and "got 99" in err and "[1, 16]" in err
     assert not (tmp_path / "never").exists()

@@ -19,9 +19,18 @@ transformers = pytest.importorskip("transformers")
 @pytest.fixture(scope="module")
 def t5_dir(tmp_path_factory):
     torch.manual_seed(0)
-    cfg = transformers.T5Config(vocab_size=96, d_model=32, d_kv=8, d_ff=64, num_layers=2,
-                                num_decoder_layers=2, num_heads=4, feed_forward_proj="gated-gelu",
-                                tie_word_embeddings=False, decoder_start_token_id=0)
+    cfg = transformers.T5Config(
+        vocab_size=96,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        feed_forward_proj="gated-gelu",
+        tie_word_embeddings=False,
+        decoder_start_token_id=0,
+    )
     model = transformers.T5ForConditionalGeneration(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -42,7 +51,7 @@ def test_convert_writes_model_checkpoint(converted, t5_dir):
     config, params = load_model(converted)
     ref_cfg, ref_params = lj.convert.load_pretrained(str(t5_dir))
     assert config == ref_cfg
-    for (pa, a), (pb, b) in zip(lj.named_leaves(params), lj.named_leaves(ref_params)):
+    for (pa, a), (pb, b) in zip(lj.named_leaves(params), lj.named_leaves(ref_params), strict=True):
         assert pa == pb
         np.testing.assert_array_equal(np.asarray(lj.materialize(a)), np.asarray(lj.materialize(b)))
 
@@ -62,8 +71,24 @@ def test_full_rank_compression_changes_no_output(converted):
 
 def test_compress_cli_report_is_recomputed(converted, tmp_path):
     js, out = tmp_path / "rep.json", tmp_path / "small"
-    assert main(["compress", str(converted), "--eps", "0.1", "--out", str(out), "--json", str(js),
-                 "--time-runs", "3", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(converted),
+                "--eps",
+                "0.1",
+                "--out",
+                str(out),
+                "--json",
+                str(js),
+                "--time-runs",
+                "3",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     rep = json.loads(js.read_text())
     config, params = load_model(converted)
     new_config, new_params = load_model(out)
@@ -80,7 +105,9 @@ def test_compress_cli_report_is_recomputed(converted, tmp_path):
         assert row["rank"] == r
         if r * sum(w.shape) < w.size:
             assert isinstance(new_leaf, lj.LowRank) and new_leaf.rank == r
-            np.testing.assert_allclose(row["rel_spectral_error"], s[r] / s[0] if r < len(s) else 0, atol=1e-5)
+            np.testing.assert_allclose(
+                row["rel_spectral_error"], s[r] / s[0] if r < len(s) else 0, atol=1e-5
+            )
             after += r * sum(w.shape)
         else:
             assert isinstance(new_leaf, lj.Dense)
@@ -95,7 +122,7 @@ def test_compress_cli_report_is_recomputed(converted, tmp_path):
     a, b = np.asarray(fwd(params), np.float64), np.asarray(fwd(new_params), np.float64)
     assert ev["max_abs_error"] == pytest.approx(np.abs(a - b).max(), rel=1e-5)
     ja = []
-    for x, y in zip(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])):
+    for x, y in zip(a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1]), strict=True):
         sx, sy = set(np.argsort(-x)[:10]), set(np.argsort(-y)[:10])
         ja.append(len(sx & sy) / len(sx | sy))
     assert ev["top10_jaccard"] == pytest.approx(np.mean(ja))
@@ -129,19 +156,47 @@ def test_compress_converted_families_full_rank_is_exact(family, tmp_path):
     if family == "chronos_bolt":
         bolt = pytest.importorskip("chronos.chronos_bolt")
         cfg = transformers.T5Config(
-            d_model=32, d_kv=8, d_ff=48, num_layers=2, num_decoder_layers=1, num_heads=4,
-            feed_forward_proj="relu", dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-            eos_token_id=1, architectures=["ChronosBoltModelForForecasting"],
-            chronos_config=dict(context_length=64, prediction_length=8, input_patch_size=8,
-                                input_patch_stride=8, quantiles=[0.1, 0.5, 0.9], use_reg_token=True))
+            d_model=32,
+            d_kv=8,
+            d_ff=48,
+            num_layers=2,
+            num_decoder_layers=1,
+            num_heads=4,
+            feed_forward_proj="relu",
+            dropout_rate=0.0,
+            decoder_start_token_id=0,
+            pad_token_id=0,
+            eos_token_id=1,
+            architectures=["ChronosBoltModelForForecasting"],
+            chronos_config=dict(
+                context_length=64,
+                prediction_length=8,
+                input_patch_size=8,
+                input_patch_stride=8,
+                quantiles=[0.1, 0.5, 0.9],
+                use_reg_token=True,
+            ),
+        )
         model = bolt.ChronosBoltModelForForecasting(cfg).eval()
     elif family == "vit":
-        cfg = transformers.ViTConfig(image_size=16, patch_size=8, hidden_size=32, num_hidden_layers=2,
-                                     num_attention_heads=4, intermediate_size=48, num_labels=5)
+        cfg = transformers.ViTConfig(
+            image_size=16,
+            patch_size=8,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            num_labels=5,
+        )
         model = transformers.ViTForImageClassification(cfg).eval()
     else:
-        cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2,
-                                      num_attention_heads=4, intermediate_size=48)
+        cfg = transformers.BertConfig(
+            vocab_size=50,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+        )
         model = transformers.BertModel(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
@@ -154,7 +209,21 @@ def test_compress_converted_families_full_rank_is_exact(family, tmp_path):
     ev = compare_models(config, params, full, measure_time=False)
     assert ev["max_abs_error"] <= 1e-4, ev
     js = tmp_path / "rep.json"
-    assert main(["compress", str(tmp_path / "native"), "--rank", "2", "--json", str(js),
-                 "--time-runs", "2", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(tmp_path / "native"),
+                "--rank",
+                "2",
+                "--json",
+                str(js),
+                "--time-runs",
+                "2",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     rep = json.loads(js.read_text())["model"]
     assert rep["rel_error"] > 1e-3 and rep["param_ratio"] < 1.0

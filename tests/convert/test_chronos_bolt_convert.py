@@ -26,12 +26,27 @@ torch.set_num_threads(1)
 def saved(tmp_path_factory):
     torch.manual_seed(1)
     hf_cfg = transformers.T5Config(
-        d_model=16, d_kv=4, d_ff=24, num_layers=2, num_decoder_layers=1, num_heads=4,
-        feed_forward_proj="relu", dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0,
-        eos_token_id=1, architectures=["ChronosBoltModelForForecasting"],
-        chronos_config=dict(context_length=32, prediction_length=8, input_patch_size=4,
-                            input_patch_stride=4, quantiles=[0.1, 0.5, 0.9],
-                            use_reg_token=True))
+        d_model=16,
+        d_kv=4,
+        d_ff=24,
+        num_layers=2,
+        num_decoder_layers=1,
+        num_heads=4,
+        feed_forward_proj="relu",
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        eos_token_id=1,
+        architectures=["ChronosBoltModelForForecasting"],
+        chronos_config=dict(
+            context_length=32,
+            prediction_length=8,
+            input_patch_size=4,
+            input_patch_stride=4,
+            quantiles=[0.1, 0.5, 0.9],
+            use_reg_token=True,
+        ),
+    )
     model = bolt_ref.ChronosBoltModelForForecasting(hf_cfg).eval()
     path = tmp_path_factory.mktemp("bolt")
     model.save_pretrained(path)
@@ -45,11 +60,20 @@ def test_config_from_checkpoint(saved):
     _, path, config, _ = saved
     cfg, params = load_pretrained(path, family="chronos_bolt")
     assert isinstance(cfg, ChronosBoltConfig)
-    assert (cfg.context_length, cfg.prediction_length, cfg.input_patch_size,
-            cfg.input_patch_stride, cfg.quantiles, cfg.use_reg_token) == (
-        32, 8, 4, 4, (0.1, 0.5, 0.9), True)
+    assert (
+        cfg.context_length,
+        cfg.prediction_length,
+        cfg.input_patch_size,
+        cfg.input_patch_stride,
+        cfg.quantiles,
+        cfg.use_reg_token,
+    ) == (32, 8, 4, 4, (0.1, 0.5, 0.9), True)
     assert (cfg.t5.d_model, cfg.t5.num_layers, cfg.t5.decoder_layers, cfg.t5.vocab_size) == (
-        16, 2, 1, 2)
+        16,
+        2,
+        1,
+        2,
+    )
     assert params["shared"].shape == (2, 16)
     ipe = params["input_patch_embedding"]
     assert isinstance(ipe["hidden_layer"], Dense) and ipe["hidden_layer"].w.shape == (8, 24)
@@ -60,8 +84,11 @@ def test_config_from_checkpoint(saved):
 def test_detect(saved):
     _, _, config, _ = saved
     assert conv.detect(config)
-    plain_chronos = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
-                     "chronos_config": {"context_length": 512, "n_tokens": 4096}}
+    plain_chronos = {
+        "model_type": "t5",
+        "architectures": ["T5ForConditionalGeneration"],
+        "chronos_config": {"context_length": 512, "n_tokens": 4096},
+    }
     assert not conv.detect(plain_chronos)
     assert not conv.detect({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]})
     assert not conv.detect({"model_type": "vit", "architectures": ["ViTModel"]})
@@ -81,13 +108,13 @@ def test_module_state_dict_and_round_trip(saved):
     model, _, config, state = saved
     cfg, params = load_pretrained(model, family="chronos_bolt")
     back = conv.state_dict_from_params(cfg, params)
-    assert set(back) | {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} == set(
-        state)
+    assert set(back) | {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} == set(state)
     for k, v in back.items():
         np.testing.assert_array_equal(v, state[k], err_msg=k)
 
 
 # -- malformed checkpoints --------------------------------------------------------------------
+
 
 def _load(config, state):
     return load_pretrained(state, family="chronos_bolt", config=config)
@@ -100,20 +127,29 @@ def test_missing_key(saved):
     del bad["decoder.block.0.layer.1.EncDecAttention.k.weight"]
     with pytest.raises(CheckpointError) as e:
         _load(config, bad)
-    assert e.value.missing == {"input_patch_embedding.residual_layer.bias": (16,),
-                               "decoder.block.0.layer.1.EncDecAttention.k.weight": (16, 16)}
+    assert e.value.missing == {
+        "input_patch_embedding.residual_layer.bias": (16,),
+        "decoder.block.0.layer.1.EncDecAttention.k.weight": (16, 16),
+    }
     assert "input_patch_embedding.residual_layer.bias" in str(e.value)
     assert "expected shape [16]" in str(e.value)
 
 
 def test_unexpected_key(saved):
     _, _, config, state = saved
-    bad = dict(state, **{"output_patch_embedding.layer_norm.weight": np.ones(24, np.float32),
-                         "encoder.block.2.layer.0.SelfAttention.q.weight": np.ones((16, 16))})
+    bad = dict(
+        state,
+        **{
+            "output_patch_embedding.layer_norm.weight": np.ones(24, np.float32),
+            "encoder.block.2.layer.0.SelfAttention.q.weight": np.ones((16, 16)),
+        },
+    )
     with pytest.raises(CheckpointError) as e:
         _load(config, bad)
-    assert e.value.unexpected == {"output_patch_embedding.layer_norm.weight": (24,),
-                                  "encoder.block.2.layer.0.SelfAttention.q.weight": (16, 16)}
+    assert e.value.unexpected == {
+        "output_patch_embedding.layer_norm.weight": (24,),
+        "encoder.block.2.layer.0.SelfAttention.q.weight": (16, 16),
+    }
     assert not e.value.missing and not e.value.mismatched
 
 
@@ -135,8 +171,10 @@ def test_wrong_shapes_all_reported(saved):
         "shared.weight": ((2, 16), (1, 16)),
     }
     msg = str(e.value)
-    assert "wrong shape for 'output_patch_embedding.output_layer.weight': expected [24, 24], " \
-           "got [36, 24]" in msg
+    assert (
+        "wrong shape for 'output_patch_embedding.output_layer.weight': expected [24, 24], "
+        "got [36, 24]" in msg
+    )
     assert "input_patch_size=4" in msg
 
 
@@ -193,6 +231,8 @@ def test_save_pretrained_round_trip_and_compressed_export(saved, tmp_path):
     back = bolt_ref.ChronosBoltModelForForecasting.from_pretrained(tmp_path / "small").eval()
     with torch.no_grad():
         hf_small = back(context=x).quantile_preds.numpy()
-    ours = np.asarray(jax.jit(lambda p, c: bolt.apply(p, cfg, context=c))(small, x.numpy())["quantile_preds"])
+    ours = np.asarray(
+        jax.jit(lambda p, c: bolt.apply(p, cfg, context=c))(small, x.numpy())["quantile_preds"]
+    )
     assert np.abs(hf_small - ours).max() <= 1e-4
     assert np.abs(hf_small - ref).max() > 1e-3  # the compression did change the model

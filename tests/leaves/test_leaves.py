@@ -36,8 +36,9 @@ def test_lowrank_forward_counts_and_materialize():
     u, v, b = r.normal(size=(8, 3)), r.normal(size=(3, 5)), r.normal(size=5)
     x = r.normal(size=(7, 8))
     leaf = lj.LowRank(*(jnp.asarray(a, jnp.float32) for a in (u, v, b)))
-    np.testing.assert_allclose(np.asarray(lj.linear(leaf, jnp.asarray(x, jnp.float32))),
-                               x @ (u @ v) + b, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(lj.linear(leaf, jnp.asarray(x, jnp.float32))), x @ (u @ v) + b, atol=1e-5
+    )
     np.testing.assert_allclose(np.asarray(lj.materialize(leaf)), u @ v, atol=1e-5)
     assert leaf.rank == 3 and leaf.shape == (8, 5)
     assert lj.param_count(leaf) == 3 * (8 + 5) + 5
@@ -56,11 +57,17 @@ def _head_reference(x, u, v, ranks):
 def test_head_lowrank_matches_per_head_numpy(ranks):
     r = rng(3)
     d_in, h, rmax, dh = 10, 3, 3, 4
-    u, v, x = r.normal(size=(d_in, h, rmax)), r.normal(size=(h, rmax, dh)), r.normal(size=(2, 6, d_in))
+    u, v, x = (
+        r.normal(size=(d_in, h, rmax)),
+        r.normal(size=(h, rmax, dh)),
+        r.normal(size=(2, 6, d_in)),
+    )
     leaf = lj.HeadLowRank(jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32), ranks=ranks)
     eff = ranks or (rmax,) * h
     ref = _head_reference(x, u, v, eff)
-    np.testing.assert_allclose(np.asarray(lj.linear(leaf, jnp.asarray(x, jnp.float32))), ref, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(lj.linear(leaf, jnp.asarray(x, jnp.float32))), ref, atol=1e-5
+    )
     dense_ref = np.concatenate([u[:, i, :ri] @ v[i, :ri, :] for i, ri in enumerate(eff)], axis=1)
     np.testing.assert_allclose(np.asarray(lj.materialize(leaf)), dense_ref, atol=1e-5)
     assert leaf.shape == (d_in, h * dh)
@@ -165,9 +172,15 @@ def test_jit_matches_eager_and_no_retrace():
     r = rng(7)
     leaves = [
         lj.Dense(jnp.asarray(r.normal(size=(8, 4)), jnp.float32)),
-        lj.LowRank(jnp.asarray(r.normal(size=(8, 2)), jnp.float32), jnp.asarray(r.normal(size=(2, 4)), jnp.float32)),
-        lj.HeadLowRank(jnp.asarray(r.normal(size=(8, 2, 2)), jnp.float32),
-                       jnp.asarray(r.normal(size=(2, 2, 2)), jnp.float32), ranks=(2, 1)),
+        lj.LowRank(
+            jnp.asarray(r.normal(size=(8, 2)), jnp.float32),
+            jnp.asarray(r.normal(size=(2, 4)), jnp.float32),
+        ),
+        lj.HeadLowRank(
+            jnp.asarray(r.normal(size=(8, 2, 2)), jnp.float32),
+            jnp.asarray(r.normal(size=(2, 2, 2)), jnp.float32),
+            ranks=(2, 1),
+        ),
         lj.init_masked_binary(jax.random.PRNGKey(2), 8, 4, keep=0.5),
     ]
     x = jnp.asarray(r.normal(size=(3, 8)), jnp.float32)
@@ -180,7 +193,7 @@ def test_jit_matches_eager_and_no_retrace():
     a = f(leaves, x)
     b = f(leaves, x + 1.0)  # same shapes: no retrace
     eager = [lj.linear(lf, x) for lf in leaves]
-    for got, ref in zip(a, eager):
+    for got, ref in zip(a, eager, strict=True):
         np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)
     assert len(b) == 4
 
@@ -201,8 +214,14 @@ def test_tree_counts_sum_over_leaves():
     [
         (lambda: lj.Dense(jnp.ones((3,))), r"2-D .* got shape \(3,\)"),
         (lambda: lj.LowRank(jnp.ones((4, 2)), jnp.ones((3, 5))), r"u \(4, 2\) and v \(3, 5\)"),
-        (lambda: lj.Dense(jnp.ones((3, 2)), jnp.ones((3,))), r"bias b must have shape \(2,\), got \(3,\)"),
-        (lambda: lj.MaskedBinary(jnp.ones((2, 2)), jnp.ones((2, 2)), keep=1.5), r"keep fraction .* 1\.5"),
+        (
+            lambda: lj.Dense(jnp.ones((3, 2)), jnp.ones((3,))),
+            r"bias b must have shape \(2,\), got \(3,\)",
+        ),
+        (
+            lambda: lj.MaskedBinary(jnp.ones((2, 2)), jnp.ones((2, 2)), keep=1.5),
+            r"keep fraction .* 1\.5",
+        ),
         (lambda: lj.HeadLowRank(jnp.ones((4, 2, 3)), jnp.ones((2, 3, 2)), ranks=(4, 1)), r"ranks"),
     ],
 )
