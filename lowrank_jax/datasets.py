@@ -10,14 +10,29 @@ import warnings
 
 import numpy as np
 
+# Real series that aeon ships inside its wheel (no download): monthly airline passengers, solar
+# power, PBS sales, a UCR anomaly-archive series (KDD TSAD 135), an ECG recording, household
+# electric devices, the GunPoint segmentation series and Daphnet gait accelerometers (9 channels,
+# each used as a univariate series).
+_AEON_LOADERS = (
+    "load_airline", "load_solar", "load_PBS_dataset", "load_kdd_tsad_135",
+    "load_ecg_diff_count_3", "load_electric_devices_segmentation",
+    "load_gun_point_segmentation", "load_daphnet_s06r02e0",
+)
+
 
 def builtin_series() -> tuple[list[np.ndarray], str]:
-    """Real univariate series shipped with aeon, or synthetic ones if aeon is not installed."""
+    """Real univariate series shipped with aeon, or synthetic ones if aeon is not installed.
+
+    Returns:
+      ``(series, description)``: a list of 1-D float64 arrays (NaNs dropped, each at least 32
+      long) and a one-line description of where they came from.
+    """
     try:
         from aeon import datasets as ds
 
         out, names = [], []
-        for name in ("load_airline", "load_solar", "load_longley", "load_uschange"):
+        for name in _AEON_LOADERS:
             fn = getattr(ds, name, None)
             if fn is None:
                 continue
@@ -28,6 +43,7 @@ def builtin_series() -> tuple[list[np.ndarray], str]:
             except Exception:  # a loader whose file is missing: skip it
                 continue
             y = y[0] if isinstance(y, tuple) else y
+            y = y.to_numpy() if hasattr(y, "to_numpy") else y
             a = np.asarray(y, dtype=np.float64)
             a = a.reshape(a.shape[0], -1) if a.ndim > 1 else a[:, None]
             cols = [c[np.isfinite(c)] for c in a.T]

@@ -48,8 +48,16 @@ def _print_appendix_j(res: dict) -> dict:
     return {"theorem3": t3.to_dict(), "theorem3_width": t3w.to_dict(), "theorem4": t4.to_dict()}
 
 
-def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool = True) -> dict:
-    """Run the demo, print its report, and return it as a JSON-able dict."""
+def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool = True,
+             steps: int | None = None) -> dict:
+    """Run the demo, print its report, and return it as a JSON-able dict.
+
+    ``rows`` holds the pretraining comparison (keys ``method``, ``size_ratio``, ``time_ratio``,
+    ``wql``, ``mase``, relative to the dense model); ``appendix_j`` and ``model`` the first two
+    parts.
+    """
+    from lowrank_jax.cli.pretrain_demo import run_pretraining_demo
+
     t0 = time.perf_counter()
     result: dict = {"appendix_j": _print_appendix_j(run_appendix_j(quick=quick))}
 
@@ -175,6 +183,12 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     }
     if plots_dir:
         result["plots"] = _plots(plots_dir, report, result["appendix_j"])
+
+    pre = run_pretraining_demo(quick=quick, steps=steps, plots_dir=plots_dir, progress=progress)
+    result["rows"] = pre.pop("rows")
+    result["pretraining"] = pre
+    if plots_dir:
+        result["plots"] += pre.pop("plots")
     print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
     return result
 

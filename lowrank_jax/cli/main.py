@@ -65,7 +65,7 @@ def _load(path):
 def cmd_analyze(args) -> int:
     from lowrank_jax.analysis import analyze
 
-    _, params, meta = _load(args.params)
+    config, params, meta = _load(args.params)
     num_heads = args.heads or meta.get("num_heads")
     report = analyze(
         params,
@@ -75,8 +75,84 @@ def cmd_analyze(args) -> int:
         progress=not args.no_progress,
     )
     print(report.format_table())
-    _write_json(args.json, report.to_dict())
+    out = report.to_dict()
+    if args.sweep or args.sweep_heads:
+        out["sweep"] = _analyze_sweep(args, config, params, num_heads)
+    _write_json(args.json, out)
     return 0
+
+
+def _analyze_sweep(args, config, params, num_heads) -> dict:
+    """``analyze --sweep``: the ratio -> error curve (seed 000 Table 2) and per-head sweeps."""
+    from lowrank_jax.compress import eps_sweep
+
+    result: dict = {}
+    if args.sweep:
+        rows = eps_sweep(config, params, None, args.sweep_eps)
+        result["eps"] = rows
+        if config is None:
+            print("\neps sweep (bare parameter tree, no model config: sizes and weight errors "
+                  "only; save a model checkpoint to get the output error)")
+        else:
+            print(f"\neps sweep ({type(config).__name__}, attention q/k/v/o truncated at eps, "
+                  f"one compiled run; error of '{rows[0]['output']}' on sample inputs)")
+        head = f"{'eps':>8}  {'size ratio':>10}  {'max weight err':>14}"
+        head += f"  {'rel output err':>14}" if config is not None else ""
+        print(head)
+        for r in rows:
+            line = f"{r['eps']:>8.4g}  {r['size_ratio']:>10.4f}  {r['max_weight_error']:>14.3e}"
+            line += f"  {r['rel_error']:>14.3e}" if config is not None else ""
+            print(line)
+    if args.sweep_heads:
+        result["heads"] = _head_sweeps(args, config, params, num_heads)
+    return result
+
+
+def _head_sweeps(args, config, params, num_heads) -> list[dict]:
+    """head_rank_sweep on every attention block, on synthetic N(0, 1) inputs."""
+    import numpy as np
+
+    from lowrank_jax.compress import head_rank_sweep
+    from lowrank_jax.leaves import materialize, named_leaves
+    from lowrank_jax.models import T5Config
+    from lowrank_jax.nn import AttentionConfig
+
+    if not num_heads:
+        raise ValueError("--sweep-heads needs --heads (or num_heads in the checkpoint metadata)")
+    blocks: dict = {}
+    for path, node in named_leaves(params):
+        prefix, _, name = path.rpartition("/")
+        if prefix.endswith("attn") and name in ("q", "k", "v", "o"):
+            blocks.setdefault(prefix, {})[name] = node
+    # T5-family attention is unscaled (T5 folds 1/sqrt(d_head) into its init).
+    unscaled = isinstance(config, T5Config) or isinstance(getattr(config, "t5", None), T5Config)
+    rng = np.random.default_rng(0)
+    out = []
+    for prefix, attn in blocks.items():
+        if set(attn) != {"q", "k", "v", "o"}:
+            continue
+        d_model, inner = np.shape(materialize(attn["q"]))
+        d_kv = np.shape(materialize(attn["k"]))[0]
+        if inner % num_heads:
+            raise ValueError(f"--sweep-heads: {prefix}: {num_heads} heads do not divide {inner}")
+        cfg = AttentionConfig(d_model=int(d_model), num_heads=int(num_heads),
+                              d_head=int(inner // num_heads), d_kv_in=int(d_kv),
+                              scaled=not unscaled)
+        k = min(cfg.head_dim, cfg.d_model, cfg.kv_dim)
+        ranks = sorted({r for r in (args.sweep_ranks or []) if 0 <= r <= k}) or sorted(
+            {min(2 ** i, k) for i in range(int(np.log2(k)) + 1)} | {k})
+        x = rng.normal(size=(2, 32, cfg.d_model)).astype(np.float32)
+        kv = None if "cross" not in prefix and d_kv == d_model else rng.normal(
+            size=(2, 32, cfg.kv_dim)).astype(np.float32)
+        err = np.asarray(head_rank_sweep(attn, x, cfg, ranks, kv=kv))
+        out.append({"block": prefix, "ranks": ranks, "rel_error": err.tolist()})
+    print(f"\nper-head rank sweep (q/k/v of one head truncated, synthetic N(0, 1) inputs, "
+          f"relative output error; {len(out)} attention blocks)")
+    for b in out:
+        print(f"{b['block']}  ranks {b['ranks']}")
+        for h, row in enumerate(b["rel_error"]):
+            print(f"  head {h:>2}: " + " ".join(f"{e:.2e}" for e in row))
+    return out
 
 
 def cmd_compress(args) -> int:
@@ -166,7 +242,8 @@ def cmd_convert(args) -> int:
 def cmd_demo(args) -> int:
     from lowrank_jax.cli.demo import run_demo
 
-    result = run_demo(quick=args.quick, plots_dir=args.plots, progress=not args.no_progress)
+    result = run_demo(quick=args.quick, plots_dir=args.plots, progress=not args.no_progress,
+                      steps=args.steps)
     _write_json(args.json, result)
     return 0
 
@@ -182,6 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--pattern", help="only weights whose path matches this regular expression")
     a.add_argument("--json", help="write the report as JSON to this path")
     a.add_argument("--no-progress", action="store_true")
+    a.add_argument(
+        "--sweep",
+        action="store_true",
+        help="compression ratio -> output error curve over --sweep-eps (seed 000 Table 2), "
+        "compiled once; model checkpoints only get the output error",
+    )
+    a.add_argument("--sweep-eps", type=float, nargs="+",
+                   default=[0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01])
+    a.add_argument(
+        "--sweep-heads",
+        action="store_true",
+        help="per-head rank sweep of every attention block (synthetic N(0, 1) inputs)",
+    )
+    a.add_argument("--sweep-ranks", type=int, nargs="+",
+                   help="ranks for --sweep-heads (default: powers of 2 up to d_head)")
     a.set_defaults(func=cmd_analyze)
 
     c = sub.add_parser("compress", help="truncated-SVD compression of a saved parameter tree")
@@ -229,8 +321,11 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("--overwrite", action="store_true")
     v.set_defaults(func=cmd_convert)
 
-    d = sub.add_parser("demo", help="App. J experiments + compressing a small built-in model")
-    d.add_argument("--quick", action="store_true", help="smaller sizes (seconds)")
+    d = sub.add_parser(
+        "demo", help="App. J experiments, rank analysis of a built-in model, and pretraining "
+                     "compressed Chronos-Bolt models against compressing a dense one")
+    d.add_argument("--quick", action="store_true", help="smaller sizes and few training steps")
+    d.add_argument("--steps", type=int, help="training steps per pretrained model (default 600)")
     d.add_argument("--json", help="write the results as JSON to this path")
     d.add_argument("--plots", help="directory for PNG plots")
     d.add_argument("--no-progress", action="store_true")

@@ -116,17 +116,23 @@ def factorize_init(
     if (rank is None) == (schedule is None):
         raise ValueError(f"{owner}: give exactly one of rank= or schedule=")
     if per_head and not (isinstance(num_heads, int) and num_heads >= 1):
-        raise ValueError(f"{owner}: per_head=True needs num_heads (a positive int), got {num_heads!r}")
+        raise ValueError(
+            f"{owner}: per_head=True needs num_heads (a positive int), got {num_heads!r}"
+        )
     plan = {}
     for sel in select(params, rules):
         leaf = sel.leaf
         if not isinstance(leaf, Dense):
-            raise ValueError(f"{owner}: {sel.path} is a {type(leaf).__name__}; expected a Dense leaf")
+            raise ValueError(
+                f"{owner}: {sel.path} is a {type(leaf).__name__}; expected a Dense leaf"
+            )
         r = _rank_for(sel.path, rank, schedule, owner)
         d_in, d_out = leaf.shape
         head = per_head and sel.path.rsplit("/", 1)[-1] in ("q", "k", "v")
         if head and d_out % num_heads:
-            raise ValueError(f"{owner}: num_heads={num_heads} does not divide {sel.path}'s d_out={d_out}")
+            raise ValueError(
+                f"{owner}: num_heads={num_heads} does not divide {sel.path}'s d_out={d_out}"
+            )
         limit = min(d_in, d_out // num_heads) if head else min(d_in, d_out)
         if not (isinstance(r, (int, np.integer)) and 1 <= r <= limit):
             raise ValueError(
@@ -188,7 +194,9 @@ def reuse_weights(params: Any, pretrained: Any, pattern: str) -> Any:
         if not rx.search(path):
             return node
         if path not in src:
-            raise ValueError(f"reuse_weights: {path} matches {pattern!r} but is not in the pretrained tree")
+            raise ValueError(
+                f"reuse_weights: {path} matches {pattern!r} but is not in the pretrained tree"
+            )
         other = src[path]
         if type(other) is not type(node) or np.shape(_dense(other)) != np.shape(_dense(node)):
             raise ValueError(

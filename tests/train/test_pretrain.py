@@ -45,7 +45,7 @@ def test_power_schedule_ranks_and_ratio_recount(params):
 
 def test_app_k_schedule_endpoints_and_clipping(params):
     sched = interpolation_schedule(2, 40, 0.5, 4, max_rank=32)
-    ref = [min(32, math.floor(2 + (40 - 2) * ((l - 1) / 3) ** 0.5 + 0.5)) for l in range(1, 5)]
+    ref = [min(32, math.floor(2 + (40 - 2) * ((layer - 1) / 3) ** 0.5 + 0.5)) for layer in range(1, 5)]
     assert sched == ref and sched[0] == 2 and sched[-1] == 32
     new, _ = factorize_init(params, key=jax.random.PRNGKey(2), schedule=sched)
     assert [leaves(new)[f"encoder/layers/{i}/attn/k"].rank for i in range(4)] == sched
@@ -60,15 +60,16 @@ def test_factor_scale_matches_dense(params):
 
 
 def test_per_head_factorization(params):
-    new, rep = factorize_init(params, key=jax.random.PRNGKey(4), rank=5, per_head=True,
-                              num_heads=4)
+    new, rep = factorize_init(params, key=jax.random.PRNGKey(4), rank=5, per_head=True, num_heads=4)
     got = leaves(new)
     q, o = got["encoder/layers/2/attn/q"], got["encoder/layers/2/attn/o"]
     assert isinstance(q, lj.HeadLowRank) and q.u.shape == (64, 4, 5) and q.v.shape == (4, 5, 16)
     assert isinstance(o, lj.LowRank) and o.rank == 5
     row = next(r for r in rep.rows if r.path == "encoder/layers/2/attn/q")
     assert row.params_factorized == lj.param_count(q) == 4 * 5 * (64 + 16)
-    y = jax.jit(lambda p, s: pe.apply(p, s, CFG))(new, np.random.default_rng(0).normal(size=(2, 64)))
+    y = jax.jit(lambda p, s: pe.apply(p, s, CFG))(
+        new, np.random.default_rng(0).normal(size=(2, 64))
+    )
     assert np.all(np.isfinite(np.asarray(y)))
 
 
@@ -76,7 +77,10 @@ def test_per_head_factorization(params):
     "kwargs, match",
     [
         (dict(rank=65), r"encoder/layers/0/attn/k \(shape 64x64\) must be .*\[1, 64\], got 65"),
-        (dict(rank=17, per_head=True, num_heads=4), r"4 heads\) must be an int in \[1, 16\], got 17"),
+        (
+            dict(rank=17, per_head=True, num_heads=4),
+            r"4 heads\) must be an int in \[1, 16\], got 17",
+        ),
         (dict(schedule=[4, 4]), r"schedule has 2 ranks but encoder/layers/2/attn/\w is in layer 2"),
         (dict(rank=4, schedule=[4] * 4), r"exactly one of rank= or schedule="),
         (dict(rank=4, rules=["nothing/matches"]), r"nothing/matches"),
@@ -93,7 +97,9 @@ def test_reuse_embedding_from_pretrained(params):
     out = reuse_weights(small, other, r"^embed/")
     for path, leaf in leaves(out).items():
         src = leaves(other)[path] if path.startswith("embed/") else leaves(small)[path]
-        np.testing.assert_array_equal(np.asarray(lj.materialize(leaf)), np.asarray(lj.materialize(src)))
+        np.testing.assert_array_equal(
+            np.asarray(lj.materialize(leaf)), np.asarray(lj.materialize(src))
+        )
     with pytest.raises(ValueError, match=r"matches no leaf"):
         reuse_weights(small, other, r"^nope/")
     with pytest.raises(ValueError, match=r"encoder/layers/0/attn/q: expected LowRank"):
