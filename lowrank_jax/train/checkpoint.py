@@ -1,0 +1,470 @@
+"""Train-state checkpoints with orbax ``CheckpointManager``: keep-N, exact resume, resharding.
+
+A :class:`Checkpointer` saves a whole train state (any pytree: a
+:class:`~lowrank_jax.train.state.TrainState` with parameters of any leaf type, optimizer state,
+step, RNG key and data position) as one orbax step directory with two items::
+
+    directory/
+      <step>/
+        state/   # orbax StandardSave of the flattened state: {"arr_000000": array, ...}
+        meta/    # JSON: format, step, data_position, the tree's paths, shapes, dtypes and
+                 #   CRC32 checksums, its treedef, the caller's metadata and config
+
+Why flattened: the tree's *structure* (leaf dataclasses, their static fields such as
+``HeadLowRank.ranks`` or ``MaskedBinary.keep``, ``None`` entries, NamedTuples of optax states)
+is not data; it comes from ``like`` on restore. Restoring therefore needs ``like=``: a state, or
+an abstract one with the same treedef, typically::
+
+    like = jax.eval_shape(lambda: init_train_state(params, optimizer, key=key))
+
+The stored paths, shapes, dtypes and treedef are compared with ``like`` before any array is read,
+so an incompatible checkpoint fails with the paths that differ.
+
+Placement on restore (this is how a checkpoint moves between device counts): each array goes to
+the sharding of its ``like`` leaf (``jax.Array.sharding`` or ``jax.ShapeDtypeStruct(...,
+sharding=...)``); with ``mesh=`` every array is replicated over ``mesh`` unless its ``like``
+leaf already carries a ``NamedSharding`` on that mesh; otherwise it goes to the default device.
+NumPy leaves come back as NumPy arrays. Typed PRNG keys (``jax.random.key``) are stored as
+their key data and rewrapped.
+
+Integrity: orbax writes a step into a temporary directory and renames it when complete, so an
+interrupted save never shows up as a step (``latest_step()`` ignores it). On restore the CRC32
+of every array is checked against the one recorded at save time (``verify=True``), so a
+truncated, deleted or bit-flipped file gives :class:`CorruptCheckpointError` naming the step
+directory, and older steps remain restorable (``restore(step=...)``, or ``restore(
+fallback=True)`` to take the newest good step with a warning).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import warnings
+import zlib
+from typing import Any
+
+import jax
+import numpy as np
+
+from lowrank_jax.leaves.base import path_str
+
+FORMAT = "lowrank_jax.train_state"
+VERSION = 1
+_STATE, _META = "state", "meta"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint cannot be restored."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """Files of a checkpoint step are missing, truncated or altered."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A checkpoint is intact but does not match ``like`` (paths, shapes, dtypes, structure)."""
+
+
+def _ocp():
+    import orbax.checkpoint as ocp  # slow import, only needed here
+
+    return ocp
+
+
+def _treedef_str(treedef) -> str:
+    # Object addresses (reprs of static callables) differ between processes: drop them.
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", str(treedef))
+
+
+def _is_key(x: Any) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _crc(x: Any) -> int | None:
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        return None  # multi-host: not every process sees every shard
+    a = np.ascontiguousarray(np.asarray(x)).reshape(-1)
+    return zlib.crc32(a.view(np.uint8))
+
+
+def _first_diff(a: str, b: str, width: int = 60) -> str:
+    i = next((k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+    lo = max(0, i - width)
+    return f"...{a[lo:i + width]}... vs ...{b[lo:i + width]}..."
+
+
+def _config_json(config: Any) -> Any:
+    if config is None or isinstance(config, dict):
+        return config
+    if dataclasses.is_dataclass(config) and not isinstance(config, type):
+        from lowrank_jax.io import config_to_dict
+
+        try:
+            return config_to_dict(config)
+        except TypeError:
+            return dataclasses.asdict(config)
+    raise TypeError(f"Checkpointer.save: config must be a dict or a config dataclass, got "
+                    f"{type(config).__name__}")
+
+
+class Checkpointer:
+    """Save and restore train states in ``directory``, keeping the newest ``max_to_keep``.
+
+    Args:
+      directory: checkpoint root (created if missing); one sub-directory per step.
+      max_to_keep: number of newest steps kept (``None``: all).
+      verify: check array checksums on restore (costs one host copy of the state).
+      async_save: let orbax write in the background (call :meth:`wait_until_finished`
+        before relying on the files); synchronous by default.
+    """
+
+    def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
+                 verify: bool = True, async_save: bool = False):
+        ocp = _ocp()
+        if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
+            raise ValueError(f"Checkpointer: max_to_keep must be an int >= 1 or None, got "
+                             f"{max_to_keep!r}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.verify = verify
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save),
+        )
+
+    # -----------------------------------------------------------------------------------------
+    # Steps.
+
+    def all_steps(self) -> list[int]:
+        """Finalized steps on disk, oldest first (an interrupted save is never listed)."""
+        self._manager.reload()
+        return sorted(int(s) for s in self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        """The newest finalized step, or ``None`` when there is none."""
+        steps = self.all_steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(int(step)))
+
+    def wait_until_finished(self) -> None:
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+    def __enter__(self) -> "Checkpointer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -----------------------------------------------------------------------------------------
+    # Save.
+
+    def save(self, state: Any, *, metadata: dict | None = None, config: Any = None,
+             step: int | None = None) -> int:
+        """Save ``state`` as step ``step`` (default ``int(state.step)``).
+
+        Args:
+          state: any pytree of arrays (``jax.Array`` sharded or not, NumPy, typed PRNG keys,
+            Python scalars) and ``None``; typically a ``TrainState``.
+          metadata: JSON-serializable dict stored alongside (see :meth:`metadata`).
+          config: a config dataclass or dict stored alongside.
+          step: the step number; required when ``state`` has no ``step`` field.
+
+        Returns:
+          The step saved.
+
+        Raises:
+          ValueError: the step already exists, or no step was given.
+          TypeError: a node of ``state`` or ``metadata`` cannot be saved (nothing is written).
+        """
+        ocp = _ocp()
+        if step is None:
+            if not hasattr(state, "step"):
+                raise ValueError("Checkpointer.save: state has no 'step' field; pass step=")
+            step = int(np.asarray(state.step))
+        step = int(step)
+        if step < 0:
+            raise ValueError(f"Checkpointer.save: step must be >= 0, got {step}")
+        if metadata is not None and not isinstance(metadata, dict):
+            raise TypeError(f"Checkpointer.save: metadata must be a dict, got "
+                            f"{type(metadata).__name__}")
+        if step in self.all_steps():
+            raise ValueError(f"Checkpointer.save: step {step} already exists at "
+                             f"{self.step_dir(step)}; delete it or save under another step")
+
+        flat, treedef = jax.tree_util.tree_flatten_with_path(state)
+        arrays, entries = {}, []
+        for i, (kp, x) in enumerate(flat):
+            path = path_str(kp) or "<root>"
+            impl = None
+            if isinstance(x, jax.Array):
+                kind = "jax"
+                if _is_key(x):
+                    kind, impl = "key", str(jax.random.key_impl(x))
+                    x = jax.random.key_data(x)
+            elif isinstance(x, np.ndarray):
+                kind = "numpy"
+            elif isinstance(x, np.generic):
+                kind, x = "numpy_scalar", np.asarray(x)
+            elif isinstance(x, (bool, int, float)):
+                kind, x = type(x).__name__, np.asarray(x)
+            else:
+                raise TypeError(
+                    f"Checkpointer.save: state node '{path}' has type {type(x).__name__}; a "
+                    "state holds arrays, Python scalars and None in pytree containers"
+                )
+            key = f"arr_{i:06d}"
+            entry = {"path": path, "kind": kind, "shape": list(x.shape),
+                     "dtype": np.dtype(x.dtype).name, "impl": impl, "key": None, "crc32": None}
+            if x.size:  # orbax refuses zero-size arrays; the entry alone describes them
+                entry["key"] = key
+                entry["crc32"] = _crc(x) if self.verify else None
+                arrays[key] = x
+            entries.append(entry)
+
+        def scalar(name):
+            v = getattr(state, name, None)
+            return None if v is None else int(np.asarray(v))
+
+        meta = {"format": FORMAT, "version": VERSION, "step": step,
+                "data_position": scalar("data_position"), "treedef": _treedef_str(treedef),
+                "leaves": entries, "metadata": metadata or {}, "config": _config_json(config)}
+        try:
+            json.dumps(meta)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"Checkpointer.save: metadata or config is not JSON-serializable: "
+                            f"{e}") from e
+        self._manager.save(step, args=ocp.args.Composite(
+            **{_STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}),
+            force=True)
+        return step
+
+    # -----------------------------------------------------------------------------------------
+    # Restore.
+
+    def metadata(self, step: int | None = None) -> dict:
+        """What was saved besides the arrays: ``{"step", "data_position", "metadata",
+        "config", "leaves" (path/shape/dtype of each array), ...}``. No array is read."""
+        step = self._resolve(step)
+        return self._read_meta(step)
+
+    def _resolve(self, step: int | None) -> int:
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"Checkpointer: no checkpoint in {self.directory}")
+        if step is None:
+            return steps[-1]
+        if int(step) not in steps:
+            raise FileNotFoundError(
+                f"Checkpointer: no step {step} in {self.directory}; available steps: {steps}")
+        return int(step)
+
+    def _read_meta(self, step: int) -> dict:
+        ocp = _ocp()
+        where = self.step_dir(step)
+        try:
+            out = self._manager.restore(step, args=ocp.args.Composite(
+                **{_META: ocp.args.JsonRestore()}))
+            meta = out[_META]
+        except Exception as e:  # orbax raises many types for unreadable files
+            raise CorruptCheckpointError(
+                f"Checkpointer: cannot read the metadata of checkpoint {where} "
+                f"({type(e).__name__}: {_short(e)}); restore an earlier step "
+                f"(restore(step=...) or restore(fallback=True))") from e
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+            raise CorruptCheckpointError(
+                f"Checkpointer: {where}/{_META} is not a lowrank_jax train-state checkpoint "
+                f"(format {meta.get('format') if isinstance(meta, dict) else None!r})")
+        if meta.get("version") != VERSION:
+            raise IncompatibleCheckpointError(
+                f"Checkpointer: {where} has format version {meta.get('version')!r}; this "
+                f"lowrank_jax reads version {VERSION}")
+        if not isinstance(meta.get("leaves"), list):
+            raise CorruptCheckpointError(f"Checkpointer: {where}/{_META} has no 'leaves' list")
+        return meta
+
+    def restore(self, step: int | None = None, *, like: Any, mesh: Any = None,
+                fallback: bool = False) -> Any:
+        """Restore a saved state onto the shardings given by ``like`` / ``mesh``.
+
+        Args:
+          step: the step (default: the newest).
+          like: a state or abstract state (``jax.eval_shape`` of the init) with the same
+            treedef as the saved one; its leaves' shardings say where arrays go.
+          mesh: a ``jax.sharding.Mesh``: replicate every array over it (unless the ``like``
+            leaf already has a ``NamedSharding`` on this mesh).
+          fallback: with ``step=None``, if the newest step is corrupt, warn and try the older
+            ones, newest first.
+
+        Returns:
+          The state, with ``like``'s treedef.
+
+        Raises:
+          FileNotFoundError: no checkpoint, or no such step.
+          IncompatibleCheckpointError: paths, shapes, dtypes or structure differ from ``like``.
+          CorruptCheckpointError: files of the step are unreadable or fail their checksums.
+        """
+        if step is not None or not fallback:
+            return self._restore(self._resolve(step), like, mesh)
+        steps = self.all_steps()
+        if not steps:
+            raise FileNotFoundError(f"Checkpointer: no checkpoint in {self.directory}")
+        errors = []
+        for s in reversed(steps):
+            try:
+                out = self._restore(s, like, mesh)
+            except CorruptCheckpointError as e:
+                errors.append(str(e))
+                warnings.warn(f"{e}; falling back to an earlier step", stacklevel=2)
+                continue
+            if errors:
+                warnings.warn(f"Checkpointer: restored step {s}, the newest good checkpoint in "
+                              f"{self.directory}", stacklevel=2)
+            return out
+        raise CorruptCheckpointError(
+            f"Checkpointer: every checkpoint in {self.directory} is corrupt:\n  "
+            + "\n  ".join(errors))
+
+    def _restore(self, step: int, like: Any, mesh: Any) -> Any:
+        ocp = _ocp()
+        where = self.step_dir(step)
+        meta = self._read_meta(step)
+        entries = meta["leaves"]
+        flat, treedef = jax.tree_util.tree_flatten_with_path(like)
+        paths = [path_str(kp) or "<root>" for kp, _ in flat]
+        stored_paths = [e.get("path") for e in entries]
+        if paths != stored_paths:
+            missing = [p for p in paths if p not in stored_paths]
+            extra = [p for p in stored_paths if p not in paths]
+            raise IncompatibleCheckpointError(
+                f"Checkpointer: checkpoint {where} does not match `like`: it holds "
+                f"{len(stored_paths)} arrays, `like` {len(paths)}; in `like` but not saved: "
+                f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; saved but not in `like`: "
+                f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
+                + ("" if missing or extra else " (same paths in another order)"))
+        mine = _treedef_str(treedef)
+        if meta.get("treedef") != mine:
+            raise IncompatibleCheckpointError(
+                f"Checkpointer: checkpoint {where} has the same array paths as `like` but "
+                "another tree structure (container types or static leaf fields such as ranks "
+                f"or keep differ): saved vs like: {_first_diff(meta.get('treedef', ''), mine)}")
+
+        targets, abstract = [], {}
+        for (_, x), e, path in zip(flat, entries, paths, strict=True):
+            shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
+            like_shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+            like_dtype = getattr(x, "dtype", None)
+            if isinstance(x, (bool, int, float)):
+                like_dtype = np.asarray(x).dtype
+            if e["kind"] == "key":
+                if not _is_key(x):
+                    raise IncompatibleCheckpointError(
+                        f"Checkpointer: checkpoint {where}: '{path}' is a PRNG key "
+                        f"({e['impl']}) but `like` has {like_dtype}")
+                want = shape[:len(like_shape)]
+            else:
+                want = shape
+                if like_dtype is None or _is_key(x) or np.dtype(like_dtype) != dtype:
+                    raise IncompatibleCheckpointError(
+                        f"Checkpointer: checkpoint {where}: '{path}' is "
+                        f"{dtype.name}{list(shape)} but `like` has {like_dtype}{list(like_shape)}")
+            if tuple(want) != like_shape:
+                raise IncompatibleCheckpointError(
+                    f"Checkpointer: checkpoint {where}: '{path}' has shape {list(want)} but "
+                    f"`like` has {list(like_shape)}")
+            sharding = None
+            if e["kind"] in ("jax", "key"):
+                sharding = _target_sharding(x, mesh, len(shape), e["kind"] == "key")
+            targets.append(sharding)
+            if e["key"] is not None:
+                if sharding is None:
+                    abstract[e["key"]] = np.zeros(shape, dtype)
+                else:
+                    abstract[e["key"]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+        arrays = {}
+        if abstract:
+            try:
+                out = self._manager.restore(step, args=ocp.args.Composite(
+                    **{_STATE: ocp.args.StandardRestore(abstract)}))
+                arrays = out[_STATE]
+            except Exception as e:  # orbax/tensorstore raise many types for bad files
+                raise CorruptCheckpointError(
+                    f"Checkpointer: cannot read the arrays of checkpoint {where} "
+                    f"({type(e).__name__}: {_short(e)}); restore an earlier step "
+                    f"(restore(step=...) or restore(fallback=True))") from e
+        leaves = []
+        for e, sharding in zip(entries, targets, strict=True):
+            shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
+            if e["key"] is None:
+                a = np.zeros(shape, dtype)
+                a = a if sharding is None else jax.device_put(a, sharding)
+            else:
+                a = arrays.get(e["key"]) if isinstance(arrays, dict) else None
+                if a is None:
+                    raise CorruptCheckpointError(
+                        f"Checkpointer: checkpoint {where}: array '{e['path']}' ({e['key']}) is "
+                        f"missing from {_STATE}/")
+                if self.verify and e.get("crc32") is not None:
+                    crc = _crc(a)
+                    if crc is not None and crc != e["crc32"]:
+                        raise CorruptCheckpointError(
+                            f"Checkpointer: checkpoint {where}: array '{e['path']}' fails its "
+                            f"checksum (crc32 {crc:#010x}, saved {e['crc32']:#010x}): the files "
+                            "are damaged; restore an earlier step (restore(step=...) or "
+                            "restore(fallback=True))")
+            kind = e["kind"]
+            if kind == "key":
+                a = jax.random.wrap_key_data(a, impl=e["impl"])
+            elif kind == "numpy":
+                a = np.asarray(a)
+            elif kind == "numpy_scalar":
+                a = np.asarray(a)[()]
+            elif kind in ("bool", "int", "float"):
+                a = {"bool": bool, "int": int, "float": float}[kind](np.asarray(a).item())
+            leaves.append(a)
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def _short(e: BaseException, n: int = 300) -> str:
+    s = " ".join(str(e).split())
+    return s if len(s) <= n else s[:n] + " ..."
+
+
+def _target_sharding(x: Any, mesh: Any, ndim: int, is_key: bool):
+    """Where a restored array goes: see the module docstring."""
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    s = getattr(x, "sharding", None)
+    if isinstance(x, np.ndarray) or isinstance(x, np.generic):
+        s = None
+    if mesh is not None:
+        if isinstance(s, NamedSharding) and s.mesh == mesh:
+            pass
+        else:
+            return NamedSharding(mesh, PartitionSpec())
+    if s is None:
+        return SingleDeviceSharding(jax.devices()[0])
+    if is_key:  # key data has trailing dims the key array does not: extend the spec
+        if isinstance(s, NamedSharding):
+            spec = tuple(s.spec) + (None,) * (ndim - len(tuple(s.spec)))
+            return NamedSharding(s.mesh, PartitionSpec(*spec))
+        if isinstance(s, SingleDeviceSharding):
+            return s
+        if s.is_fully_replicated:
+            devices = np.array(sorted(s.device_set, key=lambda d: d.id))
+            return NamedSharding(jax.sharding.Mesh(devices, ("r",)), PartitionSpec())
+        raise IncompatibleCheckpointError(
+            f"Checkpointer: cannot place a PRNG key with sharding {s}; give `like` a "
+            "NamedSharding for it")
+    return s
+
+
+__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError",
+           "IncompatibleCheckpointError"]

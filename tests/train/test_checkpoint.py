@@ -1,0 +1,276 @@
+"""Train-state checkpoints: round trip, keep-N, exact resume, device counts, damaged files."""
+
+import glob
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+from lowrank_jax import (
+    HeadLowRank,
+    combine,
+    init_dense,
+    init_head_lowrank,
+    init_lowrank,
+    init_masked_binary,
+    linear,
+)
+from lowrank_jax.train.checkpoint import (
+    Checkpointer,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+from lowrank_jax.train.data import WindowConfig, WindowSampler
+from lowrank_jax.train.state import TrainState, init_train_state
+
+CTX, H = 16, 4
+
+
+def _params(key, rank=3):
+    k = jax.random.split(key, 4)
+    return {
+        "inp": init_lowrank(k[0], CTX, 8, rank, bias=True),
+        "heads": init_head_lowrank(k[1], 8, 2, 4, 2),
+        "bin": init_masked_binary(k[2], 8, 8, 0.5),
+        "out": init_dense(k[3], 8, H),  # b is None
+        "scale": jnp.ones((8,)),
+    }
+
+
+def _state(seed=0, rank=3):
+    key = jax.random.key(seed)
+    return init_train_state(_params(key, rank), optax.adam(1e-2), key=key)
+
+
+def _assert_trees_equal(a, b):
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb
+    for x, y in zip(la, lb, strict=True):
+        assert type(x) is type(y)
+        if jnp.issubdtype(getattr(x, "dtype", np.int64), jax.dtypes.prng_key):
+            assert x.dtype == y.dtype
+            x, y = jax.random.key_data(x), jax.random.key_data(y)
+        assert np.result_type(x) == np.result_type(y) and np.shape(x) == np.shape(y)
+        assert np.array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_round_trip_any_leaf_types_and_metadata(tmp_path):
+    state = _state()
+    state = state._replace(step=jnp.asarray(7, jnp.int32),
+                           data_position=jnp.asarray(42, jnp.int32))
+    ckpt = Checkpointer(tmp_path / "ck")
+    assert ckpt.latest_step() is None
+    assert ckpt.save(state, metadata={"note": "x"}, config={"lr": 0.01}) == 7
+    like = jax.eval_shape(lambda: _state())
+    fresh = Checkpointer(tmp_path / "ck")  # a new process sees what the old one wrote
+    assert fresh.latest_step() == 7
+    got = fresh.restore(like=like)
+    assert isinstance(got, TrainState) and got.frozen["bin"].keep == 0.5
+    _assert_trees_equal(got, state)
+    assert got.frozen["out"].b is None and got.params["out"].b is None
+    meta = fresh.metadata()
+    assert (meta["step"], meta["data_position"]) == (7, 42)
+    assert meta["metadata"] == {"note": "x"} and meta["config"] == {"lr": 0.01}
+    with pytest.raises(ValueError, match="step 7 already exists"):
+        ckpt.save(state)
+
+
+def test_keep_n_and_unfinished_save_is_not_a_step(tmp_path):
+    state = _state()
+    ckpt = Checkpointer(tmp_path, max_to_keep=2)
+    for s in range(1, 6):
+        ckpt.save(state._replace(step=jnp.asarray(s, jnp.int32)))
+    assert ckpt.all_steps() == [4, 5]
+    assert sorted(os.listdir(tmp_path)) == ["4", "5"]
+    # a save interrupted mid-way leaves only orbax's temporary directory: never "latest"
+    tmp = tmp_path / "9.orbax-checkpoint-tmp-1234"
+    (tmp / "state").mkdir(parents=True)
+    (tmp / "state" / "junk").write_bytes(b"\0" * 10)
+    assert Checkpointer(tmp_path, max_to_keep=2).latest_step() == 5
+
+
+def _loss(params, batch):
+    h = jnp.tanh(linear(params["inp"], batch["context"]))  # [b, 8]
+    h = h + linear(params["bin"], h) * params["scale"]
+    pred = linear(params["out"], h)  # [b, H]
+    return jnp.mean((pred - batch["target"]) ** 2)
+
+
+@jax.jit
+def _train_step(state, batch):
+    opt = optax.adam(1e-2)
+    key = jax.random.fold_in(state.rng, state.step)
+    noise = 0.01 * jax.random.normal(key, batch["context"].shape)
+    batch = dict(batch, context=batch["context"] + noise)
+    loss_fn = lambda p: _loss(combine(p, state.frozen), batch)
+    grads = jax.grad(loss_fn)(state.params)
+    updates, opt_state = opt.update(grads, state.opt_state, state.params)
+    return state._replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
+                          opt_state=opt_state, data_position=state.data_position + 1)
+
+
+def _run(state, sampler, n_steps):
+    sampler.position = int(state.data_position)
+    while int(state.step) < n_steps:
+        batch = {k: jnp.asarray(v) for k, v in next(sampler).items()
+                 if k in ("context", "target")}
+        state = _train_step(state, batch)
+        assert int(state.data_position) == sampler.position
+    return state
+
+
+def test_resume_is_bit_exact(tmp_path):
+    series = [np.sin(np.arange(300) / 7.0) * 3 + 5, np.cos(np.arange(200) / 5.0) + 2]
+    cfg = WindowConfig(CTX, H, stride=2)
+    n, k = 12, 5
+    make_sampler = lambda: WindowSampler(series, cfg, batch_size=8, seed=3)
+    full = _run(_state(), make_sampler(), n)
+
+    ckpt = Checkpointer(tmp_path, max_to_keep=2)
+    part = _run(_state(), make_sampler(), k)
+    ckpt.save(part)
+    del ckpt, part
+    # fresh objects, as after a restart
+    like = jax.eval_shape(lambda: _state())
+    resumed = Checkpointer(tmp_path).restore(like=like)
+    assert int(resumed.step) == k and int(resumed.data_position) == k
+    resumed = _run(resumed, make_sampler(), n)
+    _assert_trees_equal(resumed, full)
+    assert not np.array_equal(np.asarray(full.params["inp"].u),
+                              np.asarray(_state().params["inp"].u))
+
+
+def _abstract_on(sharding_for):
+    abstract = jax.eval_shape(lambda: _state())
+    return jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_for(x)), abstract)
+
+
+def test_restore_across_device_counts(tmp_path):
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    assert mesh.size == 8
+    replicated = NamedSharding(mesh, PartitionSpec())
+    state = _state(seed=4)
+    on8 = jax.device_put(state, replicated)
+    assert len(on8.params["inp"].u.sharding.device_set) == 8
+    Checkpointer(tmp_path / "from8").save(on8)
+
+    one = SingleDeviceSharding(jax.devices()[0])
+    got1 = Checkpointer(tmp_path / "from8").restore(like=_abstract_on(lambda x: one))
+    for x in jax.tree_util.tree_leaves(got1):
+        assert x.sharding.device_set == {jax.devices()[0]}
+    _assert_trees_equal(got1, state)
+
+    # 1 -> 8, with shardings built from mesh=
+    Checkpointer(tmp_path / "from1").save(state)
+    got8 = Checkpointer(tmp_path / "from1").restore(like=jax.eval_shape(lambda: _state()),
+                                                    mesh=mesh)
+    for x in jax.tree_util.tree_leaves(got8):
+        assert len(x.sharding.device_set) == 8 and x.sharding.is_fully_replicated
+    _assert_trees_equal(got8, state)
+    # ... and with the caller's own shardings (the first factor split over the mesh)
+    split = NamedSharding(mesh, PartitionSpec("data"))
+    like = _abstract_on(lambda x: split if x.shape == (CTX, 3) else replicated)
+    got = Checkpointer(tmp_path / "from1").restore(like=like, mesh=mesh)
+    assert got.params["inp"].u.sharding == split
+    _assert_trees_equal(got, state)
+
+
+def _two_steps(path):
+    ckpt = Checkpointer(path, max_to_keep=3)
+    s1 = _state(seed=1)._replace(step=jnp.asarray(1, jnp.int32))
+    s2 = _state(seed=2)._replace(step=jnp.asarray(2, jnp.int32))
+    ckpt.save(s1)
+    ckpt.save(s2)
+    return ckpt, s1, s2
+
+
+def _data_files(step_dir):
+    return [p for p in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
+            if os.path.isfile(p)]
+
+
+# orbax's async reader reports the failed read once more when its event loop is collected
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+@pytest.mark.parametrize("damage", ["truncate", "delete", "flip", "swap", "meta"])
+def test_corrupt_latest_gives_clear_error_and_previous_survives(tmp_path, damage):
+    ckpt, s1, _ = _two_steps(tmp_path)
+    step_dir = str(tmp_path / "2")
+    if damage == "meta":
+        os.remove(os.path.join(step_dir, "meta", "metadata"))
+    elif damage == "swap":  # readable files with other contents: only the checksums tell
+        shutil.rmtree(os.path.join(step_dir, "state"))
+        shutil.copytree(str(tmp_path / "1" / "state"), os.path.join(step_dir, "state"))
+    else:
+        files = _data_files(step_dir)
+        assert files
+        for f in files:
+            if damage == "truncate":
+                with open(f, "r+b") as fh:
+                    fh.truncate(os.path.getsize(f) // 2)
+            elif damage == "delete":
+                os.remove(f)
+            else:
+                b = bytearray(open(f, "rb").read())
+                for i in range(len(b) // 3, len(b), 7):
+                    b[i] ^= 0x5A
+                open(f, "wb").write(bytes(b))
+    like = jax.eval_shape(lambda: _state())
+    fresh = Checkpointer(tmp_path, max_to_keep=3)
+    with pytest.raises(CorruptCheckpointError, match=rf"checkpoint {step_dir}\b") as err:
+        fresh.restore(like=like)
+    if damage == "swap":
+        assert "fails its checksum" in str(err.value)
+    assert fresh.latest_step() == 2 and fresh.all_steps() == [1, 2]
+    _assert_trees_equal(fresh.restore(step=1, like=like), s1)
+    with pytest.warns(UserWarning) as record:
+        got = fresh.restore(like=like, fallback=True)
+    messages = [str(w.message) for w in record]
+    assert any(step_dir in m and "falling back" in m for m in messages)
+    assert any("restored step 1, the newest good checkpoint" in m for m in messages)
+    _assert_trees_equal(got, s1)
+
+
+def test_incompatible_like_is_rejected_with_the_mismatch(tmp_path):
+    ckpt, _, _ = _two_steps(tmp_path)
+    where = str(tmp_path / "2")
+    wrong_rank = jax.eval_shape(lambda: _state(rank=2))
+    with pytest.raises(IncompatibleCheckpointError, match=rf"{where}.*params/inp/u.*\[16, 2\]"):
+        ckpt.restore(like=wrong_rank)
+    extra = jax.eval_shape(lambda: _state()._replace(frozen={"new": jnp.zeros(3)}))
+    with pytest.raises(IncompatibleCheckpointError, match="in `like` but not saved"):
+        ckpt.restore(like=extra)
+    # same arrays, different static field (HeadLowRank.ranks): a different treedef
+    def ranked():
+        st = _state()
+        hl = st.params["heads"]
+        return st._replace(params=dict(st.params, heads=HeadLowRank(hl.u, hl.v, hl.b, (2, 1))))
+    with pytest.raises(IncompatibleCheckpointError, match="static leaf fields"):
+        ckpt.restore(like=jax.eval_shape(ranked))
+    with pytest.raises(FileNotFoundError, match="no step 5.*available steps: \\[1, 2\\]"):
+        ckpt.restore(step=5, like=wrong_rank)
+
+
+def test_plain_trees_numpy_scalars_and_empty_arrays(tmp_path):
+    tree = {"np": np.arange(6, dtype=np.int16).reshape(2, 3), "npscalar": np.float32(2.5),
+            "py": 3, "empty": jnp.zeros((0, 4)), "none": None,
+            "keys": jax.random.split(jax.random.key(1), 3), "old_key": jax.random.PRNGKey(5)}
+    ckpt = Checkpointer(tmp_path, async_save=True)
+    with pytest.raises(ValueError, match="no 'step' field; pass step="):
+        ckpt.save(tree)
+    ckpt.save(tree, step=3)
+    ckpt.wait_until_finished()
+    got = Checkpointer(tmp_path).restore(like=tree)
+    assert type(got["np"]) is np.ndarray and got["np"].dtype == np.int16
+    assert type(got["npscalar"]) is np.float32 and got["npscalar"] == 2.5
+    assert type(got["py"]) is int and got["py"] == 3
+    assert got["empty"].shape == (0, 4) and got["none"] is None
+    _assert_trees_equal(got, tree)
+    with pytest.raises(IncompatibleCheckpointError, match=r"'np' is int16\[2, 3\] but `like` has"):
+        Checkpointer(tmp_path).restore(like=dict(tree, np=np.zeros((2, 3), np.float32)))
