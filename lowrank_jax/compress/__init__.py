@@ -34,11 +34,13 @@ from lowrank_jax.compress.svd import (
     project_inputs,
     truncated_svd,
 )
+from lowrank_jax.compress.sweep import eps_sweep, head_rank_sweep
 
 __all__ = [
     "compare_models", "sample_inputs", "top_k_jaccard",
     "ATTENTION_QKVO", "ATTENTION_QKV_PER_HEAD", "CompressionReport", "CompressionRow",
-    "Selection", "compare_truncations", "compress", "head_truncated_svd",
+    "Selection", "compare_truncations", "compress", "eps_sweep", "head_rank_sweep",
+    "head_truncated_svd",
     "interpolation_schedule", "normalize_rules", "power_schedule", "project_inputs", "select",
     "truncated_svd", "uniform_schedule",
 ]
