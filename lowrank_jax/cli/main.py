@@ -1,4 +1,4 @@
-"""The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert`` and ``demo``.
+"""The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert``, ``train`` and ``demo``.
 
 User errors (bad arguments, missing or malformed checkpoints) print one line and exit with
 status 2; set ``LOWRANK_JAX_DEBUG=1`` to get the traceback instead.
@@ -248,6 +248,19 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_train(args) -> int:
+    from lowrank_jax.cli.train_cmd import run_train
+
+    if args.distributed:
+        import jax
+
+        # Multi-host: coordinator address, process count and id come from the environment
+        # (or the cluster's auto-detection: SLURM, TPU pods, ...).
+        jax.distributed.initialize()
+    run_train(args.config, args.out, progress=not args.no_progress)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowrank-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -330,6 +343,15 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--plots", help="directory for PNG plots")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("train", help="pretrain a (compressed-by-design) Chronos-Bolt from a "
+                                     "JSON config; resumes from --out/checkpoints")
+    t.add_argument("config", help="JSON config file (see lowrank_jax.cli.train_cmd)")
+    t.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, model")
+    t.add_argument("--distributed", action="store_true",
+                   help="call jax.distributed.initialize() first (multi-host)")
+    t.add_argument("--no-progress", action="store_true")
+    t.set_defaults(func=cmd_train)
     return p
 
 

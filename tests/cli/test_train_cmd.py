@@ -88,3 +88,18 @@ def test_fit_resumes_bit_exactly(tmp_path):
     for (pa, a), (pb, b) in zip(lj.named_leaves(straight), lj.named_leaves(resumed), strict=True):
         assert pa == pb
         np.testing.assert_array_equal(np.asarray(lj.materialize(a)), np.asarray(lj.materialize(b)))
+
+
+def test_cli_train_subcommand(tmp_path, capsys):
+    from lowrank_jax.cli.main import main
+
+    cfg = write(tmp_path, {"model": MODEL, "compression": {"rank": 3},
+                           "train": {"steps": 2, "batch_size": 8, "eval_every": 2,
+                                     "checkpoint_every": 2}})
+    assert main(["train", cfg, "--out", str(tmp_path / "run"), "--no-progress"]) == 0
+    assert "rank 3" in capsys.readouterr().out
+    _, params = load_model(tmp_path / "run" / "model")
+    ranks = {leaf.rank for path, leaf in lj.named_leaves(params) if isinstance(leaf, lj.LowRank)}
+    assert ranks == {3}
+    assert main(["train", str(tmp_path / "missing.json"), "--out", str(tmp_path / "x")]) == 2
+    assert "missing.json" in capsys.readouterr().err
