@@ -236,15 +236,11 @@ def _plots(plots_dir: str, ranks: dict, rows: list[dict]) -> list[str]:
     ]
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        ax.scatter(r["time_ratio"], r["wql"], s=20 + 200 * r["size_ratio"])
-        ax.annotate(
-            r["method"].replace("pretrained ", ""),
-            (r["time_ratio"], r["wql"]),
-            fontsize=7,
-            xytext=(3, 3),
-            textcoords="offset points",
-        )
+    markers = "os^vD<>p*h"
+    for i, r in enumerate(rows):
+        ax.scatter(r["time_ratio"], r["wql"], s=30 + 150 * r["size_ratio"], marker=markers[i % 10],
+                   alpha=0.8, label=f"{r['method'].replace('pretrained ', '')} (size {r['size_ratio']:.2f})")
+    ax.legend(fontsize=7, loc="best")
     ax.set_xlabel("inference time relative to dense")
     ax.set_ylabel("WQL relative to dense")
     ax.set_title("time-accuracy frontier (marker size ~ size ratio)")

@@ -79,12 +79,35 @@ def leaf_dataclass(cls: type, *, meta: tuple[str, ...] = ()) -> type:
     """Make ``cls`` a frozen dataclass and register it as a pytree node.
 
     Fields named in ``meta`` are static (hashable Python values, part of the treedef); all
-    other fields are array children.
+    other fields are array children, keyed by attribute name (``GetAttrKey``).
+
+    Rebuilding a leaf from its children (``tree_unflatten``) bypasses ``__init__`` and so
+    ``__post_init__``: the shape checks run when a user constructs a leaf, not when JAX
+    rebuilds one whose children are scalars (``tree_map`` to norms, as ``optax.global_norm``
+    does), stacked arrays (``pmap``/``vmap`` outputs) or sentinels (``partition``).
     """
     cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
     names = [f.name for f in dataclasses.fields(cls)]
-    data = [n for n in names if n not in meta]
-    return jax.tree_util.register_dataclass(cls, data_fields=data, meta_fields=list(meta))
+    data = tuple(n for n in names if n not in meta)
+    static = tuple(meta)
+
+    def flatten_with_keys(obj):
+        children = tuple((jax.tree_util.GetAttrKey(n), getattr(obj, n)) for n in data)
+        return children, tuple(getattr(obj, n) for n in static)
+
+    def flatten(obj):
+        return tuple(getattr(obj, n) for n in data), tuple(getattr(obj, n) for n in static)
+
+    def unflatten(aux, children):
+        obj = object.__new__(cls)
+        for n, v in zip(data, children, strict=True):
+            object.__setattr__(obj, n, v)
+        for n, v in zip(static, aux, strict=True):
+            object.__setattr__(obj, n, v)
+        return obj
+
+    jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    return cls
 
 
 def _check_input(leaf_name: str, d_in: int, x: Array) -> None:

@@ -27,9 +27,10 @@ Parallelism:
   axis (:func:`replicate_for_pmap`).
 
 Mixed precision: ``compute_dtype=jnp.bfloat16`` casts every float array of the parameter tree
-to bf16 inside the loss (the forward and backward run in bf16); the master parameters, the
-gradients (cast back by the transpose of the cast) and the optimizer state stay float32.
-Inputs in the batch are not cast: ``loss_fn`` decides how to feed them.
+(trainable and frozen) to bf16 inside the loss; the master parameters, the gradients (cast back
+to float32 by the transpose of the cast) and the optimizer state stay float32. The batch is not
+cast (targets keep their precision): under JAX's type promotion a float32 input times a bf16
+weight computes in float32, so ``loss_fn`` (or the model) casts the inputs it wants in bf16.
 
 Buffers of the input state are donated (``donate_argnums=(0,)``): do not reuse a state after
 passing it to a step.

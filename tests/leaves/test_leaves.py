@@ -234,3 +234,27 @@ def test_linear_rejects_wrong_input_dim():
     leaf = lj.LowRank(jnp.ones((4, 2)), jnp.ones((2, 3)))
     with pytest.raises(ValueError, match=r"d_in=4.*\(5, 3\)"):
         lj.linear(leaf, jnp.ones((5, 3)))
+
+
+def test_tree_rebuilds_skip_construction_checks():
+    """JAX may rebuild leaves with scalars or stacked children; only user construction checks."""
+    import optax
+
+    r = rng(8)
+    tree = {
+        "a": lj.LowRank(jnp.asarray(r.normal(size=(5, 2)), jnp.float32),
+                        jnp.asarray(r.normal(size=(2, 3)), jnp.float32)),
+        "b": lj.HeadLowRank(jnp.ones((4, 2, 2)), jnp.ones((2, 2, 3)), ranks=(2, 1)),
+        "c": lj.init_masked_binary(jax.random.PRNGKey(0), 4, 3, keep=0.5),
+    }
+    norm = float(optax.global_norm(tree))
+    ref = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(tree)))
+    assert norm == pytest.approx(ref, rel=1e-6)
+    stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), tree)  # e.g. pmap outputs
+    assert stacked["a"].u.shape == (2, 5, 2) and stacked["b"].ranks == (2, 1)
+    # per-device slices are leaves again, equal to the original
+    first = jax.tree_util.tree_map(lambda x: x[0], stacked)
+    np.testing.assert_array_equal(np.asarray(lj.materialize(first["a"])), np.asarray(lj.materialize(tree["a"])))
+    # direct construction still validates
+    with pytest.raises(ValueError, match="LowRank"):
+        lj.LowRank(jnp.ones((2, 3, 4)), jnp.ones((4, 2)))

@@ -39,6 +39,7 @@ from lowrank_jax.train import (
     make_pmap_train_step,
     make_train_step,
     quantile_loss,
+    replicate,
     replicate_for_pmap,
     shard_batch,
     unreplicate,
@@ -243,6 +244,15 @@ def test_batch_not_divisible_rejected_before_compile():
     assert counter[0] == 0
 
 
+def test_shard_batch_splits_rows_and_replicate_copies():
+    mesh = _mesh()
+    batch = shard_batch(_mlp_batch(n=32), mesh)
+    assert batch["x"].sharding.spec == P("data")
+    assert [s.data.shape for s in batch["x"].addressable_shards] == [(4, 16)] * N_DEV
+    rep = replicate({"w": np.arange(6.0).reshape(2, 3)}, mesh)
+    assert rep["w"].sharding.is_fully_replicated and len(rep["w"].sharding.device_set) == N_DEV
+
+
 def test_bad_configurations_are_clear():
     loss = _make_mlp_loss([0])
     with pytest.raises(ValueError, match="'model' is not an axis"):
@@ -288,6 +298,9 @@ def test_bf16_compute_keeps_float32_master_params():
 
     def loss_bf16(p, b, k):
         seen["dtypes"] = {x.dtype for x in jax.tree.leaves(p)}
+        # the step casts parameters only; inputs follow the parameters' dtype here, else
+        # f32 inputs would promote every matmul back to f32
+        b = {"x": b["x"].astype(p["l0"].w.dtype), "y": b["y"]}
         return _make_mlp_loss([0])(p, b, k)
 
     bf16 = make_train_step(loss_bf16, opt, mesh=_mesh(), compute_dtype=jnp.bfloat16)
@@ -295,13 +308,15 @@ def test_bf16_compute_keeps_float32_master_params():
     s16, m16 = bf16(init_train_state(params, opt, key=KEY), batch, KEY)
     assert seen["dtypes"] == {jnp.dtype(jnp.bfloat16)}  # the forward saw bf16 parameters
     assert {x.dtype for x in jax.tree.leaves(s16.params)} == {jnp.dtype(jnp.float32)}
-    # bf16 keeps ~3 significant digits; through 4 layers the loss agrees to ~1e-2 relative
-    # (measured ~3e-3), the grad norm likewise; a bigger gap would mean a wrong cast
-    assert float(m16["loss"]) != float(m32["loss"])
-    assert abs(float(m16["loss"]) - float(m32["loss"])) <= 2e-2 * float(m32["loss"])
-    assert abs(float(m16["grad_norm"]) - float(m32["grad_norm"])) <= 5e-2 * float(
+    assert {x.dtype for x in jax.tree.leaves(s16.frozen)} == {jnp.dtype(jnp.float32)}
+    # bf16 keeps 8 mantissa bits. Measured on this model: loss 1e-4 and grad norm 1.6e-3
+    # relative to f32; the bounds are 10x looser, and equality would mean nothing was cast
+    loss16, loss32 = float(m16["loss"]), float(m32["loss"])
+    assert loss16 != loss32
+    assert abs(loss16 - loss32) <= 1e-3 * loss32
+    assert abs(float(m16["grad_norm"]) - float(m32["grad_norm"])) <= 2e-2 * float(
         m32["grad_norm"])
-    # the update is an f32 update of f32 masters: close to the f32 step, not bf16-rounded
+    # the update is an f32 update of f32 masters, close to the f32 step
     delta32 = s32.params["l0"].w - params["l0"].w
     delta16 = s16.params["l0"].w - params["l0"].w
     assert float(jnp.max(jnp.abs(delta16 - delta32))) <= 0.1 * float(jnp.max(jnp.abs(delta32)))
@@ -315,11 +330,9 @@ BOLT = chronos_bolt.ChronosBoltConfig(
     context_length=48, prediction_length=12, input_patch_size=8, input_patch_stride=8)
 
 
-@jax.jit  # one compiled init instead of hundreds of eagerly compiled small ops
-def _compressed_bolt(key):
+def _compressed_bolt_structure(key):
     """Per-head low rank q/k/v, shared low rank o and MLPs, Biprop in the output block."""
     params = chronos_bolt.init(key, BOLT)
-    keys = iter(jax.random.split(jax.random.fold_in(key, 1), 64))
     t5 = BOLT.t5
 
     def rewrite(path, node):
@@ -327,14 +340,32 @@ def _compressed_bolt(key):
             return node
         d_in, d_out = node.shape
         if re.search(r"attn/(q|k|v)$", path):
-            return init_head_lowrank(next(keys), d_in, t5.num_heads, t5.d_kv, 4)
+            return init_head_lowrank(key, d_in, t5.num_heads, t5.d_kv, 4)
         if re.search(r"(attn/o|mlp/wi|mlp/wo)$", path):
-            return init_lowrank(next(keys), d_in, d_out, 8)
+            return init_lowrank(key, d_in, d_out, 8)
         if path == "output_patch_embedding/hidden_layer":
-            return init_masked_binary(next(keys), d_in, d_out, 0.5, bias=True)
+            return init_masked_binary(key, d_in, d_out, 0.5, bias=True)
         return node
 
     return map_with_path(rewrite, params)
+
+
+def _compressed_bolt(seed=0):
+    """Values drawn with NumPy on the structure above (its shapes come from ``eval_shape``):
+    compiling the random initializers would cost more than the whole training run."""
+    shapes = jax.eval_shape(_compressed_bolt_structure, jax.random.key(0))
+    rng = np.random.default_rng(seed)
+
+    def fill(path, x):
+        name = str(path[-1])
+        if "scale" in name:
+            return np.ones(x.shape, np.float32)
+        if len(x.shape) == 1:  # biases
+            return np.zeros(x.shape, np.float32)
+        std = 1.0 / np.sqrt(np.prod(x.shape[:-1]))
+        return (std * rng.standard_normal(x.shape)).astype(np.float32)
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
 
 
 def _airline_windows():
@@ -358,7 +389,7 @@ def _bolt_loss(params, batch, key):
 
 
 def test_compressed_chronos_bolt_learns_airline_and_keeps_frozen_weights():
-    params = _compressed_bolt(jax.random.key(0))
+    params = _compressed_bolt()
     kinds = {type(n).__name__ for _, n in named_leaves(params)}
     assert {"HeadLowRank", "LowRank", "MaskedBinary", "Dense"} <= kinds
     q = params["encoder"]["layers"][0]["attn"]["q"]
