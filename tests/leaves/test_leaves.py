@@ -254,7 +254,8 @@ def test_tree_rebuilds_skip_construction_checks():
     assert stacked["a"].u.shape == (2, 5, 2) and stacked["b"].ranks == (2, 1)
     # per-device slices are leaves again, equal to the original
     first = jax.tree_util.tree_map(lambda x: x[0], stacked)
-    np.testing.assert_array_equal(np.asarray(lj.materialize(first["a"])), np.asarray(lj.materialize(tree["a"])))
+    np.testing.assert_array_equal(np.asarray(lj.materialize(first["a"])),
+                                  np.asarray(lj.materialize(tree["a"])))
     # direct construction still validates
     with pytest.raises(ValueError, match="LowRank"):
         lj.LowRank(jnp.ones((2, 3, 4)), jnp.ones((4, 2)))
