@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 import warnings
@@ -57,6 +58,29 @@ _STATE, _META = "state", "meta"
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be restored."""
+
+
+class _AbandonedReadFilter(logging.Filter):
+    """Drops asyncio's "Task exception was never retrieved" for orbax reads that failed.
+
+    When one array of a corrupt checkpoint cannot be read, orbax abandons the sibling read
+    tasks; asyncio logs each of them when it is garbage-collected (often at interpreter exit,
+    after everything else has printed). The failure itself is already reported as a
+    :class:`CorruptCheckpointError`, so these records are noise.
+    """
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        msg = record.getMessage()
+        return not ("Task exception was never retrieved" in msg and "async_deserialize" in msg)
+
+
+_FILTER = _AbandonedReadFilter()
+
+
+def _quiet_abandoned_reads() -> None:
+    logger = logging.getLogger("asyncio")
+    if _FILTER not in logger.filters:
+        logger.addFilter(_FILTER)
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -395,6 +419,7 @@ class Checkpointer:
                     **{_STATE: ocp.args.StandardRestore(abstract)}))
                 arrays = out[_STATE]
             except Exception as e:  # orbax/tensorstore raise many types for bad files
+                _quiet_abandoned_reads()
                 raise CorruptCheckpointError(
                     f"Checkpointer: cannot read the arrays of checkpoint {where} "
                     f"({type(e).__name__}: {_short(e)}); restore an earlier step "
