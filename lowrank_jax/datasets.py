@@ -21,17 +21,18 @@ _AEON_LOADERS = (
 )
 
 
-def builtin_series() -> tuple[list[np.ndarray], str]:
-    """Real univariate series shipped with aeon, or synthetic ones if aeon is not installed.
+def builtin_datasets() -> tuple[dict[str, list[np.ndarray]], str]:
+    """The built-in series grouped by dataset: ``({name: [series, ...]}, description)``.
 
-    Returns:
-      ``(series, description)``: a list of 1-D float64 arrays (NaNs dropped, each at least 32
-      long) and a one-line description of where they came from.
+    Real series shipped with aeon (NaNs dropped, each at least 32 long; a multivariate dataset
+    gives one series per channel), or synthetic ones grouped by kind if aeon is not installed.
+    Per-dataset groups are what Chronos-style evaluation needs: scores are computed per
+    dataset and aggregated by geometric mean relative to a baseline.
     """
     try:
         from aeon import datasets as ds
 
-        out, names = [], []
+        groups: dict[str, list[np.ndarray]] = {}
         for name in _AEON_LOADERS:
             fn = getattr(ds, name, None)
             if fn is None:
@@ -49,17 +50,25 @@ def builtin_series() -> tuple[list[np.ndarray], str]:
             cols = [c[np.isfinite(c)] for c in a.T]
             cols = [c for c in cols if c.size >= 32]
             if cols:
-                out.extend(cols)
-                names.append(name.removeprefix("load_"))
-        if out:
-            return out, f"aeon ({', '.join(names)})"
+                groups[name.removeprefix("load_")] = cols
+        if groups:
+            return groups, f"aeon ({', '.join(groups)})"
     except ImportError:
         pass
     t = np.arange(2048, dtype=np.float64)
     rng = np.random.default_rng(0)
-    synth = [np.sin(2 * np.pi * t / p) for p in (12, 24, 50, 168)]
-    synth += [np.exp(-t / 400.0), np.exp(t / 2048.0), rng.normal(size=t.size)]
-    return synth, "synthetic (sinusoids, exponentials, white noise; install aeon for real series)"
+    groups = {
+        "sinusoids": [np.sin(2 * np.pi * t / p) for p in (12, 24, 50, 168)],
+        "exponentials": [np.exp(-t / 400.0), np.exp(t / 2048.0)],
+        "white_noise": [rng.normal(size=t.size)],
+    }
+    return groups, "synthetic (sinusoids, exponentials, white noise; install aeon for real series)"
+
+
+def builtin_series() -> tuple[list[np.ndarray], str]:
+    """All built-in series in one list: ``(series, description)`` (see :func:`builtin_datasets`)."""
+    groups, source = builtin_datasets()
+    return [s for group in groups.values() for s in group], source
 
 
 def windows(series: list[np.ndarray], length: int, n: int, seed: int = 0) -> np.ndarray:

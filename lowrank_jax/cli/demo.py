@@ -143,8 +143,8 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
             rows.append(row)
             print(f"  {method:<26} {rank:>5d} {row['size_ratio']:>11.3f} {row['rel_error']:>11.4f}")
     # Flow-of-ranks (seed 000 sec. 5): per-layer ranks from the hidden states' eps-rank at
-    # eps = 0.05, against one uniform rank with (about) the same total, both by projection.
-    sched = [max(1, h.eps_ranks[0.05]) for h in report.hidden]
+    # eps = 0.1, against one uniform rank with (about) the same total, both by projection.
+    sched = [max(1, min(h.eps_ranks[0.1], cfg.d_model // 2 - 1)) for h in report.hidden]
     uniform = [max(1, round(sum(sched) / len(sched)))] * len(sched)
     print(
         "\nrank per layer from the flow-of-ranks vs uniform at the same budget (input projection)"
