@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from lowrank_jax.convert._paths import get_path, set_path
 from lowrank_jax.convert.errors import CheckpointError
 from lowrank_jax.convert.hf import register_family
 from lowrank_jax.convert.t5 import key_table as t5_key_table
@@ -57,24 +58,6 @@ def _optional(cfg: ChronosBoltConfig) -> dict:
                 (t.relative_attention_num_buckets, t.num_heads)}
 
 
-def _set(tree: dict, path: tuple, value) -> None:
-    node = tree
-    for p, nxt in zip(path[:-1], path[1:], strict=True):
-        if isinstance(p, int):
-            while len(node) <= p:
-                node.append([] if isinstance(nxt, int) else {})
-            node = node[p]
-        else:
-            node = node.setdefault(p, [] if isinstance(nxt, int) else {})
-    node[path[-1]] = value
-
-
-def _get(tree, path: tuple):
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
 def params_from_state_dict(cfg: ChronosBoltConfig, state: dict, *,
                            source: str = "<state dict>", dtype=np.float32) -> dict:
     """Build the lowrank_jax Chronos-Bolt tree from a state dict of NumPy arrays.
@@ -114,9 +97,9 @@ def params_from_state_dict(cfg: ChronosBoltConfig, state: dict, *,
         elif kind == "bias":
             dense.setdefault(path, {})["b"] = jnp.asarray(a)
         else:
-            _set(params, path, jnp.asarray(a))
+            set_path(params, path, jnp.asarray(a))
     for path, f in dense.items():  # T5 projections carry no bias
-        _set(params, path, Dense(w=f["w"], b=f.get("b")))
+        set_path(params, path, Dense(w=f["w"], b=f.get("b")))
     return params
 
 
@@ -124,7 +107,7 @@ def state_dict_from_params(cfg: ChronosBoltConfig, params: dict) -> dict:
     """Inverse of :func:`params_from_state_dict` (compressed leaves are materialized)."""
     out = {}
     for key, path, kind, _ in key_table(cfg):
-        node = _get(params, path)
+        node = get_path(params, path)
         if kind == "linear":
             out[key] = np.asarray(materialize(node)).T.copy()  # [in, out] -> [out, in]
         elif kind == "bias":

@@ -12,6 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.convert._paths import get_path, set_path
 from lowrank_jax.convert.errors import CheckpointError
 from lowrank_jax.convert.hf import register_family
 from lowrank_jax.leaves import Dense, materialize
@@ -75,24 +76,6 @@ def key_table(cfg: T5Config, *, untied_head: bool | None = None) -> list[tuple]:
     return rows
 
 
-def _set(tree: dict, path: tuple, value) -> None:
-    node = tree
-    for p, nxt in zip(path[:-1], path[1:], strict=False):
-        if isinstance(p, int):
-            while len(node) <= p:
-                node.append({} if not isinstance(nxt, int) else [])
-            node = node[p]
-        else:
-            node = node.setdefault(p, [] if isinstance(nxt, int) else {})
-    node[path[-1]] = value
-
-
-def _get(tree, path: tuple):
-    for p in path:
-        tree = tree[p]
-    return tree
-
-
 def resolve_head(cfg: T5Config, state: dict) -> T5Config:
     """Decide tied vs untied head from the weights as well as the config.
 
@@ -151,9 +134,9 @@ def params_from_state_dict(cfg: T5Config, state: dict, *, source: str = "<state 
     for key, path, kind, _ in rows:
         a = np.asarray(state[key], dtype=dtype)
         if kind == "linear":
-            _set(params, path, Dense(w=jnp.asarray(a.T)))  # [out, in] -> [in, out], once
+            set_path(params, path, Dense(w=jnp.asarray(a.T)))  # [out, in] -> [in, out], once
         else:
-            _set(params, path, jnp.asarray(a))
+            set_path(params, path, jnp.asarray(a))
     return params
 
 
@@ -166,7 +149,7 @@ def state_dict_from_params(cfg: T5Config, params: dict) -> dict:
     """
     out = {}
     for key, path, kind, _ in key_table(cfg):
-        node = _get(params, path)
+        node = get_path(params, path)
         if kind == "linear":
             out[key] = np.asarray(materialize(node)).T.copy()  # [in, out] -> [out, in]
         else:
