@@ -24,12 +24,9 @@ import jax
 import jax.numpy as jnp
 
 from lowrank_jax.leaves import init_dense, linear
-from lowrank_jax.models.vit import activation_from_hf
+from lowrank_jax.models.vit import activation_from_hf, layernorm_encoder
 from lowrank_jax.nn import (
-    AttentionConfig,
     EncoderConfig,
-    EncoderLayerConfig,
-    MLPConfig,
     NormConfig,
     apply_encoder,
     apply_norm,
@@ -83,16 +80,7 @@ class BertConfig:
 
     @property
     def encoder(self) -> EncoderConfig:
-        d = self.hidden_size
-        layer = EncoderLayerConfig(
-            attention=AttentionConfig(d_model=d, num_heads=self.num_attention_heads,
-                                      use_bias=True, scaled=True),
-            mlp=MLPConfig(d_model=d, d_ff=self.intermediate_size, activation=self.hidden_act,
-                          use_bias=True),
-            norm=NormConfig(kind="layer", eps=self.layer_norm_eps),
-            prenorm=False,
-        )
-        return EncoderConfig(layer=layer, num_layers=self.num_hidden_layers, final_norm=False)
+        return layernorm_encoder(self, prenorm=False)
 
     @property
     def embedding_norm(self) -> NormConfig:

@@ -60,6 +60,25 @@ def activation_from_hf(name: str, owner: str) -> str:
     return HF_ACTIVATIONS[name]
 
 
+def layernorm_encoder(cfg, *, prenorm: bool) -> EncoderConfig:
+    """The BERT/ViT encoder: biased scaled attention, biased MLP, LayerNorm.
+
+    ``cfg`` has the Hugging Face field names (``hidden_size``, ``num_attention_heads``,
+    ``intermediate_size``, ``hidden_act``, ``layer_norm_eps``, ``num_hidden_layers``).
+    Pre-norm with a final LayerNorm is ViT/DeiT; post-norm without one is BERT.
+    """
+    d = cfg.hidden_size
+    layer = EncoderLayerConfig(
+        attention=AttentionConfig(d_model=d, num_heads=cfg.num_attention_heads, use_bias=True,
+                                  scaled=True),
+        mlp=MLPConfig(d_model=d, d_ff=cfg.intermediate_size, activation=cfg.hidden_act,
+                      use_bias=True),
+        norm=NormConfig(kind="layer", eps=cfg.layer_norm_eps),
+        prenorm=prenorm,
+    )
+    return EncoderConfig(layer=layer, num_layers=cfg.num_hidden_layers, final_norm=prenorm)
+
+
 @dataclasses.dataclass(frozen=True)
 class ViTConfig:
     """ViT / DeiT configuration (field names as in Hugging Face ``ViTConfig``/``DeiTConfig``).
@@ -150,16 +169,7 @@ class ViTConfig:
 
     @property
     def encoder(self) -> EncoderConfig:
-        d = self.hidden_size
-        layer = EncoderLayerConfig(
-            attention=AttentionConfig(d_model=d, num_heads=self.num_attention_heads,
-                                      use_bias=True, scaled=True),
-            mlp=MLPConfig(d_model=d, d_ff=self.intermediate_size, activation=self.hidden_act,
-                          use_bias=True),
-            norm=NormConfig(kind="layer", eps=self.layer_norm_eps),
-            prenorm=True,
-        )
-        return EncoderConfig(layer=layer, num_layers=self.num_hidden_layers, final_norm=True)
+        return layernorm_encoder(self, prenorm=True)
 
     @classmethod
     def from_hf_dict(cls, d: dict, **overrides) -> "ViTConfig":
