@@ -61,7 +61,7 @@ class CheckpointError(ValueError):
 
 
 class _AbandonedReadFilter(logging.Filter):
-    """Drops asyncio's "Task exception was never retrieved" for orbax reads that failed.
+    """Drops asyncio's "... exception was never retrieved" for orbax reads that failed.
 
     When one array of a corrupt checkpoint cannot be read, orbax abandons the sibling read
     tasks; asyncio logs each of them when it is garbage-collected (often at interpreter exit,
@@ -71,7 +71,10 @@ class _AbandonedReadFilter(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         msg = record.getMessage()
-        return not ("Task exception was never retrieved" in msg and "async_deserialize" in msg)
+        # "Task exception was never retrieved" or "Future exception was never retrieved", for
+        # a tensorstore read of the checkpoint that failed.
+        return not ("exception was never retrieved" in msg
+                    and ("async_deserialize" in msg or "tensorstore_spec" in msg))
 
 
 _FILTER = _AbandonedReadFilter()

@@ -274,3 +274,24 @@ def test_plain_trees_numpy_scalars_and_empty_arrays(tmp_path):
     _assert_trees_equal(got, tree)
     with pytest.raises(IncompatibleCheckpointError, match=r"'np' is int16\[2, 3\] but `like` has"):
         Checkpointer(tmp_path).restore(like=dict(tree, np=np.zeros((2, 3), np.float32)))
+
+
+def test_abandoned_read_noise_filter_is_narrow():
+    """After a corrupt read, asyncio's 'exception was never retrieved' records for the abandoned
+    tensorstore reads are dropped; any other unretrieved exception is still logged."""
+    import logging
+
+    from lowrank_jax.train.checkpoint import _AbandonedReadFilter
+
+    f = _AbandonedReadFilter()
+
+    def rec(msg):
+        return logging.LogRecord("asyncio", logging.ERROR, "", 0, msg, None, None)
+
+    assert not f.filter(rec("Future exception was never retrieved\nfuture: <Future finished "
+                            "exception=ValueError('OUT_OF_RANGE [tensorstore_spec=...]')>"))
+    assert not f.filter(rec("Task exception was never retrieved\nfuture: <Task finished "
+                            "coro=<async_deserialize() done>>"))
+    assert f.filter(rec("Task exception was never retrieved\nfuture: <Task finished "
+                        "coro=<user_code()> exception=KeyError('x')>"))
+    assert f.filter(rec("some other asyncio error"))
