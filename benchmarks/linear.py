@@ -29,6 +29,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -37,30 +38,6 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import lowrank_jax as lj
 
 GOAL = 1.15
-
-
-def _cpu_snapshot() -> tuple[float, float, float] | None:
-    """(busy CPU seconds of the whole machine, elapsed CPU seconds, this process's CPU seconds)."""
-    try:
-        with open("/proc/stat") as f:
-            jiffies = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None  # not Linux
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = jiffies[3] + jiffies[4]  # idle + iowait
-    t = os.times()
-    return (sum(jiffies) - idle) / hz, sum(jiffies) / hz, t.user + t.system
-
-
-def _other_load(before, after) -> float | None:
-    """Fraction of the machine's CPU time used by other processes between two snapshots.
-
-    The timings are only as good as the machine is quiet; this is printed next to them.
-    """
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    others = (after[0] - before[0]) - (after[2] - before[2])
-    return min(1.0, max(0.0, others / (after[1] - before[1])))
 
 
 def _time_interleaved(fn, leaves, x, runs: int, warmup: int) -> list[float]:
@@ -91,9 +68,9 @@ def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
     ranks = [max(1, round(q * d / 2)) for q in ratios]
     lowranks = [lj.init_lowrank(k, d, d, r) for k, r in zip(kl, ranks, strict=True)]
     fn = jax.jit(lambda leaf, x: lj.linear(leaf, x))
-    before = _cpu_snapshot()
+    before = cpu_snapshot()
     med = _time_interleaved(fn, [dense, *lowranks], x, runs, warmup)
-    load = _other_load(before, _cpu_snapshot())
+    load = other_load(before, cpu_snapshot())
     dense_flops = lj.flops(dense, n_tokens)
     rows = []
     for q, r, leaf, t in zip(ratios, ranks, lowranks, med[1:], strict=True):

@@ -49,6 +49,8 @@ import statistics
 import sys
 import time
 
+from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+
 QUANTILES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 SPEEDUP_GOAL = 2.0  # JAX at least 2x faster than PyTorch eager
 TIME_FLOP_GOAL = 1.2  # compressed time ratio within 1.2x of its FLOP ratio
@@ -63,27 +65,6 @@ QUICK = dict(d_model=256, d_kv=32, num_heads=8, d_ff=1024, num_layers=4,
 
 
 # -- machine ---------------------------------------------------------------------------------
-
-def _cpu_snapshot() -> tuple[float, float, float] | None:
-    """(busy CPU seconds of the whole machine, elapsed CPU seconds, this process's CPU seconds)."""
-    try:
-        with open("/proc/stat") as f:
-            jiffies = [int(v) for v in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None  # not Linux
-    hz = os.sysconf("SC_CLK_TCK")
-    idle = jiffies[3] + jiffies[4]  # idle + iowait
-    t = os.times()
-    return (sum(jiffies) - idle) / hz, sum(jiffies) / hz, t.user + t.system
-
-
-def _other_load(before, after) -> float | None:
-    """Fraction of the machine's CPU time used by other processes between two snapshots."""
-    if before is None or after is None or after[1] <= before[1]:
-        return None
-    others = (after[0] - before[0]) - (after[2] - before[2])
-    return min(1.0, max(0.0, others / (after[1] - before[1])))
-
 
 def _set_threads(n: int) -> str:
     """Pin this process to ``n`` CPUs and set the XLA flag, before jax is imported."""
@@ -397,11 +378,11 @@ def main(argv: list[str] | None = None) -> dict:
     fns = [torch_fwd, jax_call(params)] + [jax_call(cp) for _, cp, _ in variants]
     for _, cp, _ in variants:  # compile outside the timed loop
         jax.block_until_ready(fwd(cp, x))
-    before = _cpu_snapshot()
+    before = cpu_snapshot()
     t0 = time.perf_counter()
     times = time_interleaved(fns, runs, warmup)
     loop_s = time.perf_counter() - t0
-    load = _other_load(before, _cpu_snapshot())
+    load = other_load(before, cpu_snapshot())
     med = [statistics.median(t) for t in times]
     torch_ms, dense_ms = med[0] * 1e3, med[1] * 1e3
     speedup = med[0] / med[1]

@@ -264,6 +264,17 @@ class EncoderConfig:
         _check_stack("EncoderConfig", self, EncoderLayerConfig)
 
 
+def _init_stack(key: Array, cfg, init_layer, num_heads: int) -> dict:
+    """Layers in a list, then the optional final norm and shared relative-bias table."""
+    keys = jax.random.split(key, cfg.num_layers + 1)
+    params = {"layers": [init_layer(k, cfg.layer) for k in keys[:-1]]}
+    if cfg.final_norm:
+        params["final_norm"] = init_norm(cfg.layer.d_model, cfg.layer.norm)
+    if cfg.relative_bias is not None:
+        params["rel_bias"] = init_relative_bias(keys[-1], cfg.relative_bias, num_heads)
+    return params
+
+
 def init_encoder(key: Array, cfg: EncoderConfig) -> dict:
     """Parameters of an encoder stack.
 
@@ -275,14 +286,7 @@ def init_encoder(key: Array, cfg: EncoderConfig) -> dict:
       ``{'layers': [layer params, ...]}`` plus ``'final_norm'`` and ``'rel_bias'``
       (``[num_buckets, heads]``) when configured.
     """
-    keys = jax.random.split(key, cfg.num_layers + 1)
-    params = {"layers": [init_encoder_layer(k, cfg.layer) for k in keys[:-1]]}
-    if cfg.final_norm:
-        params["final_norm"] = init_norm(cfg.layer.d_model, cfg.layer.norm)
-    if cfg.relative_bias is not None:
-        params["rel_bias"] = init_relative_bias(keys[-1], cfg.relative_bias,
-                                                cfg.layer.attention.num_heads)
-    return params
+    return _init_stack(key, cfg, init_encoder_layer, cfg.layer.attention.num_heads)
 
 
 def apply_encoder(params: dict, x: Array, cfg: EncoderConfig, *, mask: Array | None = None,
@@ -350,14 +354,7 @@ def init_decoder(key: Array, cfg: DecoderConfig) -> dict:
       ``{'layers': [layer params, ...]}`` plus ``'final_norm'`` and ``'rel_bias'``
       (``[num_buckets, heads]``) when configured.
     """
-    keys = jax.random.split(key, cfg.num_layers + 1)
-    params = {"layers": [init_decoder_layer(k, cfg.layer) for k in keys[:-1]]}
-    if cfg.final_norm:
-        params["final_norm"] = init_norm(cfg.layer.d_model, cfg.layer.norm)
-    if cfg.relative_bias is not None:
-        params["rel_bias"] = init_relative_bias(keys[-1], cfg.relative_bias,
-                                                cfg.layer.self_attention.num_heads)
-    return params
+    return _init_stack(key, cfg, init_decoder_layer, cfg.layer.self_attention.num_heads)
 
 
 def apply_decoder(params: dict, x: Array, enc: Array, cfg: DecoderConfig, *,
