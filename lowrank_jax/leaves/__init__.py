@@ -1,31 +1,64 @@
-"""Leaf types, the ``x @ W`` dispatch, ``materialize`` and counts (bottom layer)."""
+"""Leaf types, the ``x @ W`` and query-key dispatches, ``materialize``, counts, surgery and
+placement (the bottom layer of lowrank_jax)."""
 
 from lowrank_jax.leaves.base import (
     Leaf,
+    array_bits,
+    array_size,
+    bias_of,
+    check_bias,
+    data_fields,
+    is_leaf,
+    keep_inputs,
+    keep_outputs,
+    leaf_dataclass,
+    leaf_dtype,
+    linear,
+    materialize,
+    materialize_host,
+    meta_fields,
+    node_types,
+    qualified_name,
+    require_leaf,
+    slice_bias,
+)
+from lowrank_jax.leaves.dense import Dense, LowRank
+from lowrank_jax.leaves.head_lowrank import HeadLowRank
+from lowrank_jax.leaves.heads import HeadLayout, head_offsets, is_uniform, merge_heads, split_heads
+from lowrank_jax.leaves.init import init_dense, init_head_lowrank, init_lowrank
+from lowrank_jax.leaves.masked_binary import (
+    FrozenBinary,
+    MaskedBinary,
+    init_masked_binary,
+    keep_count,
+    top_mask,
+)
+from lowrank_jax.leaves.query_key import QK, QueryKey, attention_logits
+from lowrank_jax.leaves.sharding import mesh_shardings, partition_specs
+from lowrank_jax.leaves.tree import (
+    check_tokens,
     combine,
     flops,
-    is_leaf,
+    get_path,
     layer_index,
-    leaf_dataclass,
-    linear,
     map_with_path,
-    materialize,
     named_leaves,
     param_count,
     partition,
     path_str,
+    replace_paths,
     storage_bits,
     trainable_mask,
 )
-from lowrank_jax.leaves.dense import Dense, LowRank
-from lowrank_jax.leaves.head_lowrank import HeadLowRank
-from lowrank_jax.leaves.init import init_dense, init_head_lowrank, init_lowrank
-from lowrank_jax.leaves.masked_binary import MaskedBinary, init_masked_binary, keep_count, top_mask
 
 __all__ = [
-    "Dense", "HeadLowRank", "Leaf", "LowRank", "MaskedBinary", "combine", "flops",
+    "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
+    "MaskedBinary", "QueryKey", "array_bits", "array_size", "attention_logits", "bias_of",
+    "check_bias", "check_tokens", "combine", "data_fields", "flops", "get_path", "head_offsets",
     "init_dense", "init_head_lowrank", "init_lowrank", "init_masked_binary", "is_leaf",
-    "keep_count", "layer_index", "leaf_dataclass", "linear", "map_with_path", "materialize",
-    "named_leaves", "param_count", "partition", "path_str", "storage_bits", "top_mask",
-    "trainable_mask",
+    "is_uniform", "keep_count", "keep_inputs", "keep_outputs", "layer_index", "leaf_dataclass",
+    "leaf_dtype", "linear", "map_with_path", "materialize", "materialize_host", "merge_heads",
+    "mesh_shardings", "meta_fields", "named_leaves", "node_types", "param_count", "partition",
+    "partition_specs", "path_str", "qualified_name", "replace_paths", "require_leaf",
+    "slice_bias", "split_heads", "storage_bits", "top_mask", "trainable_mask",
 ]

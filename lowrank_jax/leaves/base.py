@@ -1,93 +1,94 @@
-"""The leaf protocol: one ``x @ W`` dispatch, explicit densification, counts.
+"""The leaf protocol: one ``x @ W`` dispatch, explicit densification, counts, surgery, placement.
 
 Every weight matrix in a lowrank_jax parameter tree is a *leaf*: a frozen dataclass that is a
 pytree node (its arrays are children, its sizes are static metadata). Blocks never look inside a
 leaf; they call :func:`linear`. A new compression method adds a new :class:`Leaf` subclass that
-implements the five abstract methods below, and no block changes.
+implements the abstract methods below, and no block changes.
 
-Conventions (see ``design.md``):
+Conventions (see the README's architecture section):
 
 * Flax orientation: ``y = x @ W`` with ``W: [d_in, d_out]``.
-* FLOPs count multiply-adds of the matrix product (the convention of seed 003 Table 5 and seed 004
-  eqs. 42-54); bias additions and activation work are not counted.
+* FLOPs count multiply-adds of the matrix products actually executed (the convention of
+  "Sparse Binary Transformers for Multivariate Time Series Modeling", Table 5, and of
+  "Partitioning Transformer Networks with Low Intercommunication" once its factor of 2 per
+  multiply-add is removed); bias additions and activation work are not counted.
 * Storage bits count what must be stored to run the leaf at inference.
+
+The protocol, by concern:
+
+========================  ==================================================================
+compute                   :meth:`Leaf.apply` (through :func:`linear`), :meth:`Leaf.to_dense`
+                          (through :func:`materialize`)
+counts                    :meth:`Leaf.param_count`, :meth:`Leaf.storage_bits`,
+                          :meth:`Leaf.flops`
+training                  :meth:`Leaf.trainable` (which children ``jax.grad`` sees)
+surgery                   :meth:`Leaf.keep_inputs`, :meth:`Leaf.keep_outputs` (physical removal
+                          of channels), :attr:`Leaf.bias`, :meth:`Leaf.with_bias`
+placement                 :meth:`Leaf.logical_axes` (a logical axis name per array dimension;
+                          :func:`lowrank_jax.leaves.mesh_shardings` maps names to a mesh)
+========================  ==================================================================
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-import re
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.errors import LeafTypeError, ShapeError
+
 Array = jax.Array
 
+#: Array types that count as concrete (shape checks run on them, not on tracers or sentinels).
+CONCRETE = (jax.Array, np.ndarray)
 
-class Leaf(abc.ABC):
-    """Base class of all compressed-weight leaf types.
 
-    Subclasses are frozen dataclasses registered as pytrees (see :func:`leaf_dataclass`).
+# ---------------------------------------------------------------------------------------------
+# Registered node classes (leaf types, query-key objects, static head layouts).
+
+_NODE_TYPES: dict[str, type] = {}
+
+
+def qualified_name(cls: type) -> str:
+    """``module.QualName`` of a class: the key under which node classes are registered."""
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def node_types() -> dict[str, type]:
+    """Every class registered with :func:`leaf_dataclass`, by qualified name.
+
+    The checkpoint reader rebuilds nodes from this registry (never by importing a module named
+    in a file): a checkpoint holding a leaf type defined outside lowrank_jax loads once the
+    module defining that type has been imported.
     """
-
-    @property
-    @abc.abstractmethod
-    def shape(self) -> tuple[int, int]:
-        """``(d_in, d_out)`` of the dense matrix this leaf represents."""
-
-    @abc.abstractmethod
-    def apply(self, x: Array) -> Array:
-        """Compute ``x @ W (+ b)`` for ``x: [..., d_in]``. Call :func:`linear` instead."""
-
-    @abc.abstractmethod
-    def to_dense(self) -> Array:
-        """The dense ``[d_in, d_out]`` matrix. Call :func:`materialize` instead."""
-
-    @abc.abstractmethod
-    def param_count(self) -> int:
-        """Number of stored parameters (bias included)."""
-
-    @abc.abstractmethod
-    def storage_bits(self) -> int:
-        """Bits needed to store the leaf for inference (bias included)."""
-
-    @abc.abstractmethod
-    def flops(self, n_tokens: int) -> int:
-        """Multiply-adds of ``x @ W`` for ``n_tokens`` input rows."""
-
-    def trainable(self) -> "Leaf":
-        """Same-structure tree of bools: which children ``jax.grad`` should see.
-
-        The default trains every array child. Leaves with frozen parts (for example the random
-        weights of :class:`~lowrank_jax.MaskedBinary`) override this.
-        """
-        return jax.tree_util.tree_map(lambda _: True, self)
-
-    @property
-    def d_in(self) -> int:
-        return self.shape[0]
-
-    @property
-    def d_out(self) -> int:
-        return self.shape[1]
+    return dict(_NODE_TYPES)
 
 
-def leaf_dataclass(cls: type, *, meta: tuple[str, ...] = ()) -> type:
-    """Make ``cls`` a frozen dataclass and register it as a pytree node.
+def leaf_dataclass(cls: type | None = None, *, meta: tuple[str, ...] = ()):
+    """Make ``cls`` a frozen dataclass, register it as a pytree node and as a node type.
 
-    Fields named in ``meta`` are static (hashable Python values, part of the treedef); all
-    other fields are array children, keyed by attribute name (``GetAttrKey``).
+    Usable as ``Cls = leaf_dataclass(Cls, meta=(...))`` or as a decorator
+    ``@leaf_dataclass(meta=("ranks",))``. Fields named in ``meta`` are static (hashable Python
+    values, part of the treedef, so XLA compiles fixed shapes); all other fields are children
+    (arrays, nested leaves or ``None``), keyed by attribute name (``GetAttrKey``), so parameter
+    paths read ``.../qk/q``.
 
-    Rebuilding a leaf from its children (``tree_unflatten``) bypasses ``__init__`` and so
-    ``__post_init__``: the shape checks run when a user constructs a leaf, not when JAX
-    rebuilds one whose children are scalars (``tree_map`` to norms, as ``optax.global_norm``
-    does), stacked arrays (``pmap``/``vmap`` outputs) or sentinels (``partition``).
+    Rebuilding a node from its children (``tree_unflatten``) bypasses ``__init__`` and so
+    ``__post_init__``: the shape checks run when a user constructs a leaf, not when JAX rebuilds
+    one whose children are scalars (``tree_map`` to norms, as ``optax.global_norm`` does),
+    stacked arrays (``pmap``/``vmap`` outputs) or sentinels (``partition``).
     """
+    if cls is None:
+        return lambda c: leaf_dataclass(c, meta=meta)
     cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    unknown = set(meta) - set(names)
+    if unknown:
+        raise TypeError(f"leaf_dataclass: {cls.__name__} has no fields {sorted(unknown)} (meta)")
     data = tuple(n for n in names if n not in meta)
     static = tuple(meta)
 
@@ -107,15 +108,129 @@ def leaf_dataclass(cls: type, *, meta: tuple[str, ...] = ()) -> type:
         return obj
 
     jax.tree_util.register_pytree_with_keys(cls, flatten_with_keys, unflatten, flatten)
+    cls.__lowrank_jax_data__ = data
+    cls.__lowrank_jax_meta__ = static
+    _NODE_TYPES[qualified_name(cls)] = cls
     return cls
 
 
+def data_fields(node: Any) -> tuple[str, ...]:
+    """Names of the child (array) fields of a registered node class or instance."""
+    return type(node).__lowrank_jax_data__ if not isinstance(node, type) else \
+        node.__lowrank_jax_data__
+
+
+def meta_fields(node: Any) -> tuple[str, ...]:
+    """Names of the static fields of a registered node class or instance."""
+    return type(node).__lowrank_jax_meta__ if not isinstance(node, type) else \
+        node.__lowrank_jax_meta__
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight-leaf protocol.
+
+class Leaf(abc.ABC):
+    """Base class of all weight leaf types (one matrix ``W: [d_in, d_out]``, possibly
+    compressed).
+
+    Subclasses are frozen dataclasses registered with :func:`leaf_dataclass`. Implement the
+    abstract methods; :meth:`trainable` has a default (train every array child).
+    """
+
+    # -- compute ----------------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, int]:
+        """``(d_in, d_out)`` of the dense matrix this leaf represents."""
+
+    @abc.abstractmethod
+    def apply(self, x: Array) -> Array:
+        """Compute ``x @ W (+ b)`` for ``x: [..., d_in]``. Call :func:`linear` instead."""
+
+    @abc.abstractmethod
+    def to_dense(self) -> Array:
+        """The dense ``[d_in, d_out]`` matrix (bias excluded). Call :func:`materialize`."""
+
+    # -- counts -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def param_count(self) -> int:
+        """Number of stored parameters (bias included)."""
+
+    @abc.abstractmethod
+    def storage_bits(self) -> int:
+        """Bits needed to store the leaf for inference (bias included)."""
+
+    @abc.abstractmethod
+    def flops(self, n_tokens: int) -> int:
+        """Multiply-adds of ``x @ W`` for ``n_tokens`` input rows, as executed."""
+
+    # -- surgery ----------------------------------------------------------------------------
+
+    @property
+    @abc.abstractmethod
+    def bias(self) -> Array | None:
+        """The bias ``[d_out]`` or ``None``."""
+
+    @abc.abstractmethod
+    def with_bias(self, b: Array | None) -> "Leaf":
+        """The same leaf with bias ``b`` (``[d_out]`` or ``None``)."""
+
+    @abc.abstractmethod
+    def keep_inputs(self, idx: np.ndarray) -> "Leaf":
+        """A leaf computing ``x[..., idx] @ W[idx, :]``: the input channels ``idx`` kept.
+
+        ``idx`` is a sorted 1-D integer NumPy array of distinct channels (static). Used by
+        structured pruning: the result is physically smaller.
+        """
+
+    @abc.abstractmethod
+    def keep_outputs(self, idx: np.ndarray) -> "Leaf":
+        """A leaf computing ``(x @ W + b)[..., idx]``: the output channels ``idx`` kept."""
+
+    # -- placement --------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def logical_axes(self) -> dict[str, tuple[str | None, ...]]:
+        """A logical axis name for every dimension of every array child.
+
+        Names in use: ``'in'`` / ``'out'`` (the matrix's input and output features),
+        ``'rank'`` (a factorization's inner dimension), ``'heads'``, ``'head_dim'``,
+        ``'machine'`` (partitioned leaves). ``None`` marks a dimension with no name.
+        :func:`lowrank_jax.leaves.mesh_shardings` maps names to mesh axes; FSDP shards any
+        dimension by size. Children that are ``None`` are omitted.
+        """
+
+    # -- training ---------------------------------------------------------------------------
+
+    def trainable(self) -> "Leaf":
+        """Same-structure tree of bools: which children ``jax.grad`` should see.
+
+        The default trains every array child. Leaves with frozen parts (for example the random
+        weights of :class:`~lowrank_jax.MaskedBinary`) override this.
+        """
+        return jax.tree_util.tree_map(lambda _: True, self)
+
+    # -- derived ----------------------------------------------------------------------------
+
+    @property
+    def d_in(self) -> int:
+        return self.shape[0]
+
+    @property
+    def d_out(self) -> int:
+        return self.shape[1]
+
+
+# ---------------------------------------------------------------------------------------------
+# Dispatch functions: the only way blocks and surgery touch a weight.
+
 def _check_input(leaf_name: str, d_in: int, x: Array) -> None:
     if x.shape[-1:] != (d_in,):
-        raise ValueError(
+        raise ShapeError(
             f"linear: {leaf_name} expects inputs with last dimension d_in={d_in}, "
-            f"got an input of shape {tuple(x.shape)}"
-        )
+            f"got an input of shape {tuple(x.shape)}", expected=d_in, actual=tuple(x.shape))
 
 
 def linear(w: Leaf | Array, x: Array) -> Array:
@@ -133,7 +248,8 @@ def linear(w: Leaf | Array, x: Array) -> Array:
         return w.apply(x)
     w = jnp.asarray(w)
     if w.ndim != 2:
-        raise ValueError(f"linear: a plain weight must be 2-D [d_in, d_out], got shape {w.shape}")
+        raise ShapeError(f"linear: a plain weight must be 2-D [d_in, d_out], got shape {w.shape}",
+                         expected="[d_in, d_out]", actual=tuple(w.shape))
     _check_input("weight array", w.shape[0], x)
     return x @ w
 
@@ -145,113 +261,99 @@ def materialize(w: Leaf | Array) -> Array:
     return jnp.asarray(w)
 
 
+def materialize_host(w: Leaf | Array) -> np.ndarray:
+    """The dense matrix of a leaf in float64 on the host (for decompositions and analysis).
+
+    The leaf's arrays are cast to float64 and :meth:`Leaf.to_dense` runs with 64-bit types
+    enabled, so a factorized leaf's product is formed in float64, not through a float32 matmul.
+    Works for any leaf type, including ones defined outside lowrank_jax.
+    """
+    if not isinstance(w, Leaf):
+        return np.asarray(w, dtype=np.float64)
+    with jax.enable_x64(True):
+        w64 = jax.tree_util.tree_map(
+            lambda a: jnp.asarray(np.asarray(a, np.float64))
+            if jnp.issubdtype(np.asarray(a).dtype, jnp.floating) else jnp.asarray(a), w)
+        return np.asarray(w64.to_dense(), dtype=np.float64)
+
+
+def leaf_dtype(w: Leaf | Array):
+    """The floating dtype of a leaf (of its first floating array child) or of an array."""
+    for a in jax.tree_util.tree_leaves(w):
+        if jnp.issubdtype(jnp.asarray(a).dtype, jnp.floating):
+            return jnp.asarray(a).dtype
+    return jnp.float32
+
+
+def bias_of(w: Leaf | Array) -> Array | None:
+    """The bias of a weight leaf (``None`` for a plain array)."""
+    return w.bias if isinstance(w, Leaf) else None
+
+
+def _check_idx(idx, size: int, what: str, where: str) -> np.ndarray:
+    idx = np.asarray(idx)
+    if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
+        raise ShapeError(f"{where}: {what} indices must be a 1-D integer array, got "
+                         f"{idx.dtype}{list(idx.shape)}")
+    if idx.size and (idx.min() < 0 or idx.max() >= size):
+        raise ShapeError(f"{where}: {what} indices must lie in [0, {size}), got range "
+                         f"[{idx.min()}, {idx.max()}]", expected=f"[0, {size})",
+                         actual=(int(idx.min()), int(idx.max())))
+    if np.any(np.diff(idx) <= 0):
+        raise ShapeError(f"{where}: {what} indices must be sorted and distinct")
+    return idx.astype(np.int64)
+
+
+def keep_inputs(w: Leaf | Array, idx) -> Leaf | Array:
+    """``w`` restricted to the input channels ``idx`` (rows of ``W``); see
+    :meth:`Leaf.keep_inputs`. A plain array is sliced."""
+    if isinstance(w, Leaf):
+        return w.keep_inputs(_check_idx(idx, w.d_in, "input", type(w).__name__))
+    a = jnp.asarray(w)
+    return a[_check_idx(idx, a.shape[0], "input", "array")]
+
+
+def keep_outputs(w: Leaf | Array, idx) -> Leaf | Array:
+    """``w`` restricted to the output channels ``idx`` (columns of ``W`` and of the bias)."""
+    if isinstance(w, Leaf):
+        return w.keep_outputs(_check_idx(idx, w.d_out, "output", type(w).__name__))
+    a = jnp.asarray(w)
+    return a[:, _check_idx(idx, a.shape[1], "output", "array")]
+
+
 def is_leaf(x: Any) -> bool:
     """``tree_util`` predicate: stop at weight leaves so they are visited whole."""
     return isinstance(x, Leaf)
 
 
-# ---------------------------------------------------------------------------------------------
-# Tree paths and traversal.
-
-def path_str(path: tuple) -> str:
-    """``('layers', 0, 'attn', 'q')``-style key path -> ``'layers/0/attn/q'``."""
-    parts = []
-    for k in path:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(str(k.name))
-        else:  # FlattenedIndexKey and anything else
-            parts.append(str(getattr(k, "key", k)))
-    return "/".join(parts)
+def require_leaf(x: Any, where: str, what: str = "a weight leaf") -> Leaf:
+    """``x`` if it is a :class:`Leaf`, else a :class:`~lowrank_jax.errors.LeafTypeError`."""
+    if not isinstance(x, Leaf):
+        raise LeafTypeError(f"{where}: expected {what}, got {type(x).__name__}",
+                            where=where, expected="Leaf", actual=type(x).__name__)
+    return x
 
 
-def named_leaves(tree: Any) -> Iterator[tuple[str, Any]]:
-    """Yield ``(path, node)`` for every weight leaf and every plain array of ``tree``."""
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_leaf)
-    for path, node in flat:
-        yield path_str(path), node
-
-
-def map_with_path(fn: Callable[[str, Any], Any], tree: Any) -> Any:
-    """Like ``tree_map`` but ``fn(path, node)`` sees whole leaves; returns a new tree."""
-    return jax.tree_util.tree_map_with_path(lambda p, n: fn(path_str(p), n), tree, is_leaf=is_leaf)
-
-
-_LAYER_RE = re.compile(r"(?:^|/)layers/(\d+)(?:/|$)")
-
-
-def layer_index(path: str) -> int | None:
-    """The layer index in a path such as ``encoder/layers/3/attn/q`` (``None`` if absent)."""
-    m = _LAYER_RE.search(path)
-    return int(m.group(1)) if m else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Counts summed over a tree (seed 003 Table 5, seed 004 eqs. 42-54 are sums over leaves).
-
-def _array_bits(a: Any) -> int:
+def array_bits(a: Any) -> int:
+    """``size * dtype bits`` of an array (0 for ``None``)."""
+    if a is None:
+        return 0
     a = np.asarray(a) if not hasattr(a, "dtype") else a
     return int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize * 8
 
 
-def param_count(tree: Any) -> int:
-    """Total stored parameters: leaves report their own count, plain arrays their size."""
-    total = 0
-    for _, node in named_leaves(tree):
-        total += node.param_count() if isinstance(node, Leaf) else int(np.prod(np.shape(node)))
-    return total
+def array_size(a: Any) -> int:
+    """Number of entries of an array (0 for ``None``)."""
+    return 0 if a is None else int(np.prod(np.shape(a)))
 
 
-def storage_bits(tree: Any) -> int:
-    """Total storage in bits: leaves report their own, plain arrays ``size * dtype bits``."""
-    total = 0
-    for _, node in named_leaves(tree):
-        total += node.storage_bits() if isinstance(node, Leaf) else _array_bits(node)
-    return total
+def check_bias(name: str, b, d_out: int) -> None:
+    """Shared shape check for optional biases (only on concrete arrays, not tree sentinels)."""
+    if isinstance(b, CONCRETE) and tuple(b.shape) != (d_out,):
+        raise ShapeError(f"{name}: bias b must have shape ({d_out},), got {tuple(b.shape)}",
+                         expected=(d_out,), actual=tuple(b.shape))
 
 
-def flops(tree: Any, n_tokens: int) -> int:
-    """Multiply-adds of every weight leaf applied to ``n_tokens`` rows (plain arrays: 0)."""
-    return sum(node.flops(n_tokens) for _, node in named_leaves(tree) if isinstance(node, Leaf))
-
-
-# ---------------------------------------------------------------------------------------------
-# Trainable / frozen split (equinox-style partition and combine).
-
-def trainable_mask(tree: Any) -> Any:
-    """Tree of bools with ``tree``'s structure: ``True`` where ``jax.grad`` should look."""
-    return jax.tree_util.tree_map(
-        lambda n: n.trainable() if isinstance(n, Leaf) else True, tree, is_leaf=is_leaf
-    )
-
-
-def partition(tree: Any, mask: Any | None = None) -> tuple[Any, Any]:
-    """Split ``tree`` into ``(trainable, frozen)``; the other side holds ``None``.
-
-    Args:
-      tree: a parameter tree.
-      mask: a bool tree of the same structure (default :func:`trainable_mask`).
-
-    Returns:
-      Two trees with ``tree``'s structure; pass the first to ``jax.grad`` and rejoin with
-      :func:`combine`.
-    """
-    mask = trainable_mask(tree) if mask is None else mask
-    train = jax.tree_util.tree_map(lambda x, m: x if m else None, tree, mask)
-    frozen = jax.tree_util.tree_map(lambda x, m: None if m else x, tree, mask)
-    return train, frozen
-
-
-def combine(*trees: Any) -> Any:
-    """Inverse of :func:`partition`: take the first non-``None`` value at each position."""
-
-    def pick(*xs):
-        for x in xs:
-            if x is not None:
-                return x
-        return None
-
-    return jax.tree_util.tree_map(pick, *trees, is_leaf=lambda x: x is None)
+def slice_bias(b, idx: np.ndarray):
+    """``b[idx]`` for an optional bias."""
+    return None if b is None else b[idx]

@@ -1,30 +1,25 @@
-"""Dense and low-rank weight leaves (seed 000 eq. 19, seed 004)."""
+"""Dense and low-rank weight leaves.
+
+``LowRank`` is the shared-sketch factorization ``W ~ W_1 W_2`` of "Understanding Transformers
+for Time Series: Rank Structure, Flow-of-Ranks, and Compressibility" (eq. 19), kept factorized
+at inference.
+"""
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import dataclasses
 
-from lowrank_jax.leaves.base import Array, Leaf, leaf_dataclass
-
-_ARRAY = (jax.Array, np.ndarray)
-
-
-def _bits(a: Array | None) -> int:
-    if a is None:
-        return 0
-    return int(np.prod(a.shape)) * jnp.dtype(a.dtype).itemsize * 8
-
-
-def _size(a: Array | None) -> int:
-    return 0 if a is None else int(np.prod(a.shape))
-
-
-def check_bias(name: str, b, d_out: int) -> None:
-    """Shared shape check for optional biases (only on concrete arrays, not tree sentinels)."""
-    if isinstance(b, _ARRAY) and tuple(b.shape) != (d_out,):
-        raise ValueError(f"{name}: bias b must have shape ({d_out},), got {tuple(b.shape)}")
+from lowrank_jax.errors import ShapeError
+from lowrank_jax.leaves.base import (
+    CONCRETE,
+    Array,
+    Leaf,
+    array_bits,
+    array_size,
+    check_bias,
+    leaf_dataclass,
+    slice_bias,
+)
 
 
 class Dense(Leaf):
@@ -37,11 +32,11 @@ class Dense(Leaf):
     b: Array | None = None
 
     def __post_init__(self):
-        if isinstance(self.w, _ARRAY):
+        if isinstance(self.w, CONCRETE):
             if self.w.ndim != 2:
-                raise ValueError(
-                    f"Dense: w must be 2-D [d_in, d_out], got shape {tuple(self.w.shape)}"
-                )
+                raise ShapeError(
+                    f"Dense: w must be 2-D [d_in, d_out], got shape {tuple(self.w.shape)}",
+                    expected="[d_in, d_out]", actual=tuple(self.w.shape))
             check_bias("Dense", self.b, self.w.shape[1])
 
     @property
@@ -56,24 +51,41 @@ class Dense(Leaf):
         return self.w
 
     def param_count(self) -> int:
-        return _size(self.w) + _size(self.b)
+        return array_size(self.w) + array_size(self.b)
 
     def storage_bits(self) -> int:
-        return _bits(self.w) + _bits(self.b)
+        return array_bits(self.w) + array_bits(self.b)
 
     def flops(self, n_tokens: int) -> int:
         return n_tokens * self.d_in * self.d_out
+
+    @property
+    def bias(self):
+        return self.b
+
+    def with_bias(self, b):
+        return dataclasses.replace(self, b=b)
+
+    def keep_inputs(self, idx):
+        return Dense(w=self.w[idx], b=self.b)
+
+    def keep_outputs(self, idx):
+        return Dense(w=self.w[:, idx], b=slice_bias(self.b, idx))
+
+    def logical_axes(self):
+        return {"w": ("in", "out"), "b": ("out",)}
 
 
 Dense = leaf_dataclass(Dense)
 
 
 class LowRank(Leaf):
-    """A rank-``r`` factorization ``W = u @ v`` kept factorized (seed 000 eq. 19).
+    """A rank-``r`` factorization ``W = u @ v`` kept factorized.
 
-    ``u: [d_in, r]``, ``v: [r, d_out]``, optional bias ``b: [d_out]``. The product is computed
-    as ``(x @ u) @ v``: ``r (d_in + d_out)`` multiply-adds per token instead of ``d_in d_out``.
-    In the paper's column orientation ``W_Q ~ W_1 W_2`` with ``W_2`` the sketch; here
+    "Understanding Transformers for Time Series" eq. 19 (shared sketch). ``u: [d_in, r]``,
+    ``v: [r, d_out]``, optional bias ``b: [d_out]``. The product is computed as
+    ``(x @ u) @ v``: ``r (d_in + d_out)`` multiply-adds per token instead of ``d_in d_out``. In
+    the paper's column orientation ``W_Q ~ W_1 W_2`` with ``W_2`` the sketch; here
     ``u = W_2^T`` sketches the input and ``v = W_1^T`` lifts it.
     """
 
@@ -82,12 +94,13 @@ class LowRank(Leaf):
     b: Array | None = None
 
     def __post_init__(self):
-        if isinstance(self.u, _ARRAY) and isinstance(self.v, _ARRAY):
+        if isinstance(self.u, CONCRETE) and isinstance(self.v, CONCRETE):
             if self.u.ndim != 2 or self.v.ndim != 2 or self.u.shape[1] != self.v.shape[0]:
-                raise ValueError(
+                raise ShapeError(
                     "LowRank: expected u [d_in, r] and v [r, d_out] with the same r, got "
-                    f"u {tuple(self.u.shape)} and v {tuple(self.v.shape)}"
-                )
+                    f"u {tuple(self.u.shape)} and v {tuple(self.v.shape)}",
+                    expected="u [d_in, r], v [r, d_out]",
+                    actual=(tuple(self.u.shape), tuple(self.v.shape)))
             check_bias("LowRank", self.b, self.v.shape[1])
 
     @property
@@ -106,13 +119,31 @@ class LowRank(Leaf):
         return self.u @ self.v
 
     def param_count(self) -> int:
-        return _size(self.u) + _size(self.v) + _size(self.b)
+        return array_size(self.u) + array_size(self.v) + array_size(self.b)
 
     def storage_bits(self) -> int:
-        return _bits(self.u) + _bits(self.v) + _bits(self.b)
+        return array_bits(self.u) + array_bits(self.v) + array_bits(self.b)
 
     def flops(self, n_tokens: int) -> int:
         return n_tokens * self.rank * (self.d_in + self.d_out)
 
+    @property
+    def bias(self):
+        return self.b
+
+    def with_bias(self, b):
+        return dataclasses.replace(self, b=b)
+
+    def keep_inputs(self, idx):
+        return LowRank(u=self.u[idx], v=self.v, b=self.b)
+
+    def keep_outputs(self, idx):
+        return LowRank(u=self.u, v=self.v[:, idx], b=slice_bias(self.b, idx))
+
+    def logical_axes(self):
+        return {"u": ("in", "rank"), "v": ("rank", "out"), "b": ("out",)}
+
 
 LowRank = leaf_dataclass(LowRank)
+
+__all__ = ["Dense", "LowRank"]

@@ -1,25 +1,42 @@
-"""Head-dependent low-rank sketching (seed 000 eq. 20; seed 001 TruncAtt per head)."""
+"""Head-dependent low-rank sketching of a projection that produces heads.
+
+"Understanding Transformers for Time Series: Rank Structure, Flow-of-Ranks, and
+Compressibility", eq. 20: each head's columns ``W^(i)`` get their own input sketch.
+"""
 
 from __future__ import annotations
 
-import jax
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.leaves.base import Array, Leaf, leaf_dataclass
-from lowrank_jax.leaves.dense import _bits, _size, check_bias
-
-_ARRAY = (jax.Array, np.ndarray)
+from lowrank_jax.errors import ShapeError
+from lowrank_jax.leaves.base import (
+    CONCRETE,
+    Array,
+    Leaf,
+    array_bits,
+    array_size,
+    check_bias,
+    leaf_dataclass,
+    slice_bias,
+)
 
 
 class HeadLowRank(Leaf):
     """Per-head factors for a projection that produces ``h`` heads of size ``d_h``.
 
-    Seed 000 eq. 20: ``W^(i) ~ W_1^(i) W_2^(i)`` with a head-dependent sketch ``W_2^(i)``. In the
-    Flax orientation head ``i`` computes ``y_i = (x @ u[:, i]) @ v[i]`` and the heads are
-    concatenated: ``y = [y_1, ..., y_h]`` of size ``h * d_h`` (head-major, the layout of
-    every attention projection in :mod:`lowrank_jax.nn`). Shared sketching (eq. 19) is a plain
-    :class:`~lowrank_jax.LowRank`.
+    "Understanding Transformers for Time Series", eq. 20: ``W^(i) ~ W_1^(i) W_2^(i)`` with a
+    head-dependent sketch ``W_2^(i)``. In the Flax orientation head ``i`` computes
+    ``y_i = (x @ u[:, i]) @ v[i]`` and the heads are concatenated: ``y = [y_1, ..., y_h]`` of
+    size ``h * d_h`` (head-major, the layout of every attention projection in
+    :mod:`lowrank_jax.nn`). Shared sketching (eq. 19) is a plain :class:`~lowrank_jax.LowRank`.
+
+    This factorizes one projection (``W^Q`` alone, say) per head. It is not the TruncAtt of
+    "Vision Transformer with Irregular Attention", which factorizes the *product*
+    ``W^Q_h (W^K_h)^T`` of a head's query and key projections: that is a
+    :class:`~lowrank_jax.QueryKey` whose per-head widths are the truncation ranks.
 
     Fields:
       u: ``[d_in, h, r]`` input sketches, one ``[d_in, r]`` per head. Stored head-second so the
@@ -35,8 +52,8 @@ class HeadLowRank(Leaf):
     padding carries no information and a ragged store drops it); :meth:`flops` counts what is
     executed, padding included, so irregular ranks are never reported as cheaper than they run.
 
-    This leaf splits the *output* dimension into heads (query/key/value projections). The output
-    projection, which consumes heads, is compressed with a shared :class:`LowRank`.
+    Surgery: input channels are rows of ``u``; output channels can only be removed a whole head
+    at a time (:meth:`keep_outputs` raises otherwise).
     """
 
     u: Array
@@ -45,25 +62,24 @@ class HeadLowRank(Leaf):
     ranks: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        if isinstance(self.u, _ARRAY) and isinstance(self.v, _ARRAY):
+        if isinstance(self.u, CONCRETE) and isinstance(self.v, CONCRETE):
             u, v = self.u, self.v
             if u.ndim != 3 or v.ndim != 3 or u.shape[1:] != v.shape[:2]:
-                raise ValueError(
+                raise ShapeError(
                     "HeadLowRank: expected u [d_in, heads, r] and v [heads, r, d_head], got "
-                    f"u {tuple(u.shape)} and v {tuple(v.shape)}"
-                )
+                    f"u {tuple(u.shape)} and v {tuple(v.shape)}")
             check_bias("HeadLowRank", self.b, v.shape[0] * v.shape[2])
         if self.ranks is not None:
-            h, r = (
-                (self.u.shape[1], self.u.shape[2]) if isinstance(self.u, _ARRAY) else (None, None)
-            )
+            object.__setattr__(self, "ranks", tuple(int(r) for r in self.ranks))
+            h, r = ((self.u.shape[1], self.u.shape[2]) if isinstance(self.u, CONCRETE)
+                    else (None, None))
             if h is not None and (
-                len(self.ranks) != h or max(self.ranks) > r or min(self.ranks) < 0
+                len(self.ranks) != h or max(self.ranks, default=0) > r
+                or min(self.ranks, default=0) < 0
             ):
-                raise ValueError(
+                raise ShapeError(
                     f"HeadLowRank: ranks must give one rank in [0, {r}] per head ({h} heads), "
-                    f"got {self.ranks}"
-                )
+                    f"got {self.ranks}")
 
     @property
     def num_heads(self) -> int:
@@ -108,16 +124,44 @@ class HeadLowRank(Leaf):
         return w.reshape(self.u.shape[0], self.num_heads * self.d_head)
 
     def param_count(self) -> int:
-        return sum(r * (self.d_in + self.d_head) for r in self.head_ranks) + _size(self.b)
+        return sum(r * (self.d_in + self.d_head) for r in self.head_ranks) + array_size(self.b)
 
     def storage_bits(self) -> int:
         bits_per = jnp.dtype(self.u.dtype).itemsize * 8
-        return sum(r * (self.d_in + self.d_head) for r in self.head_ranks) * bits_per + _bits(
-            self.b
-        )
+        return sum(r * (self.d_in + self.d_head) for r in self.head_ranks) * bits_per + \
+            array_bits(self.b)
 
     def flops(self, n_tokens: int) -> int:
         return n_tokens * self.num_heads * self.max_rank * (self.d_in + self.d_head)
 
+    @property
+    def bias(self):
+        return self.b
+
+    def with_bias(self, b):
+        return dataclasses.replace(self, b=b)
+
+    def keep_inputs(self, idx):
+        return HeadLowRank(u=self.u[idx], v=self.v, b=self.b, ranks=self.ranks)
+
+    def keep_outputs(self, idx):
+        dh = self.d_head
+        heads = np.unique(np.asarray(idx) // dh)
+        full = (heads[:, None] * dh + np.arange(dh)[None, :]).ravel()
+        if not np.array_equal(full, idx):
+            raise ShapeError(
+                f"HeadLowRank.keep_outputs: a per-head factorization can only lose whole heads "
+                f"(blocks of d_head={dh} outputs); the indices keep a partial head. Materialize "
+                "the leaf (or truncate per head again) before removing single channels.")
+        ranks = None if self.ranks is None else tuple(self.ranks[h] for h in heads)
+        return HeadLowRank(u=self.u[:, heads], v=self.v[heads], b=slice_bias(self.b, idx),
+                           ranks=ranks)
+
+    def logical_axes(self):
+        return {"u": ("in", "heads", "rank"), "v": ("heads", "rank", "head_dim"),
+                "b": ("out",)}
+
 
 HeadLowRank = leaf_dataclass(HeadLowRank, meta=("ranks",))
+
+__all__ = ["HeadLowRank"]

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves.dense import Dense, LowRank
 from lowrank_jax.leaves.head_lowrank import HeadLowRank
 
@@ -26,7 +27,7 @@ def init_lowrank(key, d_in: int, d_out: int, rank: int, *, bias: bool = False,
     ``1/d_in``, so a low-rank-by-design model starts at the dense model's scale.
     """
     if not 1 <= rank <= min(d_in, d_out):
-        raise ValueError(f"init_lowrank: rank must be in [1, {min(d_in, d_out)}], got {rank}")
+        raise ConfigError(f"init_lowrank: rank must be in [1, {min(d_in, d_out)}], got {rank}")
     ku, kv = jax.random.split(key)
     u = jax.random.normal(ku, (d_in, rank), dtype) / np.sqrt(d_in)
     v = jax.random.normal(kv, (rank, d_out), dtype) / np.sqrt(rank)
@@ -35,9 +36,9 @@ def init_lowrank(key, d_in: int, d_out: int, rank: int, *, bias: bool = False,
 
 def init_head_lowrank(key, d_in: int, num_heads: int, d_head: int, rank: int, *,
                       bias: bool = False, dtype=jnp.float32) -> HeadLowRank:
-    """``HeadLowRank`` (seed 000 eq. 20) with per-entry product variance ``1/d_in``."""
+    """``HeadLowRank`` ("Understanding Transformers for Time Series", eq. 20) with per-entry product variance ``1/d_in``."""
     if not 1 <= rank <= min(d_in, d_head):
-        raise ValueError(f"init_head_lowrank: rank must be in [1, {min(d_in, d_head)}], got {rank}")
+        raise ConfigError(f"init_head_lowrank: rank must be in [1, {min(d_in, d_head)}], got {rank}")
     ku, kv = jax.random.split(key)
     u = jax.random.normal(ku, (d_in, num_heads, rank), dtype) / np.sqrt(d_in)
     v = jax.random.normal(kv, (num_heads, rank, d_head), dtype) / np.sqrt(rank)

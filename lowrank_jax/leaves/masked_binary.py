@@ -1,4 +1,5 @@
-"""Biprop masked-binary weights (seed 003 sec. 3.2, eqs. 1-2)."""
+"""Biprop masked-binary weights ("Sparse Binary Transformers for Multivariate Time Series
+Modeling", sec. 3.2, eqs. 1-2) and their frozen form."""
 
 from __future__ import annotations
 
@@ -8,12 +9,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.leaves.base import Array, Leaf, leaf_dataclass
-from lowrank_jax.leaves.dense import _bits, _size, check_bias
+from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.leaves.base import (
+    CONCRETE,
+    Array,
+    Leaf,
+    array_bits,
+    array_size,
+    check_bias,
+    leaf_dataclass,
+    slice_bias,
+)
 
-_ARRAY = (jax.Array, np.ndarray)
-
-ALPHA_BITS = 32  # one float32 gain per layer (seed 003 sec. 5.1, "Storage Size")
+ALPHA_BITS = 32  # one float32 gain per layer ("Sparse Binary Transformers", sec. 5.1)
 
 
 def keep_count(n: int, keep: float) -> int:
@@ -26,7 +34,8 @@ def keep_count(n: int, keep: float) -> int:
 
 
 def top_mask(scores: Array, keep: float) -> Array:
-    """Seed 003 eq. 1: 1 for the ``keep_count`` largest ``|scores|`` of the layer, else 0."""
+    """"Sparse Binary Transformers" eq. 1: 1 for the ``keep_count`` largest ``|scores|`` of the
+    layer, else 0."""
     n = int(np.prod(scores.shape))
     k = keep_count(n, keep)
     flat = jnp.abs(scores).reshape(-1)
@@ -46,14 +55,18 @@ class MaskedBinary(Leaf):
 
     Forward (eqs. 1-2): ``M`` is 1 on the top-|s| entries of the layer,
     ``alpha = ||M * w||_1 / ||M||_1``. ``sign(0)`` is taken as ``+1`` so every kept weight is
-    exactly ``+-alpha`` (one bit). Backward: straight-through estimator, as in the reference
-    code: the gradient of ``M`` passes unchanged to ``|s|`` (hence ``sign(s)`` to ``s``), and
-    ``alpha`` is computed from the straight-through ``M`` ("with M being multiplied by alpha
-    for gradient descent").
+    exactly ``+-alpha`` (one bit). Backward: straight-through estimator: the gradient of ``M``
+    passes unchanged to ``|s|`` (hence ``sign(s)`` to ``s``), and ``alpha`` is computed from the
+    straight-through ``M``.
 
     Counts: ``param_count = n_keep + 1`` (alpha) plus bias; ``storage_bits = n_keep`` bits + one
-    float32 alpha + bias, the accounting of seed 003 sec. 5.1 (mask positions are not counted,
-    as in the paper); ``flops = n_tokens * n_keep`` non-zero multiply-adds (Table 5).
+    float32 alpha + bias, the accounting of sec. 5.1 (mask positions are not counted, as in the
+    paper); ``flops = n_tokens * n_keep`` non-zero multiply-adds (Table 5).
+
+    Surgery: removing channels would change which scores are in the top fraction and the
+    gain; :meth:`keep_inputs` / :meth:`keep_outputs` therefore first :meth:`freeze` the leaf
+    (mask and ``alpha`` fixed at their current values) and slice the frozen form, which
+    computes exactly what this leaf computed on the kept channels.
     """
 
     w: Array
@@ -63,13 +76,13 @@ class MaskedBinary(Leaf):
 
     def __post_init__(self):
         if not (isinstance(self.keep, (int, float)) and 0.0 < self.keep <= 1.0):
-            raise ValueError(f"MaskedBinary: keep fraction must be in (0, 1], got {self.keep!r}")
-        if isinstance(self.w, _ARRAY) and isinstance(self.s, _ARRAY):
+            raise ConfigError(f"MaskedBinary: keep fraction must be in (0, 1], got {self.keep!r}",
+                              where="keep", expected="(0, 1]", actual=self.keep)
+        if isinstance(self.w, CONCRETE) and isinstance(self.s, CONCRETE):
             if self.w.ndim != 2 or self.w.shape != self.s.shape:
-                raise ValueError(
+                raise ShapeError(
                     "MaskedBinary: w and s must be 2-D of the same shape [d_in, d_out], got "
-                    f"w {tuple(self.w.shape)} and s {tuple(self.s.shape)}"
-                )
+                    f"w {tuple(self.w.shape)} and s {tuple(self.s.shape)}")
             check_bias("MaskedBinary", self.b, self.w.shape[1])
 
     @property
@@ -105,26 +118,121 @@ class MaskedBinary(Leaf):
         return self.effective_weight()
 
     def param_count(self) -> int:
-        return self.n_keep + 1 + _size(self.b)
+        return self.n_keep + 1 + array_size(self.b)
 
     def storage_bits(self) -> int:
-        return self.n_keep + ALPHA_BITS + _bits(self.b)
+        return self.n_keep + ALPHA_BITS + array_bits(self.b)
 
     def flops(self, n_tokens: int) -> int:
         return n_tokens * self.n_keep
 
     def trainable(self) -> "MaskedBinary":
-        return dataclasses.replace(
-            jax.tree_util.tree_map(lambda _: True, self), w=False
-        )
+        return dataclasses.replace(jax.tree_util.tree_map(lambda _: True, self), w=False)
+
+    @property
+    def bias(self):
+        return self.b
+
+    def with_bias(self, b):
+        return dataclasses.replace(self, b=b)
+
+    def freeze(self) -> "FrozenBinary":
+        """The current weight as a :class:`FrozenBinary`: signs of the kept entries and
+        ``alpha``, fixed. ``linear`` gives bit-identical outputs."""
+        m = self.mask()
+        sign = jnp.where(self.w >= 0, 1, -1).astype(jnp.int8)
+        signs = (sign * m.astype(jnp.int8)).astype(jnp.int8)
+        return FrozenBinary(signs=signs, alpha=jnp.asarray(self.alpha(), self.w.dtype), b=self.b)
+
+    def keep_inputs(self, idx):
+        return self.freeze().keep_inputs(idx)
+
+    def keep_outputs(self, idx):
+        return self.freeze().keep_outputs(idx)
+
+    def logical_axes(self):
+        return {"w": ("in", "out"), "s": ("in", "out"), "b": ("out",)}
 
 
 MaskedBinary = leaf_dataclass(MaskedBinary, meta=("keep",))
 
 
+class FrozenBinary(Leaf):
+    """A binary weight with its mask and gain fixed: ``W = alpha * signs``.
+
+    Fields:
+      signs: ``int8 [d_in, d_out]`` in ``{-1, 0, +1}`` (0 = pruned by the mask).
+      alpha: float scalar gain (frozen).
+      b: optional float bias ``[d_out]`` (trainable).
+
+    What a trained :class:`MaskedBinary` becomes for inference or surgery
+    (:meth:`MaskedBinary.freeze`). Counts follow the same accounting: one bit per non-zero
+    sign, one float32 ``alpha``, the bias in float.
+    """
+
+    signs: Array
+    alpha: Array
+    b: Array | None = None
+
+    def __post_init__(self):
+        if isinstance(self.signs, CONCRETE):
+            if self.signs.ndim != 2:
+                raise ShapeError(f"FrozenBinary: signs must be 2-D, got "
+                                 f"{tuple(self.signs.shape)}")
+            check_bias("FrozenBinary", self.b, self.signs.shape[1])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.signs.shape)
+
+    @property
+    def n_keep(self) -> int:
+        return int(np.count_nonzero(np.asarray(self.signs)))
+
+    def to_dense(self) -> Array:
+        return self.alpha * self.signs.astype(jnp.asarray(self.alpha).dtype)
+
+    def apply(self, x: Array) -> Array:
+        y = x @ (self.alpha * self.signs.astype(x.dtype))
+        return y if self.b is None else y + self.b
+
+    def param_count(self) -> int:
+        return self.n_keep + 1 + array_size(self.b)
+
+    def storage_bits(self) -> int:
+        return self.n_keep + ALPHA_BITS + array_bits(self.b)
+
+    def flops(self, n_tokens: int) -> int:
+        return n_tokens * self.n_keep
+
+    def trainable(self) -> "FrozenBinary":
+        return dataclasses.replace(jax.tree_util.tree_map(lambda _: True, self), signs=False,
+                                   alpha=False)
+
+    @property
+    def bias(self):
+        return self.b
+
+    def with_bias(self, b):
+        return dataclasses.replace(self, b=b)
+
+    def keep_inputs(self, idx):
+        return FrozenBinary(signs=self.signs[idx], alpha=self.alpha, b=self.b)
+
+    def keep_outputs(self, idx):
+        return FrozenBinary(signs=self.signs[:, idx], alpha=self.alpha, b=slice_bias(self.b, idx))
+
+    def logical_axes(self):
+        return {"signs": ("in", "out"), "alpha": (), "b": ("out",)}
+
+
+FrozenBinary = leaf_dataclass(FrozenBinary)
+
+
 def init_masked_binary(key: Array, d_in: int, d_out: int, keep: float, *, bias: bool = False,
                        dtype=jnp.float32) -> MaskedBinary:
-    """A fresh Biprop leaf: Kaiming-normal weights and scores (seed 003 sec. 3.2).
+    """A fresh Biprop leaf: Kaiming-normal weights and scores ("Sparse Binary Transformers",
+    sec. 3.2).
 
     Args:
       key: PRNG key.
@@ -138,3 +246,7 @@ def init_masked_binary(key: Array, d_in: int, d_out: int, keep: float, *, bias: 
     s = std * jax.random.normal(ks, (d_in, d_out), dtype)
     b = jnp.zeros((d_out,), dtype) if bias else None
     return MaskedBinary(w=w, s=s, b=b, keep=keep)
+
+
+__all__ = ["ALPHA_BITS", "FrozenBinary", "MaskedBinary", "init_masked_binary", "keep_count",
+           "top_mask"]

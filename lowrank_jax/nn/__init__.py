@@ -1,13 +1,17 @@
 """Pure transformer blocks: attention, masks, norms, MLPs, encoder/decoder layers and stacks.
 
-Every block is an ``init_x(key, cfg) -> params`` / ``apply_x(params, x, cfg, ...)`` pair with a
-frozen, hashable config; every weight matmul goes through :func:`lowrank_jax.leaves.linear`.
+Every block is an ``init_x(key, cfg, *, sizes...) -> params`` / ``apply_x(params, x, cfg, ...)``
+pair with a frozen, hashable config that says what the block means; sizes are arguments of
+``init_x`` and are read back from the parameters by ``apply_x``. Every weight matmul goes through
+:func:`lowrank_jax.linear` and every attention score through :func:`lowrank_jax.attention_logits`.
 """
 
 from lowrank_jax.nn.attention import (
     AttentionConfig,
     RelativeBiasConfig,
     apply_attention,
+    attention_params,
+    attention_score_flops,
     init_attention,
     init_relative_bias,
     relative_bias,
@@ -18,6 +22,7 @@ from lowrank_jax.nn.layers import (
     DecoderLayerConfig,
     EncoderConfig,
     EncoderLayerConfig,
+    LayerSizes,
     apply_decoder,
     apply_decoder_layer,
     apply_encoder,
@@ -36,14 +41,22 @@ from lowrank_jax.nn.masks import (
     step_t_mask,
 )
 from lowrank_jax.nn.mlp import ACTIVATIONS, MLPConfig, apply_mlp, init_mlp
-from lowrank_jax.nn.norms import NormConfig, apply_norm, init_norm
+from lowrank_jax.nn.norms import (
+    BatchNormConfig,
+    NormConfig,
+    apply_batch_norm,
+    apply_norm,
+    init_batch_norm,
+    init_norm,
+)
 
 __all__ = [
-    "ACTIVATIONS", "AttentionConfig", "DecoderConfig", "DecoderLayerConfig", "EncoderConfig",
-    "EncoderLayerConfig", "MLPConfig", "NormConfig", "RelativeBiasConfig",
-    "activation_keep_count", "apply_attention", "apply_decoder", "apply_decoder_layer",
-    "apply_encoder", "apply_encoder_layer", "apply_mlp", "apply_norm", "causal_mask",
-    "combine_masks", "init_attention", "init_decoder", "init_decoder_layer", "init_encoder",
+    "ACTIVATIONS", "AttentionConfig", "BatchNormConfig", "DecoderConfig", "DecoderLayerConfig",
+    "EncoderConfig", "EncoderLayerConfig", "LayerSizes", "MLPConfig", "NormConfig",
+    "RelativeBiasConfig", "activation_keep_count", "apply_attention", "apply_batch_norm",
+    "apply_decoder", "apply_decoder_layer", "apply_encoder", "apply_encoder_layer", "apply_mlp",
+    "apply_norm", "attention_params", "attention_score_flops", "causal_mask", "combine_masks",
+    "init_attention", "init_batch_norm", "init_decoder", "init_decoder_layer", "init_encoder",
     "init_encoder_layer", "init_mlp", "init_norm", "init_relative_bias", "padding_mask",
     "qkv_activation_masks", "relative_bias", "relative_position_bucket", "step_t_mask",
 ]

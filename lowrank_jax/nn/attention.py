@@ -1,8 +1,16 @@
 """Multi-head attention with T5 relative position bias and fixed Q/K/V activation masks.
 
-Every projection goes through :func:`lowrank_jax.leaves.linear`, so any projection may be a
-``Dense``, ``LowRank``, ``HeadLowRank`` or ``MaskedBinary`` leaf. Heads are head-major in the
-projection outputs: ``[..., h * d_head]`` is read as ``[..., h, d_head]``.
+An attention block's parameters are ``{'qk', 'v', 'o', 'heads'}``:
+
+* ``qk``: a query-key object (:class:`~lowrank_jax.QueryKey` by default: weight leaves ``q``,
+  ``k`` and per-head widths); the logits come from :func:`~lowrank_jax.attention_logits`, so a
+  factorization of the joint query-key tensor plugs in without a branch here;
+* ``v``, ``o``: ordinary weight leaves (any type), applied with :func:`~lowrank_jax.linear`;
+* ``heads``: the static :class:`~lowrank_jax.HeadLayout` (kept head ids, value widths, scale).
+
+Every size is read from these parameters, so each layer of a stack may have its own head count
+and widths (structured pruning, per-head truncation). Heads are head-major in the projection
+outputs.
 """
 
 from __future__ import annotations
@@ -15,7 +23,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.leaves import (
+    QK,
+    HeadLayout,
+    QueryKey,
+    attention_logits,
+    init_dense,
+    linear,
+    merge_heads,
+    split_heads,
+)
+from lowrank_jax.leaves.base import Leaf
 from lowrank_jax.nn.masks import qkv_activation_masks
 
 Array = jax.Array
@@ -41,11 +60,11 @@ class RelativeBiasConfig:
 
     def __post_init__(self):
         if not isinstance(self.num_buckets, int) or self.num_buckets < 4:
-            raise ValueError(
+            raise ConfigError(
                 f"RelativeBiasConfig: num_buckets must be an int >= 4, got {self.num_buckets!r}"
             )
         if not isinstance(self.max_distance, int) or self.max_distance <= self.num_buckets // 2:
-            raise ValueError(
+            raise ConfigError(
                 "RelativeBiasConfig: max_distance must be an int > num_buckets // 2 = "
                 f"{self.num_buckets // 2} (the log-spaced buckets need room), "
                 f"got {self.max_distance!r}"
@@ -127,7 +146,7 @@ def relative_bias(table: Array, q_len: int, k_len: int, cfg: RelativeBiasConfig)
     """
     table = jnp.asarray(table)
     if table.ndim != 2 or table.shape[0] != cfg.num_buckets:
-        raise ValueError(
+        raise ShapeError(
             f"relative_bias: table must be [num_buckets={cfg.num_buckets}, heads], "
             f"got shape {tuple(table.shape)}"
         )
@@ -145,93 +164,99 @@ def relative_bias(table: Array, q_len: int, k_len: int, cfg: RelativeBiasConfig)
 
 @dataclasses.dataclass(frozen=True)
 class AttentionConfig:
-    """Multi-head attention.
+    """What an attention block means; its sizes come from its parameters.
 
     Attributes:
-      d_model: input and output width.
-      num_heads: number of heads.
-      d_head: per-head width; ``None`` means ``d_model // num_heads`` (which must then divide).
-        ``d_head * num_heads != d_model`` is allowed (T5).
-      use_bias: biases on the four projections (BERT/ViT: ``True``; T5: ``False``).
-      scaled: divide logits by ``sqrt(d_head)``; T5 folds the scale into its init (``False``).
-      d_kv_in: width of the ``kv`` input of cross-attention; ``None`` means ``d_model``.
-      qkv_keep: keep fraction of the fixed Q/K/V activation masks (seed 003 sec. 3.3.1);
-        ``None`` disables them.
+      use_bias: :func:`init_attention` creates biases on the four projections (BERT/ViT:
+        ``True``; T5: ``False``). Parameters with or without biases run either way.
+      scaled: :func:`init_attention` sets the logit scale to ``1/sqrt(d_head)`` (``False``:
+        1, as T5, which folds the scale into its initialization). The scale is stored in the
+        block's :class:`~lowrank_jax.HeadLayout`, so it stays the original one when heads or
+        channels are removed later.
+      qkv_keep: keep fraction of the fixed Q/K/V activation masks ("Sparse Binary Transformers
+        for Multivariate Time Series Modeling", sec. 3.3.1); ``None`` disables them. They need a
+        query-key object with per-head query and key activations (:class:`QueryKey`).
       qkv_mask_seed: base seed of those masks; layer ``l`` uses ``qkv_mask_seed + l``.
     """
 
-    d_model: int
-    num_heads: int
-    d_head: int | None = None
     use_bias: bool = False
     scaled: bool = True
-    d_kv_in: int | None = None
     qkv_keep: float | None = None
     qkv_mask_seed: int = 0
 
     def __post_init__(self):
-        for name in ("d_model", "num_heads"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"AttentionConfig: {name} must be a positive int, got {val!r}")
-        for name in ("d_head", "d_kv_in"):
-            val = getattr(self, name)
-            if val is not None and (not isinstance(val, int) or val < 1):
-                raise ValueError(
-                    f"AttentionConfig: {name} must be None or a positive int, got {val!r}"
-                )
-        if self.d_head is None and self.d_model % self.num_heads != 0:
-            raise ValueError(
-                f"AttentionConfig: num_heads={self.num_heads} does not divide "
-                f"d_model={self.d_model}; expected d_model % num_heads == 0, got remainder "
-                f"{self.d_model % self.num_heads}. Pass d_head explicitly for "
-                "d_head * num_heads != d_model."
-            )
+        for name in ("use_bias", "scaled"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"AttentionConfig: {name} must be a bool, got "
+                                  f"{getattr(self, name)!r}", where=name, expected="bool",
+                                  actual=getattr(self, name))
         if self.qkv_keep is not None and not (
             isinstance(self.qkv_keep, (int, float)) and 0.0 < self.qkv_keep <= 1.0
         ):
-            raise ValueError(
-                f"AttentionConfig: qkv_keep must be None or in (0, 1], got {self.qkv_keep!r}"
-            )
+            raise ConfigError(
+                f"AttentionConfig: qkv_keep must be None or in (0, 1], got {self.qkv_keep!r}",
+                where="qkv_keep", expected="None or (0, 1]", actual=self.qkv_keep)
         if not isinstance(self.qkv_mask_seed, int):
-            raise ValueError(
-                f"AttentionConfig: qkv_mask_seed must be an int, got {self.qkv_mask_seed!r}"
-            )
-
-    @property
-    def head_dim(self) -> int:
-        """Resolved per-head width (``d_head`` or ``d_model // num_heads``)."""
-        return self.d_head if self.d_head is not None else self.d_model // self.num_heads
-
-    @property
-    def inner_dim(self) -> int:
-        """``num_heads * head_dim``: width of the q/k/v outputs and of the o input."""
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        """Resolved width of the ``kv`` input (``d_kv_in`` or ``d_model``)."""
-        return self.d_kv_in if self.d_kv_in is not None else self.d_model
+            raise ConfigError(
+                f"AttentionConfig: qkv_mask_seed must be an int, got {self.qkv_mask_seed!r}",
+                where="qkv_mask_seed", expected="int", actual=self.qkv_mask_seed)
 
 
-def init_attention(key: Array, cfg: AttentionConfig) -> dict:
-    """Dense projections ``{'q', 'k', 'v', 'o'}``.
+def _positive(owner: str, name: str, val, allow_none: bool = False) -> None:
+    if val is None and allow_none:
+        return
+    if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+        raise ConfigError(f"{owner}: {name} must be a positive int, got {val!r}", where=name,
+                          expected="int >= 1", actual=val)
+
+
+def init_attention(key: Array, cfg: AttentionConfig, *, d_model: int, num_heads: int,
+                   d_head: int | None = None, d_kv_in: int | None = None,
+                   d_v: int | None = None, d_out: int | None = None) -> dict:
+    """Dense attention parameters ``{'qk', 'v', 'o', 'heads'}``.
 
     Args:
       key: PRNG key.
       cfg: attention configuration.
+      d_model: width of the queries' input.
+      num_heads: number of heads.
+      d_head: query/key width per head; default ``d_model // num_heads`` (which must divide).
+        ``num_heads * d_head != d_model`` is allowed (T5).
+      d_kv_in: width of the keys'/values' input (cross-attention); default ``d_model``.
+      d_v: value width per head; default ``d_head``.
+      d_out: output width; default ``d_model``.
 
     Returns:
-      ``q: [d_model, h*d_head]``, ``k, v: [d_kv_in, h*d_head]``, ``o: [h*d_head, d_model]``,
-      all :class:`~lowrank_jax.Dense` (with zero biases if ``cfg.use_bias``).
+      ``qk``: :class:`~lowrank_jax.QueryKey` with ``q: [d_model, h*d_head]``,
+      ``k: [d_kv_in, h*d_head]``; ``v: [d_kv_in, h*d_v]``; ``o: [h*d_v, d_out]`` (Dense leaves,
+      zero biases if ``cfg.use_bias``); ``heads``: ``HeadLayout.uniform(h, d_v, scale)`` with
+      ``scale = 1/sqrt(d_head)`` if ``cfg.scaled`` else 1.
     """
+    owner = "init_attention"
+    _positive(owner, "d_model", d_model)
+    _positive(owner, "num_heads", num_heads)
+    for name, val in (("d_head", d_head), ("d_kv_in", d_kv_in), ("d_v", d_v), ("d_out", d_out)):
+        _positive(owner, name, val, allow_none=True)
+    if d_head is None:
+        if d_model % num_heads:
+            raise ConfigError(
+                f"{owner}: num_heads={num_heads} does not divide d_model={d_model}; pass d_head "
+                "explicitly for num_heads * d_head != d_model", where="num_heads",
+                expected=f"a divisor of {d_model}", actual=num_heads)
+        d_head = d_model // num_heads
+    d_kv_in = d_model if d_kv_in is None else d_kv_in
+    d_v = d_head if d_v is None else d_v
+    d_out = d_model if d_out is None else d_out
     kq, kk, kv, ko = jax.random.split(key, 4)
-    inner, b = cfg.inner_dim, cfg.use_bias
+    b = cfg.use_bias
+    scale = 1.0 / math.sqrt(d_head) if cfg.scaled else 1.0
     return {
-        "q": init_dense(kq, cfg.d_model, inner, bias=b),
-        "k": init_dense(kk, cfg.kv_dim, inner, bias=b),
-        "v": init_dense(kv, cfg.kv_dim, inner, bias=b),
-        "o": init_dense(ko, inner, cfg.d_model, bias=b),
+        "qk": QueryKey(q=init_dense(kq, d_model, num_heads * d_head, bias=b),
+                       k=init_dense(kk, d_kv_in, num_heads * d_head, bias=b),
+                       widths=(d_head,) * num_heads),
+        "v": init_dense(kv, d_kv_in, num_heads * d_v, bias=b),
+        "o": init_dense(ko, num_heads * d_v, d_out, bias=b),
+        "heads": HeadLayout.uniform(num_heads, d_v, scale),
     }
 
 
@@ -244,19 +269,54 @@ def _check_broadcast(name: str, arr: Array, target: tuple[int, ...], hint: str) 
         except ValueError:
             ok = False
     if not ok:
-        raise ValueError(
+        raise ShapeError(
             f"apply_attention: {name} must be 4-D and broadcastable to "
-            f"[batch, heads, q_len, k_len] = {list(target)}, got shape {list(shape)}. {hint}"
-        )
+            f"[batch, heads, q_len, k_len] = {list(target)}, got shape {list(shape)}. {hint}",
+            where=name, expected=list(target), actual=list(shape))
 
 
-def _split_heads(y: Array, cfg: AttentionConfig, name: str) -> Array:
-    if y.shape[-1] != cfg.inner_dim:
-        raise ValueError(
-            f"apply_attention: projection '{name}' must output num_heads * d_head = "
-            f"{cfg.num_heads} * {cfg.head_dim} = {cfg.inner_dim} features, got {y.shape[-1]}"
-        )
-    return y.reshape(*y.shape[:-1], cfg.num_heads, cfg.head_dim)  # [b, s, h, d_head]
+def _select_heads(name: str, arr: Array, ids: tuple[int, ...]) -> Array:
+    """A per-head mask or bias is indexed by *original* head: keep the block's heads."""
+    n = arr.shape[1]
+    if n == 1 or ids == tuple(range(n)):
+        return arr
+    if max(ids, default=-1) >= n:
+        raise ShapeError(
+            f"apply_attention: {name} has {n} heads on axis 1, but the block keeps original "
+            f"heads {ids}; pass a per-head {name} over the model's original heads (or one "
+            "shared by all heads)", where=name, expected=f"> {max(ids)}", actual=n)
+    return arr[:, np.asarray(ids)]
+
+
+def attention_params(params: dict, where: str = "attention") -> tuple[QK, object, object,
+                                                                      HeadLayout]:
+    """``(qk, v, o, heads)`` of an attention block, checked for consistency."""
+    if not isinstance(params, dict) or not {"qk", "v", "o", "heads"} <= set(params):
+        got = sorted(params) if isinstance(params, dict) else type(params).__name__
+        raise ShapeError(
+            f"{where}: attention parameters must be a dict with 'qk', 'v', 'o' and 'heads' "
+            f"(from init_attention), got {got}. Parameter trees of lowrank_jax 0.1 ('q', 'k', "
+            "'v', 'o') are upgraded by lowrank_jax.io.load_model",
+            where=where, expected=["heads", "o", "qk", "v"], actual=got)
+    qk, v, o, heads = params["qk"], params["v"], params["o"], params["heads"]
+    if not isinstance(qk, QK):
+        raise ShapeError(f"{where}: 'qk' must be a query-key object (QueryKey, ...), got "
+                         f"{type(qk).__name__}", where=f"{where}/qk")
+    if not isinstance(heads, HeadLayout):
+        raise ShapeError(f"{where}: 'heads' must be a HeadLayout, got {type(heads).__name__}",
+                         where=f"{where}/heads")
+    if qk.num_heads != heads.num_heads:
+        raise ShapeError(f"{where}: the query-key object has {qk.num_heads} heads but the head "
+                         f"layout has {heads.num_heads}", where=f"{where}/qk",
+                         expected=heads.num_heads, actual=qk.num_heads)
+    d_v_out = v.d_out if isinstance(v, Leaf) else np.shape(v)[-1]
+    d_o_in = o.d_in if isinstance(o, Leaf) else np.shape(o)[0]
+    if d_v_out != heads.d_v or d_o_in != heads.d_v:
+        raise ShapeError(
+            f"{where}: value widths {heads.v} sum to {heads.d_v}, but 'v' has {d_v_out} outputs "
+            f"and 'o' {d_o_in} inputs", where=f"{where}/v", expected=heads.d_v,
+            actual=(d_v_out, d_o_in))
+    return qk, v, o, heads
 
 
 def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array | None = None,
@@ -264,76 +324,98 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
                     layer_index: int = 0) -> Array:
     """Multi-head (self- or cross-) attention.
 
-    ``softmax(q k^T / sqrt(d_head) + bias) v`` per head (without the scale if
-    ``cfg.scaled=False``, as T5). Masked logits are set to ``finfo(float32).min`` (as Hugging
-    Face T5 does) and the softmax runs in float32. With ``cfg.qkv_keep`` set, q, k and v of
-    every head are multiplied by the fixed activation masks of
+    ``softmax(scale * logits + bias) v`` per head, with ``logits`` from the block's query-key
+    object and ``scale`` from its head layout. Masked logits are set to ``finfo(float32).min``
+    (as Hugging Face T5 does) and the softmax runs in float32. With ``cfg.qkv_keep`` set,
+    queries, keys and values of every head are multiplied by the fixed activation masks of
     :func:`~lowrank_jax.nn.qkv_activation_masks` with seed ``cfg.qkv_mask_seed + layer_index``
-    (seed 003 sec. 3.3.1); the q mask is drawn over ``q_len`` and the k/v masks over ``k_len``.
+    ("Sparse Binary Transformers", sec. 3.3.1); the q mask is drawn over ``q_len`` and the k/v
+    masks over ``k_len``, each over the widest head.
 
     Args:
-      params: ``{'q', 'k', 'v', 'o'}`` weight leaves.
-      x: queries' input ``[batch, q_len, d_model]``.
+      params: ``{'qk', 'v', 'o', 'heads'}`` (:func:`init_attention`).
+      x: queries' input ``[batch, q_len, d_q_in]``.
       cfg: attention configuration.
       kv: keys'/values' input ``[batch, k_len, d_kv_in]`` (cross-attention); default ``x``.
-      mask: boolean, ``True`` = may attend, broadcastable to ``[batch, heads, q_len, k_len]``.
-      bias: additive logit bias broadcastable to ``[batch, heads, q_len, k_len]`` (for example
-        :func:`relative_bias`).
+      mask: boolean, ``True`` = may attend, broadcastable to ``[batch, H, q_len, k_len]``.
+      bias: additive logit bias broadcastable to ``[batch, H, q_len, k_len]`` (for example
+        :func:`relative_bias`). For a mask or bias with a head axis of size ``H > 1``, axis 1
+        indexes the model's *original* heads: the block takes the columns of the heads it kept
+        (``params['heads'].ids``), so a stack's shared relative-bias table serves layers that
+        lost different heads.
       layer_index: static layer number (selects the activation-mask seed).
 
     Returns:
-      ``[batch, q_len, d_model]``.
+      ``[batch, q_len, d_out]``.
     """
+    qk, v, o, heads = attention_params(params, "apply_attention")
     x = jnp.asarray(x)
-    if x.ndim != 3 or x.shape[-1] != cfg.d_model:
-        raise ValueError(
-            f"apply_attention: x must be [batch, q_len, d_model={cfg.d_model}], "
-            f"got shape {tuple(x.shape)}"
-        )
+    if x.ndim != 3 or x.shape[-1] != qk.d_q_in:
+        raise ShapeError(
+            f"apply_attention: x must be [batch, q_len, d_model={qk.d_q_in}], got shape "
+            f"{tuple(x.shape)}", where="x", expected=qk.d_q_in, actual=tuple(x.shape))
     kv = x if kv is None else jnp.asarray(kv)
-    if kv.ndim != 3 or kv.shape[-1] != cfg.kv_dim or kv.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"apply_attention: kv must be [batch={x.shape[0]}, k_len, d_kv_in={cfg.kv_dim}], "
-            f"got shape {tuple(kv.shape)}"
-        )
+    if kv.ndim != 3 or kv.shape[-1] != qk.d_k_in or kv.shape[0] != x.shape[0]:
+        raise ShapeError(
+            f"apply_attention: kv must be [batch={x.shape[0]}, k_len, d_kv_in={qk.d_k_in}], "
+            f"got shape {tuple(kv.shape)}", where="kv", expected=qk.d_k_in,
+            actual=tuple(kv.shape))
     batch, q_len, _ = x.shape
     k_len = kv.shape[1]
-    target = (batch, cfg.num_heads, q_len, k_len)
+    target = (batch, heads.num_heads, q_len, k_len)
     if bias is not None:
         bias = jnp.asarray(bias)
+        if bias.ndim == 4:
+            bias = _select_heads("bias", bias, heads.ids)
         _check_broadcast("bias", bias, target, "Use relative_bias(...) or a [1, h, q, k] array.")
     if mask is not None:
         mask = jnp.asarray(mask)
         if mask.dtype != jnp.bool_:
-            raise ValueError(
+            raise ShapeError(
                 f"apply_attention: mask must be boolean (True = attend), got dtype {mask.dtype}; "
-                "pass additive masks as bias="
-            )
+                "pass additive masks as bias=", where="mask", expected="bool",
+                actual=str(mask.dtype))
+        if mask.ndim == 4:
+            mask = _select_heads("mask", mask, heads.ids)
         _check_broadcast("mask", mask, target, "Build masks with padding_mask / causal_mask.")
 
-    q = _split_heads(linear(params["q"], x), cfg, "q")  # [batch, q_len, h, d_head]
-    k = _split_heads(linear(params["k"], kv), cfg, "k")  # [batch, k_len, h, d_head]
-    v = _split_heads(linear(params["v"], kv), cfg, "v")  # [batch, k_len, h, d_head]
-
+    q_mask = k_mask = v_mask = None
     if cfg.qkv_keep is not None:
+        if not isinstance(qk, QueryKey):
+            raise ConfigError(
+                f"apply_attention: qkv_keep needs per-head query and key activations (a "
+                f"QueryKey); this block's query-key object is a {type(qk).__name__}",
+                where="qkv_keep")
         seed = cfg.qkv_mask_seed + layer_index
-        mq = qkv_activation_masks(seed, q_len, cfg.head_dim, cfg.qkv_keep)["q"]
-        mkv = qkv_activation_masks(seed, k_len, cfg.head_dim, cfg.qkv_keep)
-        # [s, d_head] -> [s, 1, d_head]: the same mask for every head of the module.
-        q = q * mq[:, None, :].astype(q.dtype)
-        k = k * mkv["k"][:, None, :].astype(k.dtype)
-        v = v * mkv["v"][:, None, :].astype(v.dtype)
+        w_qk, w_v = max(qk.widths, default=0), max(heads.v, default=0)
+        if w_qk:
+            q_mask = qkv_activation_masks(seed, q_len, w_qk, cfg.qkv_keep)["q"]
+            k_mask = qkv_activation_masks(seed, k_len, w_qk, cfg.qkv_keep)["k"]
+        if w_v:
+            v_mask = qkv_activation_masks(seed, k_len, w_v, cfg.qkv_keep)["v"]
 
-    logits = jnp.einsum("bqhd,bkhd->bhqk", q, k)  # [batch, h, q_len, k_len]
+    logits = attention_logits(qk, x, kv, q_mask=q_mask, k_mask=k_mask)  # [b, h, q, k]
     logits = logits.astype(jnp.float32)
-    if cfg.scaled:
-        logits = logits / np.sqrt(cfg.head_dim).astype(np.float32)
+    if heads.scale != 1.0:
+        logits = logits * np.float32(heads.scale)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)  # [batch, h, q_len, k_len]
 
-    out = jnp.einsum("bhqk,bkhd->bqhd", probs, v)  # [batch, q_len, h, d_head]
-    out = out.reshape(batch, q_len, cfg.inner_dim)  # [batch, q_len, h*d_head]
-    return linear(params["o"], out)  # [batch, q_len, d_model]
+    vals = split_heads(linear(v, kv), heads.v)  # [batch, k_len, h, max(w_v)]
+    if v_mask is not None:
+        vals = vals * v_mask[:, None, :].astype(vals.dtype)
+    probs = jax.nn.softmax(logits, axis=-1).astype(vals.dtype)  # [batch, h, q_len, k_len]
+    out = jnp.einsum("bhqk,bkhd->bqhd", probs, vals)  # [batch, q_len, h, max(w_v)]
+    return linear(o, merge_heads(out, heads.v))  # [batch, q_len, d_out]
+
+
+def attention_score_flops(params: dict, q_len: int, k_len: int) -> int:
+    """Multiply-adds of one attention block beyond its projections, per batch element, as
+    executed: the logits (:meth:`~lowrank_jax.QK.score_flops`) and the weighted sum of the
+    values (``q_len * k_len * h * max(v widths)``). These grow with the square of the sequence
+    length and are not part of :func:`lowrank_jax.flops`, which counts weight leaves."""
+    qk, _, _, heads = attention_params(params, "attention_score_flops")
+    return qk.score_flops(q_len, k_len) + int(q_len) * int(k_len) * heads.num_heads * max(
+        heads.v, default=0)

@@ -1,15 +1,23 @@
 """Encoder/decoder layers and stacks (pre-norm as T5/ViT, post-norm as BERT).
 
+Configs say what a layer means (norm kind, pre- or post-norm, activation, attention scaling);
+every size is read from the parameters. Initialization takes the sizes: one
+:class:`LayerSizes` per layer, so each layer may have its own head count, head width and MLP
+width (what structured pruning produces, and what a model can be built with).
+
 Stacks keep per-layer parameters in a Python list and loop in Python (no ``scan``): layers may
-hold leaves of different ranks (flow-of-ranks, seed 000 sec. 5), which stacked parameters
-cannot.
+hold leaves of different ranks and widths (flow-of-ranks, "Understanding Transformers for Time
+Series", sec. 5; pruning), which stacked parameters cannot.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import jax
+
+from lowrank_jax.errors import ConfigError, ShapeError
 
 from lowrank_jax.nn.attention import (
     AttentionConfig,
@@ -28,19 +36,53 @@ Array = jax.Array
 
 def _check_type(owner: str, name: str, val, cls) -> None:
     if not isinstance(val, cls):
-        raise ValueError(f"{owner}: {name} must be a {cls.__name__}, got {type(val).__name__}")
+        raise ConfigError(f"{owner}: {name} must be a {cls.__name__}, got {type(val).__name__}",
+                          where=name, expected=cls.__name__, actual=type(val).__name__)
 
 
-def _check_self_attention(owner: str, name: str, cfg: AttentionConfig, d_model: int) -> None:
-    if cfg.d_model != d_model:
-        raise ValueError(
-            f"{owner}: {name}.d_model must equal the layer width {d_model}, got {cfg.d_model}"
-        )
-    if cfg.kv_dim != d_model:
-        raise ValueError(
-            f"{owner}: {name} is a self-attention, so its d_kv_in must be None or "
-            f"{d_model}, got {cfg.d_kv_in}"
-        )
+@dataclasses.dataclass(frozen=True)
+class LayerSizes:
+    """Sizes of one encoder or decoder layer, for initialization.
+
+    Attributes:
+      num_heads: attention heads (self- and, in a decoder, cross-attention).
+      d_head: query/key width per head.
+      d_ff: MLP hidden width.
+      d_v: value width per head (default ``d_head``).
+    """
+
+    num_heads: int
+    d_head: int
+    d_ff: int
+    d_v: int | None = None
+
+    def __post_init__(self):
+        for name in ("num_heads", "d_head", "d_ff", "d_v"):
+            val = getattr(self, name)
+            if val is None and name == "d_v":
+                continue
+            if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+                raise ConfigError(f"LayerSizes: {name} must be a positive int, got {val!r}",
+                                  where=name, expected="int >= 1", actual=val)
+
+    @classmethod
+    def uniform(cls, num_layers: int, *, num_heads: int, d_head: int, d_ff: int,
+                d_v: int | None = None) -> tuple["LayerSizes", ...]:
+        """``num_layers`` identical layers."""
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise ConfigError(f"LayerSizes.uniform: num_layers must be a positive int, got "
+                              f"{num_layers!r}", where="num_layers")
+        return (cls(num_heads, d_head, d_ff, d_v),) * num_layers
+
+
+def _check_sizes(owner: str, layers) -> tuple[LayerSizes, ...]:
+    if isinstance(layers, LayerSizes) or not isinstance(layers, (list, tuple)) or not layers:
+        raise ConfigError(f"{owner}: layers must be a non-empty sequence of LayerSizes (one per "
+                          f"layer; LayerSizes.uniform(n, ...) for identical ones), got "
+                          f"{layers!r}", where="layers")
+    for i, s in enumerate(layers):
+        _check_type(owner, f"layers[{i}]", s, LayerSizes)
+    return tuple(layers)
 
 
 def _residual(prenorm: bool, norm_params, norm_cfg, x, fn):
@@ -58,8 +100,8 @@ class EncoderLayerConfig:
     """Self-attention + MLP with residuals.
 
     Attributes:
-      attention: self-attention configuration (``d_kv_in`` must be ``None`` or ``d_model``).
-      mlp: MLP configuration (same ``d_model``).
+      attention: self-attention configuration.
+      mlp: MLP configuration.
       norm: configuration of both norms.
       prenorm: ``x + f(norm(x))`` (T5, ViT) if ``True``, else ``norm(x + f(x))`` (BERT).
     """
@@ -74,34 +116,29 @@ class EncoderLayerConfig:
         _check_type(owner, "attention", self.attention, AttentionConfig)
         _check_type(owner, "mlp", self.mlp, MLPConfig)
         _check_type(owner, "norm", self.norm, NormConfig)
-        _check_self_attention(owner, "attention", self.attention, self.d_model)
-        if self.mlp.d_model != self.d_model:
-            raise ValueError(
-                f"{owner}: mlp.d_model must equal attention.d_model={self.d_model}, "
-                f"got {self.mlp.d_model}"
-            )
-
-    @property
-    def d_model(self) -> int:
-        return self.attention.d_model
 
 
-def init_encoder_layer(key: Array, cfg: EncoderLayerConfig) -> dict:
+def init_encoder_layer(key: Array, cfg: EncoderLayerConfig, *, d_model: int,
+                       sizes: LayerSizes) -> dict:
     """Parameters ``{'attn', 'attn_norm', 'mlp', 'mlp_norm'}`` of an encoder layer.
 
     Args:
       key: PRNG key.
       cfg: layer configuration.
+      d_model: residual width.
+      sizes: head count, head widths and MLP width of this layer.
 
     Returns:
       The parameter dict (weights are Dense leaves).
     """
+    _check_type("init_encoder_layer", "sizes", sizes, LayerSizes)
     ka, km = jax.random.split(key)
     return {
-        "attn": init_attention(ka, cfg.attention),
-        "attn_norm": init_norm(cfg.d_model, cfg.norm),
-        "mlp": init_mlp(km, cfg.mlp),
-        "mlp_norm": init_norm(cfg.d_model, cfg.norm),
+        "attn": init_attention(ka, cfg.attention, d_model=d_model, num_heads=sizes.num_heads,
+                               d_head=sizes.d_head, d_v=sizes.d_v),
+        "attn_norm": init_norm(d_model, cfg.norm),
+        "mlp": init_mlp(km, cfg.mlp, d_model=d_model, d_ff=sizes.d_ff),
+        "mlp_norm": init_norm(d_model, cfg.norm),
     }
 
 
@@ -115,7 +152,8 @@ def apply_encoder_layer(params: dict, x: Array, cfg: EncoderLayerConfig, *,
       x: ``[batch, seq, d_model]``.
       cfg: layer configuration.
       mask: boolean attention mask broadcastable to ``[batch, heads, seq, seq]``.
-      bias: additive attention bias (e.g. a relative bias ``[1, heads, seq, seq]``).
+      bias: additive attention bias over the model's original heads (e.g. a relative bias
+        ``[1, heads, seq, seq]``).
       layer_index: static layer number (seeds the fixed Q/K/V activation masks).
 
     Returns:
@@ -135,8 +173,8 @@ class DecoderLayerConfig:
     """Causal self-attention + cross-attention on the encoder output + MLP.
 
     Attributes:
-      self_attention: self-attention configuration (``d_kv_in`` ``None`` or ``d_model``).
-      cross_attention: cross-attention configuration; its ``d_kv_in`` is the encoder width.
+      self_attention: self-attention configuration.
+      cross_attention: cross-attention configuration.
       mlp: MLP configuration.
       norm: configuration of the three norms.
       prenorm: pre-norm (T5) if ``True``, else post-norm (original Transformer / BART).
@@ -154,44 +192,38 @@ class DecoderLayerConfig:
         _check_type(owner, "cross_attention", self.cross_attention, AttentionConfig)
         _check_type(owner, "mlp", self.mlp, MLPConfig)
         _check_type(owner, "norm", self.norm, NormConfig)
-        _check_self_attention(owner, "self_attention", self.self_attention, self.d_model)
-        for name in ("cross_attention", "mlp"):
-            d = getattr(self, name).d_model
-            if d != self.d_model:
-                raise ValueError(
-                    f"{owner}: {name}.d_model must equal self_attention.d_model="
-                    f"{self.d_model}, got {d}"
-                )
-
-    @property
-    def d_model(self) -> int:
-        return self.self_attention.d_model
 
 
-def init_decoder_layer(key: Array, cfg: DecoderLayerConfig) -> dict:
+def init_decoder_layer(key: Array, cfg: DecoderLayerConfig, *, d_model: int, sizes: LayerSizes,
+                       d_enc: int | None = None) -> dict:
     """Parameters ``{'self_attn', 'self_attn_norm', 'cross_attn', 'cross_attn_norm', 'mlp',
     'mlp_norm'}`` of a decoder layer.
 
     Args:
       key: PRNG key.
       cfg: layer configuration.
+      d_model: residual width.
+      sizes: head count (of both attentions), head widths and MLP width of this layer.
+      d_enc: width of the encoder output that the cross-attention reads (default ``d_model``).
 
     Returns:
       The parameter dict (weights are Dense leaves).
     """
+    _check_type("init_decoder_layer", "sizes", sizes, LayerSizes)
     ks, kc, km = jax.random.split(key, 3)
-    d = cfg.d_model
+    d = d_model
+    heads = dict(num_heads=sizes.num_heads, d_head=sizes.d_head, d_v=sizes.d_v)
     return {
-        "self_attn": init_attention(ks, cfg.self_attention),
+        "self_attn": init_attention(ks, cfg.self_attention, d_model=d, **heads),
         "self_attn_norm": init_norm(d, cfg.norm),
-        "cross_attn": init_attention(kc, cfg.cross_attention),
+        "cross_attn": init_attention(kc, cfg.cross_attention, d_model=d, d_kv_in=d_enc, **heads),
         "cross_attn_norm": init_norm(d, cfg.norm),
-        "mlp": init_mlp(km, cfg.mlp),
+        "mlp": init_mlp(km, cfg.mlp, d_model=d, d_ff=sizes.d_ff),
         "mlp_norm": init_norm(d, cfg.norm),
     }
 
 
-def apply_decoder_layer(params: dict, x: Array, enc: Array, cfg: DecoderLayerConfig, *,
+def apply_decoder_layer(params: dict, x: Array, cfg: DecoderLayerConfig, *, enc: Array,
                         self_mask: Array | None = None, cross_mask: Array | None = None,
                         self_bias: Array | None = None, cross_bias: Array | None = None,
                         layer_index: int = 0) -> Array:
@@ -202,9 +234,8 @@ def apply_decoder_layer(params: dict, x: Array, enc: Array, cfg: DecoderLayerCon
     Args:
       params: from :func:`init_decoder_layer`.
       x: decoder states ``[batch, t, d_model]``.
-      enc: encoder output ``[batch, s, d_enc]`` (``d_enc`` = ``cross_attention.d_kv_in`` or
-        ``d_model``).
       cfg: layer configuration.
+      enc: encoder output ``[batch, s, d_enc]``.
       self_mask: extra boolean mask for the self-attention, broadcastable to
         ``[batch, heads, t, t]`` (e.g. decoder padding).
       cross_mask: boolean mask broadcastable to ``[batch, heads, t, s]`` (encoder padding).
@@ -237,26 +268,27 @@ def apply_decoder_layer(params: dict, x: Array, enc: Array, cfg: DecoderLayerCon
 
 def _check_stack(owner: str, cfg, layer_cls) -> None:
     _check_type(owner, "layer", cfg.layer, layer_cls)
-    if not isinstance(cfg.num_layers, int) or cfg.num_layers < 1:
-        raise ValueError(f"{owner}: num_layers must be a positive int, got {cfg.num_layers!r}")
+    if not isinstance(cfg.final_norm, bool):
+        raise ConfigError(f"{owner}: final_norm must be a bool, got {cfg.final_norm!r}",
+                          where="final_norm")
     if cfg.relative_bias is not None:
         _check_type(owner, "relative_bias", cfg.relative_bias, RelativeBiasConfig)
 
 
 @dataclasses.dataclass(frozen=True)
 class EncoderConfig:
-    """A stack of identical-shape encoder layers.
+    """A stack of encoder layers (as many as its parameters hold).
 
     Attributes:
       layer: configuration of every layer.
-      num_layers: number of layers.
       final_norm: apply a final norm (``layer.norm``) after the last layer (pre-norm models).
-      relative_bias: if set, the stack owns one T5 relative-bias table (``'rel_bias'``),
-        computed once and added in every layer (T5 shares layer 0's bias down the stack).
+      relative_bias: if set, the stack owns one T5 relative-bias table (``'rel_bias'``,
+        ``[num_buckets, heads]`` over the model's original heads), computed once and added in
+        every layer (T5 shares layer 0's bias down the stack); each layer takes the columns of
+        the heads it keeps.
     """
 
     layer: EncoderLayerConfig
-    num_layers: int
     final_norm: bool = True
     relative_bias: RelativeBiasConfig | None = None
 
@@ -264,29 +296,44 @@ class EncoderConfig:
         _check_stack("EncoderConfig", self, EncoderLayerConfig)
 
 
-def _init_stack(key: Array, cfg, init_layer, num_heads: int) -> dict:
+def _init_stack(key: Array, cfg, layers: tuple[LayerSizes, ...], d_model: int,
+                init_layer) -> dict:
     """Layers in a list, then the optional final norm and shared relative-bias table."""
-    keys = jax.random.split(key, cfg.num_layers + 1)
-    params = {"layers": [init_layer(k, cfg.layer) for k in keys[:-1]]}
+    keys = jax.random.split(key, len(layers) + 1)
+    params = {"layers": [init_layer(k, s) for k, s in zip(keys[:-1], layers, strict=True)]}
     if cfg.final_norm:
-        params["final_norm"] = init_norm(cfg.layer.d_model, cfg.layer.norm)
+        params["final_norm"] = init_norm(d_model, cfg.layer.norm)
     if cfg.relative_bias is not None:
-        params["rel_bias"] = init_relative_bias(keys[-1], cfg.relative_bias, num_heads)
+        heads = max(s.num_heads for s in layers)
+        params["rel_bias"] = init_relative_bias(keys[-1], cfg.relative_bias, heads)
     return params
 
 
-def init_encoder(key: Array, cfg: EncoderConfig) -> dict:
+def init_encoder(key: Array, cfg: EncoderConfig, *, d_model: int,
+                 layers: Sequence[LayerSizes]) -> dict:
     """Parameters of an encoder stack.
 
     Args:
       key: PRNG key.
       cfg: stack configuration.
+      d_model: residual width.
+      layers: one :class:`LayerSizes` per layer.
 
     Returns:
       ``{'layers': [layer params, ...]}`` plus ``'final_norm'`` and ``'rel_bias'``
-      (``[num_buckets, heads]``) when configured.
+      (``[num_buckets, max heads]``) when configured.
     """
-    return _init_stack(key, cfg, init_encoder_layer, cfg.layer.attention.num_heads)
+    layers = _check_sizes("init_encoder", layers)
+    return _init_stack(key, cfg, layers, d_model,
+                       lambda k, s: init_encoder_layer(k, cfg.layer, d_model=d_model, sizes=s))
+
+
+def _layers(owner: str, params: dict) -> list:
+    layers = params.get("layers") if isinstance(params, dict) else None
+    if not isinstance(layers, (list, tuple)) or not layers:
+        raise ShapeError(f"{owner}: params must hold a non-empty list under 'layers', got "
+                         f"{type(layers).__name__}", where="layers")
+    return layers
 
 
 def apply_encoder(params: dict, x: Array, cfg: EncoderConfig, *, mask: Array | None = None,
@@ -300,19 +347,19 @@ def apply_encoder(params: dict, x: Array, cfg: EncoderConfig, *, mask: Array | N
       mask: boolean attention mask broadcastable to ``[batch, heads, seq, seq]`` (e.g.
         :func:`~lowrank_jax.nn.padding_mask`).
       return_hidden: also return the states entering each layer (flow-of-ranks analysis,
-        seed 000 sec. 5).
+        "Understanding Transformers for Time Series", sec. 4).
 
     Returns:
       ``y [batch, seq, d_model]``, or ``(y, [x_0, ..., x_{L-1}])`` where ``x_l`` is the input
       of layer ``l``.
     """
-    _check_num_layers("apply_encoder", params, cfg)
+    layers = _layers("apply_encoder", params)
     seq = x.shape[1]
     bias = None
     if cfg.relative_bias is not None:
-        bias = relative_bias(params["rel_bias"], seq, seq, cfg.relative_bias)  # [1, h, s, s]
+        bias = relative_bias(params["rel_bias"], seq, seq, cfg.relative_bias)  # [1, H, s, s]
     hidden = []
-    for i, lp in enumerate(params["layers"]):
+    for i, lp in enumerate(layers):
         hidden.append(x)
         x = apply_encoder_layer(lp, x, cfg.layer, mask=mask, bias=bias, layer_index=i)
     if cfg.final_norm:
@@ -322,11 +369,10 @@ def apply_encoder(params: dict, x: Array, cfg: EncoderConfig, *, mask: Array | N
 
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
-    """A stack of decoder layers.
+    """A stack of decoder layers (as many as its parameters hold).
 
     Attributes:
       layer: configuration of every layer.
-      num_layers: number of layers.
       final_norm: apply a final norm after the last layer.
       relative_bias: if set, one self-attention relative-bias table (``'rel_bias'``) shared by
         every layer. Decoders always use causal buckets (``bidirectional=False``), as Hugging
@@ -335,7 +381,6 @@ class DecoderConfig:
     """
 
     layer: DecoderLayerConfig
-    num_layers: int
     final_norm: bool = True
     relative_bias: RelativeBiasConfig | None = None
 
@@ -343,21 +388,28 @@ class DecoderConfig:
         _check_stack("DecoderConfig", self, DecoderLayerConfig)
 
 
-def init_decoder(key: Array, cfg: DecoderConfig) -> dict:
+def init_decoder(key: Array, cfg: DecoderConfig, *, d_model: int, layers: Sequence[LayerSizes],
+                 d_enc: int | None = None) -> dict:
     """Parameters of a decoder stack.
 
     Args:
       key: PRNG key.
       cfg: stack configuration.
+      d_model: residual width.
+      layers: one :class:`LayerSizes` per layer.
+      d_enc: width of the encoder output (default ``d_model``).
 
     Returns:
       ``{'layers': [layer params, ...]}`` plus ``'final_norm'`` and ``'rel_bias'``
-      (``[num_buckets, heads]``) when configured.
+      (``[num_buckets, max heads]``) when configured.
     """
-    return _init_stack(key, cfg, init_decoder_layer, cfg.layer.self_attention.num_heads)
+    layers = _check_sizes("init_decoder", layers)
+    return _init_stack(key, cfg, layers, d_model,
+                       lambda k, s: init_decoder_layer(k, cfg.layer, d_model=d_model, sizes=s,
+                                                       d_enc=d_enc))
 
 
-def apply_decoder(params: dict, x: Array, enc: Array, cfg: DecoderConfig, *,
+def apply_decoder(params: dict, x: Array, cfg: DecoderConfig, *, enc: Array,
                   self_mask: Array | None = None, cross_mask: Array | None = None,
                   return_hidden: bool = False):
     """Run the decoder stack (causal self-attention always on).
@@ -365,8 +417,8 @@ def apply_decoder(params: dict, x: Array, enc: Array, cfg: DecoderConfig, *,
     Args:
       params: from :func:`init_decoder`.
       x: decoder inputs ``[batch, t, d_model]`` (already embedded).
-      enc: encoder output ``[batch, s, d_enc]``.
       cfg: stack configuration.
+      enc: encoder output ``[batch, s, d_enc]``.
       self_mask: extra boolean self-attention mask (the causal mask is always added).
       cross_mask: boolean cross-attention mask broadcastable to ``[batch, heads, t, s]``.
       return_hidden: also return the states entering each layer.
@@ -374,27 +426,17 @@ def apply_decoder(params: dict, x: Array, enc: Array, cfg: DecoderConfig, *,
     Returns:
       ``y [batch, t, d_model]``, or ``(y, [x_0, ..., x_{L-1}])``.
     """
-    _check_num_layers("apply_decoder", params, cfg)
+    layers = _layers("apply_decoder", params)
     t = x.shape[1]
     bias = None
     if cfg.relative_bias is not None:
         causal_cfg = dataclasses.replace(cfg.relative_bias, bidirectional=False)
-        bias = relative_bias(params["rel_bias"], t, t, causal_cfg)  # [1, h, t, t]
+        bias = relative_bias(params["rel_bias"], t, t, causal_cfg)  # [1, H, t, t]
     hidden = []
-    for i, lp in enumerate(params["layers"]):
+    for i, lp in enumerate(layers):
         hidden.append(x)
-        x = apply_decoder_layer(lp, x, enc, cfg.layer, self_mask=self_mask,
+        x = apply_decoder_layer(lp, x, cfg.layer, enc=enc, self_mask=self_mask,
                                 cross_mask=cross_mask, self_bias=bias, layer_index=i)
     if cfg.final_norm:
         x = apply_norm(params["final_norm"], x, cfg.layer.norm)
     return (x, hidden) if return_hidden else x
-
-
-def _check_num_layers(owner: str, params: dict, cfg) -> None:
-    n = len(params["layers"])
-    if n != cfg.num_layers:
-        raise ValueError(
-            f"{owner}: params hold {n} layers under 'layers', but cfg.num_layers = "
-            f"{cfg.num_layers}"
-        )
-

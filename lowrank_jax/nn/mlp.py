@@ -6,6 +6,7 @@ import dataclasses
 
 import jax
 
+from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves import init_dense, linear
 
 Array = jax.Array
@@ -20,60 +21,68 @@ ACTIVATIONS = {
 
 @dataclasses.dataclass(frozen=True)
 class MLPConfig:
-    """Feed-forward block.
+    """What a feed-forward block means; its widths come from its parameters.
 
     Attributes:
-      d_model: input and output width.
-      d_ff: hidden width.
       activation: ``'relu'``, ``'gelu'`` (exact erf), ``'gelu_tanh'`` or ``'silu'``.
       gated: ``act(x @ wi_0) * (x @ wi_1) @ wo`` (Shazeer 2020, T5 v1.1) instead of
         ``act(x @ wi) @ wo``.
-      use_bias: biases on every projection.
+      use_bias: :func:`init_mlp` creates biases on every projection.
     """
 
-    d_model: int
-    d_ff: int
     activation: str = "relu"
     gated: bool = False
     use_bias: bool = False
 
     def __post_init__(self):
-        for name in ("d_model", "d_ff"):
-            val = getattr(self, name)
-            if not isinstance(val, int) or val < 1:
-                raise ValueError(f"MLPConfig: {name} must be a positive int, got {val!r}")
         if self.activation not in ACTIVATIONS:
-            raise ValueError(
+            raise ConfigError(
                 f"MLPConfig: activation must be one of {tuple(ACTIVATIONS)}, "
-                f"got {self.activation!r}"
-            )
+                f"got {self.activation!r}", where="activation", expected=tuple(ACTIVATIONS),
+                actual=self.activation)
+        for name in ("gated", "use_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"MLPConfig: {name} must be a bool, got "
+                                  f"{getattr(self, name)!r}", where=name)
 
 
-def init_mlp(key: Array, cfg: MLPConfig) -> dict:
+def init_mlp(key: Array, cfg: MLPConfig, *, d_model: int, d_ff: int,
+             d_out: int | None = None) -> dict:
     """Dense MLP weights.
 
     Args:
       key: PRNG key.
       cfg: MLP configuration.
+      d_model: input width.
+      d_ff: hidden width.
+      d_out: output width (default ``d_model``).
 
     Returns:
-      ``{'wi': [d_model, d_ff], 'wo': [d_ff, d_model]}``, or for ``gated``
+      ``{'wi': [d_model, d_ff], 'wo': [d_ff, d_out]}``, or for ``gated``
       ``{'wi_0', 'wi_1': [d_model, d_ff], 'wo'}`` (T5 v1.1 names), all Dense leaves.
     """
+    for name, val in (("d_model", d_model), ("d_ff", d_ff),
+                      ("d_out", d_model if d_out is None else d_out)):
+        if isinstance(val, bool) or not isinstance(val, int) or val < 1:
+            raise ConfigError(f"init_mlp: {name} must be a positive int, got {val!r}",
+                              where=name, expected="int >= 1", actual=val)
+    d_out = d_model if d_out is None else d_out
     k0, k1, ko = jax.random.split(key, 3)
     b = cfg.use_bias
-    wo = init_dense(ko, cfg.d_ff, cfg.d_model, bias=b)
+    wo = init_dense(ko, d_ff, d_out, bias=b)
     if cfg.gated:
         return {
-            "wi_0": init_dense(k0, cfg.d_model, cfg.d_ff, bias=b),
-            "wi_1": init_dense(k1, cfg.d_model, cfg.d_ff, bias=b),
+            "wi_0": init_dense(k0, d_model, d_ff, bias=b),
+            "wi_1": init_dense(k1, d_model, d_ff, bias=b),
             "wo": wo,
         }
-    return {"wi": init_dense(k0, cfg.d_model, cfg.d_ff, bias=b), "wo": wo}
+    return {"wi": init_dense(k0, d_model, d_ff, bias=b), "wo": wo}
 
 
 def apply_mlp(params: dict, x: Array, cfg: MLPConfig) -> Array:
     """``act(x @ wi) @ wo``, or gated ``(act(x @ wi_0) * (x @ wi_1)) @ wo``.
+
+    The hidden width is whatever the leaves have (each layer of a pruned model its own).
 
     Args:
       params: weight leaves from :func:`init_mlp`.
@@ -81,11 +90,11 @@ def apply_mlp(params: dict, x: Array, cfg: MLPConfig) -> Array:
       cfg: MLP configuration.
 
     Returns:
-      ``[..., d_model]``.
+      ``[..., d_out]``.
     """
     act = ACTIVATIONS[cfg.activation]
     if cfg.gated:
         h = act(linear(params["wi_0"], x)) * linear(params["wi_1"], x)  # [..., d_ff]
     else:
         h = act(linear(params["wi"], x))  # [..., d_ff]
-    return linear(params["wo"], h)  # [..., d_model]
+    return linear(params["wo"], h)  # [..., d_out]

@@ -1,0 +1,200 @@
+"""Query-key objects: the second dispatch, beside ``x @ W``, for attention scores.
+
+Attention logits need the query and key projections *jointly*: head ``h`` computes
+``A_h = (x W^Q_h)(x_kv W^K_h)^T = x Y_h x_kv^T`` with ``Y_h = W^Q_h (W^K_h)^T`` a slice of the
+query-key tensor ``Y: [d_q, d_k, h]`` ("Vision Transformer with Irregular Attention", sec. 2).
+A factorization of the whole tensor (CP, block terms) cannot be written as separate ``q`` and
+``k`` weights, so blocks never multiply queries by keys by hand: they call
+:func:`attention_logits` on the block's query-key object, and each query-key type supplies its
+own logits, counts and surgery.
+
+:class:`QueryKey` is the default: two ordinary weight leaves ``q`` and ``k`` and the per-head
+widths of their outputs. Irregular widths (per-head truncation of ``Y_h``, pruned channels) are
+executed by zero-padding every head to the widest one, and counted as executed.
+
+Query-key objects are *containers*: their weight leaves (``q``, ``k`` or a factorization's
+factors) are ordinary :class:`~lowrank_jax.Leaf` s at paths like ``'.../attn/qk/q'``, so path
+rules, counts, the trainable split and checkpoints see them like any other weight.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lowrank_jax.errors import ShapeError
+from lowrank_jax.leaves.base import CONCRETE, Leaf, keep_inputs, keep_outputs, leaf_dataclass, \
+    linear, materialize
+from lowrank_jax.leaves.heads import _int_tuple, head_offsets, split_heads
+
+Array = jax.Array
+
+
+class QK(abc.ABC):
+    """Protocol of query-key objects (subclasses are :func:`leaf_dataclass` containers)."""
+
+    @property
+    @abc.abstractmethod
+    def num_heads(self) -> int:
+        """Number of heads whose logits :meth:`logits` returns."""
+
+    @property
+    @abc.abstractmethod
+    def d_q_in(self) -> int:
+        """Width of the queries' input."""
+
+    @property
+    @abc.abstractmethod
+    def d_k_in(self) -> int:
+        """Width of the keys' input."""
+
+    @abc.abstractmethod
+    def logits(self, xq: Array, xkv: Array, *, q_mask: Array | None = None,
+               k_mask: Array | None = None) -> Array:
+        """Unscaled logits ``[batch, heads, q_len, k_len]`` (biases of the projections
+        included). Call :func:`attention_logits` instead.
+
+        ``q_mask`` / ``k_mask`` are fixed activation masks ``[len, width]`` multiplied into the
+        per-head queries and keys ("Sparse Binary Transformers", sec. 3.3.1); types without
+        per-head query and key activations raise on them.
+        """
+
+    @abc.abstractmethod
+    def score_flops(self, q_len: int, k_len: int) -> int:
+        """Multiply-adds of the logits beyond the projections (per batch element, as
+        executed): ``sum_h q_len * k_len * width_h`` for query-key pairs, plus any fusion."""
+
+    @abc.abstractmethod
+    def joint(self) -> Array:
+        """The query-key tensor ``Y: [d_q_in, d_k_in, heads]`` (projection biases excluded)."""
+
+    @abc.abstractmethod
+    def keep_heads(self, idx: np.ndarray) -> "QK":
+        """The object restricted to the heads at positions ``idx`` (sorted, distinct)."""
+
+    @abc.abstractmethod
+    def keep_inputs(self, idx: np.ndarray, side: str) -> "QK":
+        """Input channels ``idx`` of the queries' (``side='q'``) or keys' (``'k'``) input kept."""
+
+
+def attention_logits(qk: QK, xq: Array, xkv: Array, *, q_mask: Array | None = None,
+                     k_mask: Array | None = None) -> Array:
+    """Logits ``[batch, heads, q_len, k_len]`` of any query-key object (unscaled).
+
+    Args:
+      qk: a :class:`QK` object (a block's ``params['qk']``).
+      xq: queries' input ``[batch, q_len, d_q_in]``.
+      xkv: keys' input ``[batch, k_len, d_k_in]``.
+      q_mask, k_mask: optional fixed activation masks ``[len, width]``.
+    """
+    if not isinstance(qk, QK):
+        raise ShapeError(f"attention_logits: expected a query-key object (QueryKey, ...), got "
+                         f"{type(qk).__name__}", expected="QK", actual=type(qk).__name__)
+    return qk.logits(xq, xkv, q_mask=q_mask, k_mask=k_mask)
+
+
+class QueryKey(QK):
+    """The default query-key object: weight leaves ``q``, ``k`` and per-head widths.
+
+    Fields:
+      q: ``[d_q_in, sum(widths)]`` weight leaf (any leaf type), bias allowed.
+      k: ``[d_k_in, sum(widths)]`` weight leaf, bias allowed.
+      widths: static width of every head, head-major (head ``h`` is the ``widths[h]``
+        columns after the heads before it). A head of width 0 has constant logits: with no
+        other bias it attends uniformly. Per-head truncated SVD of ``Y_h`` (TruncAtt) and
+        pruned channels make widths differ between heads.
+    """
+
+    q: Any
+    k: Any
+    widths: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "widths", _int_tuple(self.widths, "QueryKey widths"))
+        for name in ("q", "k"):
+            leaf = getattr(self, name)
+            if isinstance(leaf, Leaf):
+                d = leaf.d_out
+            elif isinstance(leaf, CONCRETE):
+                d = leaf.shape[-1]
+            else:
+                continue
+            if d != sum(self.widths):
+                raise ShapeError(
+                    f"QueryKey: '{name}' has {d} outputs but the head widths {self.widths} "
+                    f"sum to {sum(self.widths)}", where=name, expected=sum(self.widths),
+                    actual=d)
+
+    @classmethod
+    def uniform(cls, q, k, num_heads: int) -> "QueryKey":
+        """``q`` and ``k`` split into ``num_heads`` heads of equal width."""
+        d = q.d_out if isinstance(q, Leaf) else np.shape(q)[-1]
+        if num_heads < 1 or d % num_heads:
+            raise ShapeError(f"QueryKey.uniform: num_heads={num_heads} does not divide the "
+                             f"{d} outputs of q", expected="a divisor", actual=num_heads)
+        return cls(q=q, k=k, widths=(d // num_heads,) * num_heads)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.widths)
+
+    @property
+    def d_q_in(self) -> int:
+        return self.q.d_in if isinstance(self.q, Leaf) else np.shape(self.q)[0]
+
+    @property
+    def d_k_in(self) -> int:
+        return self.k.d_in if isinstance(self.k, Leaf) else np.shape(self.k)[0]
+
+    def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
+        q = split_heads(linear(self.q, xq), self.widths)  # [b, q_len, h, w]
+        k = split_heads(linear(self.k, xkv), self.widths)  # [b, k_len, h, w]
+        if q_mask is not None:  # [q_len, w] -> [q_len, 1, w]: the same mask for every head
+            q = q * q_mask[:, None, :].astype(q.dtype)
+        if k_mask is not None:
+            k = k * k_mask[:, None, :].astype(k.dtype)
+        return jnp.einsum("bqhd,bkhd->bhqk", q, k)
+
+    def score_flops(self, q_len, k_len):
+        return int(q_len) * int(k_len) * self.num_heads * max(self.widths, default=0)
+
+    def joint(self):
+        q, k = materialize(self.q), materialize(self.k)
+        off = head_offsets(self.widths)
+        slices = [q[:, off[h]:off[h + 1]] @ k[:, off[h]:off[h + 1]].T
+                  for h in range(self.num_heads)]
+        return jnp.stack(slices, axis=-1)  # [d_q, d_k, h]
+
+    def keep_heads(self, idx):
+        idx = [int(i) for i in idx]
+        off = head_offsets(self.widths)
+        cols = np.concatenate([np.arange(off[h], off[h + 1]) for h in idx] or
+                              [np.zeros(0, np.int64)]).astype(np.int64)
+        return QueryKey(q=keep_outputs(self.q, cols), k=keep_outputs(self.k, cols),
+                        widths=tuple(self.widths[h] for h in idx))
+
+    def keep_channels(self, idx) -> "QueryKey":
+        """Query/key channels ``idx`` (positions in the concatenated ``sum(widths)`` layout)
+        kept in both projections: the channel-level removal of structured pruning. A head
+        may be left with width 0 (it then attends uniformly, up to any bias)."""
+        idx = np.asarray(idx, np.int64)
+        off = head_offsets(self.widths)
+        widths = tuple(int(np.sum((idx >= off[h]) & (idx < off[h + 1])))
+                       for h in range(self.num_heads))
+        return QueryKey(q=keep_outputs(self.q, idx), k=keep_outputs(self.k, idx), widths=widths)
+
+    def keep_inputs(self, idx, side):
+        if side not in ("q", "k"):
+            raise ShapeError(f"QueryKey.keep_inputs: side must be 'q' or 'k', got {side!r}")
+        if side == "q":
+            return QueryKey(q=keep_inputs(self.q, idx), k=self.k, widths=self.widths)
+        return QueryKey(q=self.q, k=keep_inputs(self.k, idx), widths=self.widths)
+
+
+QueryKey = leaf_dataclass(QueryKey, meta=("widths",))
+
+__all__ = ["QK", "QueryKey", "attention_logits"]
