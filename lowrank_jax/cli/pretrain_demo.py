@@ -23,7 +23,7 @@ from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.train.data import WindowConfig, WindowSampler
 from lowrank_jax.train.loop import bolt_loss_fn, evaluate_forecaster, fit
-from lowrank_jax.train.losses import geometric_mean_relative
+from lowrank_jax.losses import geometric_mean_relative
 from lowrank_jax.train.pretrain import factorize_init
 
 QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)

@@ -1,32 +1,30 @@
-"""Models built from :mod:`lowrank_jax.nn` blocks (config dataclass + pure init/apply).
+"""Models built from :mod:`lowrank_jax.nn` blocks: a config dataclass plus pure ``init`` /
+``apply`` per family, each registered once as a :class:`ModelFamily`.
 
-``apply(config, params, **inputs)`` runs any registered model with inputs named as in the
-PyTorch forward and outputs keyed like the PyTorch outputs.
+``apply(params, inputs, config)`` runs any registered model with inputs named as in the
+PyTorch forward and outputs keyed like the PyTorch outputs; :func:`family_of` gives the whole
+record (loss, sample inputs, Hugging Face mapping, forecast).
 """
 
 from lowrank_jax.models import bert, chronos, chronos_bolt, patch_encoder, t5, vit
 from lowrank_jax.models.bert import BertConfig
 from lowrank_jax.models.chronos import ChronosConfig
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
+from lowrank_jax.models.family import (
+    ModelFamily,
+    apply,
+    families,
+    family_of,
+    get_family,
+    primary_output,
+    register_family,
+)
 from lowrank_jax.models.patch_encoder import PatchEncoderConfig
-from lowrank_jax.models.registry import apply, register, registered
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.models.vit import ViTConfig
 
 __all__ = [
-    "BertConfig",
-    "ChronosBoltConfig",
-    "ChronosConfig",
-    "PatchEncoderConfig",
-    "T5Config",
-    "ViTConfig",
-    "apply",
-    "bert",
-    "chronos",
-    "chronos_bolt",
-    "patch_encoder",
-    "register",
-    "registered",
-    "t5",
-    "vit",
+    "BertConfig", "ChronosBoltConfig", "ChronosConfig", "ModelFamily", "PatchEncoderConfig",
+    "T5Config", "ViTConfig", "apply", "bert", "chronos", "chronos_bolt", "families",
+    "family_of", "get_family", "patch_encoder", "primary_output", "register_family", "t5", "vit",
 ]

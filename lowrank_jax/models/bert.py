@@ -22,11 +22,16 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
-from lowrank_jax.models.vit import activation_from_hf, layernorm_encoder
+from lowrank_jax.models.family import ModelFamily, register_family
+from lowrank_jax.models.t5 import _layer_sizes, check_inputs, check_token_ids
+from lowrank_jax.models.vit import activation_from_hf, layernorm_encoder, layernorm_encoder_sizes
 from lowrank_jax.nn import (
     EncoderConfig,
+    LayerSizes,
     NormConfig,
     apply_encoder,
     apply_norm,
@@ -69,18 +74,23 @@ class BertConfig:
                      "intermediate_size", "max_position_embeddings", "type_vocab_size"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"BertConfig: {name} must be a positive int, got {val!r}")
+                raise ConfigError(f"BertConfig: {name} must be a positive int, got {val!r}")
         if not isinstance(self.num_labels, int) or self.num_labels < 0:
-            raise ValueError(f"BertConfig: num_labels must be an int >= 0, got "
+            raise ConfigError(f"BertConfig: num_labels must be an int >= 0, got "
                              f"{self.num_labels!r}")
         if self.num_labels > 0 and not self.pooler:
-            raise ValueError("BertConfig: a classification head (num_labels > 0) needs the "
+            raise ConfigError("BertConfig: a classification head (num_labels > 0) needs the "
                              "pooler (pooler=True), as BertForSequenceClassification")
-        self.encoder  # noqa: B018  (the nn configs validate heads, activation, eps)
+        self.encoder  # noqa: B018  (the nn configs validate activation, eps)
+        self.encoder_sizes  # noqa: B018  (heads must divide the width)
 
     @property
     def encoder(self) -> EncoderConfig:
         return layernorm_encoder(self, prenorm=False)
+
+    @property
+    def encoder_sizes(self) -> tuple[LayerSizes, ...]:
+        return layernorm_encoder_sizes(self)
 
     @property
     def embedding_norm(self) -> NormConfig:
@@ -102,14 +112,14 @@ class BertConfig:
           The configuration.
         """
         if d.get("model_type", "bert") != "bert":
-            raise ValueError(f"BertConfig.from_hf_dict: model_type must be 'bert', "
+            raise ConfigError(f"BertConfig.from_hf_dict: model_type must be 'bert', "
                              f"got {d.get('model_type')!r}")
         if d.get("is_decoder", False) or d.get("add_cross_attention", False):
-            raise ValueError("BertConfig.from_hf_dict: only the bidirectional encoder is "
+            raise ConfigError("BertConfig.from_hf_dict: only the bidirectional encoder is "
                              "supported (is_decoder and add_cross_attention must be false)")
         pet = d.get("position_embedding_type", "absolute")
         if pet != "absolute":
-            raise ValueError(f"BertConfig.from_hf_dict: position_embedding_type must be "
+            raise ConfigError(f"BertConfig.from_hf_dict: position_embedding_type must be "
                              f"'absolute', got {pet!r}")
         arch = (d.get("architectures") or [""])[0]
         is_classifier = arch.endswith("ForSequenceClassification")
@@ -132,12 +142,14 @@ class BertConfig:
         return cls(**kwargs)
 
 
-def init(key: Array, cfg: BertConfig) -> dict:
+def init(key: Array, cfg: BertConfig, *, layers=None) -> dict:
     """Random parameters (Dense leaves; embeddings ``N(0, 0.02^2)`` as HF).
 
     Args:
       key: PRNG key.
       cfg: model configuration.
+      layers: optional per-layer :class:`~lowrank_jax.nn.LayerSizes` (default
+        ``cfg.encoder_sizes``).
 
     Returns:
       The parameter tree described in the module docstring.
@@ -152,7 +164,8 @@ def init(key: Array, cfg: BertConfig) -> dict:
             "token_type": 0.02 * jax.random.normal(kt, (cfg.type_vocab_size, d), jnp.float32),
             "norm": init_norm(d, cfg.embedding_norm),
         },
-        "encoder": init_encoder(ke, cfg.encoder),
+        "encoder": init_encoder(ke, cfg.encoder, d_model=d, layers=_layer_sizes(
+            layers, cfg.encoder_sizes, "bert.init: layers", cfg.num_hidden_layers)),
     }
     if cfg.pooler:
         params["pooler"] = init_dense(kpool, d, d, bias=True)
@@ -172,40 +185,50 @@ def embed(params: dict, input_ids: Array, cfg: BertConfig, *,
     seq = input_ids.shape[1]
     if token_type_ids is None:
         token_type_ids = jnp.zeros_like(input_ids)
+    input_ids = check_token_ids(input_ids, emb["word"].shape[0], "input_ids", "bert")
+    token_type_ids = check_token_ids(token_type_ids, emb["token_type"].shape[0],
+                                     "token_type_ids", "bert")
     x = jnp.take(emb["word"], input_ids, axis=0)  # [b, s, d]
     x = x + jnp.take(emb["token_type"], token_type_ids, axis=0)
     x = x + emb["position"][:seq][None]
     return apply_norm(emb["norm"], x, cfg.embedding_norm)
 
 
-def apply(params: dict, cfg: BertConfig, *, input_ids: Array,
-          attention_mask: Array | None = None, token_type_ids: Array | None = None) -> dict:
+INPUTS = ("input_ids", "attention_mask", "token_type_ids")
+
+
+def apply(params: dict, inputs: dict, cfg: BertConfig) -> dict:
     """Run BERT (eval mode: no dropout).
 
     Args:
       params: from :func:`init` or :func:`lowrank_jax.convert.load_pretrained`.
+      inputs: a dict with ``input_ids``: ``int[batch, seq]`` with
+        ``seq <= max_position_embeddings``; ``attention_mask``: ``[batch, seq]``, 1 for real
+        tokens and 0 for padding (keys that are padding get no attention), default all ones;
+        ``token_type_ids``: ``int[batch, seq]`` segment ids, default zeros.
       cfg: model configuration.
-      input_ids: ``int[batch, seq]`` with ``seq <= max_position_embeddings``.
-      attention_mask: ``[batch, seq]``, 1 for real tokens and 0 for padding (keys that are
-        padding get no attention); default all ones.
-      token_type_ids: ``int[batch, seq]`` segment ids; default zeros.
 
     Returns:
       ``last_hidden_state [batch, seq, d]``, plus ``pooler_output [batch, d]`` if
       ``cfg.pooler`` and ``logits [batch, num_labels]`` if ``cfg.num_labels > 0``.
     """
-    input_ids = jnp.asarray(input_ids)
+    inputs = check_inputs(inputs, INPUTS, "bert.apply")
+    if "input_ids" not in inputs:
+        raise DataError("bert.apply: inputs need 'input_ids'", where="inputs",
+                        expected="input_ids")
+    input_ids = jnp.asarray(inputs["input_ids"])
+    attention_mask, token_type_ids = inputs.get("attention_mask"), inputs.get("token_type_ids")
     if input_ids.ndim != 2:
-        raise ValueError(f"bert.apply: input_ids must be [batch, seq], got shape "
-                         f"{tuple(input_ids.shape)}")
+        raise DataError(f"bert.apply: input_ids must be [batch, seq], got shape "
+                        f"{tuple(input_ids.shape)}", where="input_ids")
     if input_ids.shape[1] > cfg.max_position_embeddings:
-        raise ValueError(
+        raise DataError(
             f"bert.apply: sequence length {input_ids.shape[1]} exceeds "
             f"max_position_embeddings={cfg.max_position_embeddings}"
         )
     for name, arr in (("attention_mask", attention_mask), ("token_type_ids", token_type_ids)):
         if arr is not None and tuple(jnp.shape(arr)) != tuple(input_ids.shape):
-            raise ValueError(f"bert.apply: {name} must have the shape of input_ids "
+            raise DataError(f"bert.apply: {name} must have the shape of input_ids "
                              f"{tuple(input_ids.shape)}, got {tuple(jnp.shape(arr))}")
     if token_type_ids is not None:
         token_type_ids = jnp.asarray(token_type_ids)
@@ -219,3 +242,34 @@ def apply(params: dict, cfg: BertConfig, *, input_ids: Array,
         if cfg.num_labels > 0:
             out["logits"] = linear(params["classifier"], pooled)  # [b, num_labels]
     return out
+
+
+def sample_inputs(cfg: BertConfig, rng: np.random.Generator, batch: int) -> dict:
+    """Random token ids (32 per row, some padding in the first row)."""
+    ids = rng.integers(1, cfg.vocab_size, size=(batch, 32))
+    mask = np.ones_like(ids)
+    mask[0, -5:] = 0
+    ids = jnp.asarray(ids, jnp.int32)
+    return {"input_ids": ids, "attention_mask": jnp.asarray(mask, jnp.int32),
+            "token_type_ids": jnp.zeros_like(ids)}
+
+
+def loss(cfg: BertConfig):
+    """Default objective of a classifier: cross-entropy of ``logits`` on integer
+    ``batch['labels'] [batch]`` (other batch entries are the model inputs)."""
+
+    def loss_fn(params, batch, key):
+        del key  # no dropout
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = apply(params, inputs, cfg)["logits"].astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, jnp.asarray(batch["labels"])[:, None], axis=-1)
+        acc = jnp.mean(jnp.argmax(logits, -1) == batch["labels"])
+        return jnp.mean(nll), {"accuracy": acc}
+
+    return loss_fn
+
+
+FAMILY = register_family(ModelFamily(
+    name="bert", config_cls=BertConfig, init=init, apply=apply, sample_inputs=sample_inputs,
+    primary_outputs=("logits", "last_hidden_state"), loss=loss))

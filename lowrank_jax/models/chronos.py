@@ -28,7 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.errors import ConfigError, DataError
+from lowrank_jax.datasets import builtin_series, windows
 from lowrank_jax.models import t5 as t5_model
+from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models.t5 import T5Config
 
 Array = jax.Array
@@ -59,22 +62,22 @@ class ChronosConfig:
 
     def __post_init__(self):
         if not isinstance(self.t5, T5Config):
-            raise ValueError(f"ChronosConfig: t5 must be a T5Config, got {type(self.t5).__name__}")
+            raise ConfigError(f"ChronosConfig: t5 must be a T5Config, got {type(self.t5).__name__}")
         if not (self.pad_token_id < self.n_special_tokens
                 and self.eos_token_id < self.n_special_tokens):
-            raise ValueError(
+            raise ConfigError(
                 f"ChronosConfig: pad_token_id={self.pad_token_id} and eos_token_id="
                 f"{self.eos_token_id} must be < n_special_tokens={self.n_special_tokens}"
             )
         if self.n_tokens - self.n_special_tokens - 1 < 2:
-            raise ValueError(f"ChronosConfig: n_tokens={self.n_tokens} leaves fewer than 2 bins")
+            raise ConfigError(f"ChronosConfig: n_tokens={self.n_tokens} leaves fewer than 2 bins")
         if self.n_tokens > self.t5.vocab_size:
-            raise ValueError(
+            raise ConfigError(
                 f"ChronosConfig: n_tokens={self.n_tokens} exceeds the T5 vocab_size "
                 f"{self.t5.vocab_size}"
             )
         if not self.high_limit > self.low_limit:
-            raise ValueError(
+            raise ConfigError(
                 f"ChronosConfig: high_limit must exceed low_limit, got {self.low_limit}, "
                 f"{self.high_limit}"
             )
@@ -84,14 +87,14 @@ class ChronosConfig:
         """From a Chronos ``config.json`` dict (a T5 config with a ``chronos_config`` entry)."""
         cc = d.get("chronos_config")
         if not isinstance(cc, dict):
-            raise ValueError("ChronosConfig.from_hf_dict: config has no 'chronos_config' dict")
+            raise ConfigError("ChronosConfig.from_hf_dict: config has no 'chronos_config' dict")
         if cc.get("tokenizer_class", "MeanScaleUniformBins") != "MeanScaleUniformBins":
-            raise ValueError(
+            raise ConfigError(
                 "ChronosConfig: only tokenizer_class='MeanScaleUniformBins' is supported, got "
                 f"{cc.get('tokenizer_class')!r}"
             )
         if cc.get("model_type", "seq2seq") != "seq2seq":
-            raise ValueError(
+            raise ConfigError(
                 "ChronosConfig: only model_type='seq2seq' (T5) Chronos models are supported, "
                 f"got {cc.get('model_type')!r}"
             )
@@ -190,7 +193,7 @@ def context_input_transform(cfg: ChronosConfig, context: Array):
     if context.ndim == 1:
         context = context[None]
     if context.ndim != 2:
-        raise ValueError(f"chronos: context must be [batch, time] or [time], got {context.shape}")
+        raise DataError(f"chronos: context must be [batch, time] or [time], got {context.shape}")
     context = context[:, -cfg.context_length:]
     ids, mask, scale = _input_transform(cfg, context, None)
     if cfg.use_eos_token:
@@ -202,7 +205,7 @@ def label_input_transform(cfg: ChronosConfig, label: Array, scale: Array):
     """Tokenize targets with the context's scale (``label_input_transform``)."""
     label = jnp.asarray(label, jnp.float32)
     if label.shape[-1] != cfg.prediction_length:
-        raise ValueError(
+        raise DataError(
             f"chronos: label length must equal prediction_length={cfg.prediction_length}, "
             f"got {label.shape[-1]}"
         )
@@ -222,20 +225,21 @@ def output_transform(cfg: ChronosConfig, samples: Array, scale: Array) -> Array:
 # ---------------------------------------------------------------------------------------------
 # Model.
 
-def init(key: Array, cfg: ChronosConfig) -> dict:
-    """Random parameters (a T5 tree)."""
-    return t5_model.init(key, cfg.t5)
+def init(key: Array, cfg: ChronosConfig, **layers) -> dict:
+    """Random parameters (a T5 tree; ``encoder_layers`` / ``decoder_layers`` as
+    :func:`lowrank_jax.models.t5.init`)."""
+    return t5_model.init(key, cfg.t5, **layers)
 
 
-def apply(params: dict, cfg: ChronosConfig, **inputs) -> dict:
+def apply(params: dict, inputs: dict, cfg: ChronosConfig) -> dict:
     """T5 forward on token ids (inputs/outputs as :func:`lowrank_jax.models.t5.apply`)."""
-    return t5_model.apply(params, cfg.t5, **inputs)
+    return t5_model.apply(params, inputs, cfg.t5)
 
 
-def embed(params: dict, cfg: ChronosConfig, context: Array):
+def embed(params: dict, context: Array, cfg: ChronosConfig):
     """Encoder embeddings of a context (``ChronosPipeline.embed``): ``(states, scale)``."""
     ids, mask, scale = context_input_transform(cfg, context)
-    return t5_model.encode(params, cfg.t5, input_ids=ids, attention_mask=mask), scale
+    return t5_model.encode(params, ids, cfg.t5, attention_mask=mask), scale
 
 
 def process_logits(logits: Array, *, eos_token_id: int, temperature: float, top_k: int | None,
@@ -263,7 +267,7 @@ def process_logits(logits: Array, *, eos_token_id: int, temperature: float, top_
 
 @functools.partial(jax.jit, static_argnames=("cfg", "horizon", "num_samples", "temperature",
                                              "top_k", "top_p"))
-def sample_tokens(params: dict, cfg: ChronosConfig, input_ids: Array, attention_mask: Array,
+def sample_tokens(params: dict, input_ids: Array, attention_mask: Array, cfg: ChronosConfig,
                   key: Array, *, horizon: int, num_samples: int, temperature: float,
                   top_k: int | None, top_p: float) -> Array:
     """Sample ``num_samples`` token paths of length ``horizon`` (``ChronosModel.forward``).
@@ -273,7 +277,7 @@ def sample_tokens(params: dict, cfg: ChronosConfig, input_ids: Array, attention_
     """
     t5 = cfg.t5
     batch = input_ids.shape[0]
-    enc = t5_model.encode(params, t5, input_ids=input_ids, attention_mask=attention_mask)
+    enc = t5_model.encode(params, input_ids, t5, attention_mask=attention_mask)
     # HF num_return_sequences: every series repeated num_samples times, consecutively.
     enc = jnp.repeat(enc, num_samples, axis=0)  # [batch * n, s, d]
     mask = jnp.repeat(attention_mask, num_samples, axis=0)  # [batch * n, s]
@@ -282,10 +286,9 @@ def sample_tokens(params: dict, cfg: ChronosConfig, input_ids: Array, attention_
 
     def step(t, carry):
         buf, key = carry
-        hidden = t5_model.decode(params, t5, decoder_input_ids=buf, encoder_hidden=enc,
-                                 attention_mask=mask)  # [n, horizon + 1, d]
+        hidden = t5_model.decode(params, buf, t5, enc=enc, attention_mask=mask)  # [n, h+1, d]
         h_t = jax.lax.dynamic_index_in_dim(hidden, t, axis=1, keepdims=False)  # [n, d]
-        logits = process_logits(t5_model.lm_logits(params, t5, h_t),
+        logits = process_logits(t5_model.lm_logits(params, h_t, t5),
                                 eos_token_id=cfg.eos_token_id, temperature=temperature,
                                 top_k=top_k, top_p=top_p)  # [n, vocab]
         key, sub = jax.random.split(key)
@@ -296,7 +299,7 @@ def sample_tokens(params: dict, cfg: ChronosConfig, input_ids: Array, attention_
     return buf[:, 1:].reshape(batch, num_samples, horizon)
 
 
-def predict(params: dict, cfg: ChronosConfig, context: Array, horizon: int | None = None,
+def predict(params: dict, context: Array, cfg: ChronosConfig, horizon: int | None = None,
             num_samples: int | None = None, key: Array | None = None, *,
             temperature: float | None = None, top_k: int | None = None,
             top_p: float | None = None) -> Array:
@@ -304,8 +307,8 @@ def predict(params: dict, cfg: ChronosConfig, context: Array, horizon: int | Non
 
     Args:
       params: model parameters.
-      cfg: Chronos configuration.
       context: ``float[batch, t]`` or ``[t]``, left-padded with NaN.
+      cfg: Chronos configuration.
       horizon: forecast length (default ``prediction_length``); longer horizons are forecast
         ``prediction_length`` at a time, appending the per-step median sample (the lower
         median, as ``torch.median``) to the context in between, as the pipeline does.
@@ -317,7 +320,8 @@ def predict(params: dict, cfg: ChronosConfig, context: Array, horizon: int | Non
       ``float32[batch, num_samples, horizon]``.
     """
     if key is None:
-        raise ValueError("chronos.predict: pass a PRNG key (key=jax.random.PRNGKey(...))")
+        raise ConfigError("chronos.predict: pass a PRNG key (key=jax.random.PRNGKey(...))",
+                          where="key", expected="a PRNG key", actual=None)
     horizon = cfg.prediction_length if horizon is None else int(horizon)
     num_samples = cfg.num_samples if num_samples is None else int(num_samples)
     settings = dict(
@@ -333,7 +337,7 @@ def predict(params: dict, cfg: ChronosConfig, context: Array, horizon: int | Non
         ids, mask, scale = context_input_transform(cfg, context)
         key, sub = jax.random.split(key)
         length = min(remaining, cfg.prediction_length)
-        tokens = sample_tokens(params, cfg, ids, mask, sub, horizon=length,
+        tokens = sample_tokens(params, ids, mask, cfg, sub, horizon=length,
                                num_samples=num_samples, **settings)
         values = output_transform(cfg, tokens, scale)  # [batch, n, length]
         chunks.append(values)
@@ -342,3 +346,47 @@ def predict(params: dict, cfg: ChronosConfig, context: Array, horizon: int | Non
             lower_median = jnp.sort(values, axis=1)[:, (num_samples - 1) // 2]  # [batch, length]
             context = jnp.concatenate([context, lower_median], axis=-1)
     return jnp.concatenate(chunks, axis=-1)
+
+
+def sample_inputs(cfg: ChronosConfig, rng: np.random.Generator, batch: int) -> dict:
+    """Real series (shipped with aeon): context tokens and teacher-forced forecast tokens, as in
+    training."""
+    series, _ = builtin_series()
+    ctx_len = min(cfg.context_length, 128)
+    w = windows(series, ctx_len + cfg.prediction_length, batch, seed=int(rng.integers(1 << 30)))
+    return batch_from_windows(cfg, w[:, :ctx_len], w[:, ctx_len:], labels=False)
+
+
+def batch_from_windows(cfg: ChronosConfig, context, target, *, labels: bool = True) -> dict:
+    """Tokenized model inputs from series windows: the context's tokens, the target's tokens
+    (scaled by the context) as ``labels`` and, shifted right, as ``decoder_input_ids``."""
+    ids, mask, scale = context_input_transform(cfg, context)
+    label_ids, _ = label_input_transform(cfg, target, scale)
+    out = {"input_ids": ids, "attention_mask": mask.astype(jnp.int32),
+           "decoder_input_ids": t5_model.shift_right(label_ids, cfg.t5)}
+    if labels:
+        out["labels"] = label_ids
+    return out
+
+
+def loss(cfg: ChronosConfig):
+    """Default objective: Chronos' token cross-entropy on ``batch_from_windows`` batches."""
+    return t5_model.loss(cfg.t5)
+
+
+LEVELS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def forecast(params: dict, context, cfg: ChronosConfig, *, key=None) -> Array:
+    """Quantiles ``[batch, 9, prediction_length]`` (levels 0.1..0.9) of ``cfg.num_samples``
+    sampled paths (:func:`predict`, PRNG key 0 unless given)."""
+    key = jax.random.PRNGKey(0) if key is None else key
+    samples = predict(params, context, cfg, key=key)  # [batch, n, h]
+    return jnp.moveaxis(jnp.quantile(samples, jnp.asarray(LEVELS), axis=1), 0, 1)
+
+
+FAMILY = register_family(ModelFamily(
+    name="chronos", config_cls=ChronosConfig, init=init, apply=apply,
+    sample_inputs=sample_inputs, primary_outputs=("logits",), token_outputs=True, loss=loss,
+    forecast=forecast, forecast_levels=lambda cfg: LEVELS,
+    batch_from_windows=batch_from_windows))

@@ -38,7 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.errors import ConfigError, DataError
+from lowrank_jax.datasets import builtin_series, windows
 from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.losses import quantile_loss
+from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models import t5 as t5_model
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.nn import (
@@ -75,27 +79,27 @@ class ChronosBoltConfig:
 
     def __post_init__(self):
         if not isinstance(self.t5, T5Config):
-            raise ValueError(
+            raise ConfigError(
                 f"ChronosBoltConfig: t5 must be a T5Config, got {type(self.t5).__name__}")
         for name in ("context_length", "prediction_length", "input_patch_size",
                      "input_patch_stride"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"ChronosBoltConfig: {name} must be a positive int, got {val!r}")
+                raise ConfigError(f"ChronosBoltConfig: {name} must be a positive int, got {val!r}")
         if not isinstance(self.quantiles, tuple) or not self.quantiles:
-            raise ValueError(
+            raise ConfigError(
                 f"ChronosBoltConfig: quantiles must be a non-empty tuple of floats, got "
                 f"{self.quantiles!r} (pass tuple(levels))")
         if any(not 0.0 < q < 1.0 for q in self.quantiles):
-            raise ValueError(f"ChronosBoltConfig: quantiles must lie in (0, 1), got "
+            raise ConfigError(f"ChronosBoltConfig: quantiles must lie in (0, 1), got "
                              f"{self.quantiles}")
         want = 2 if self.use_reg_token else 1
         if self.t5.vocab_size != want:
-            raise ValueError(
+            raise ConfigError(
                 f"ChronosBoltConfig: t5.vocab_size must be {want} (decoder start"
                 f"{' + [REG]' if self.use_reg_token else ''}), got {self.t5.vocab_size}")
         if self.t5.decoder_start_token_id >= want:
-            raise ValueError(
+            raise ConfigError(
                 f"ChronosBoltConfig: decoder_start_token_id={self.t5.decoder_start_token_id} "
                 f"is outside the {want}-row embedding")
 
@@ -107,12 +111,12 @@ class ChronosBoltConfig:
         way), whatever the file says.
         """
         if "chronos_config" not in d:
-            raise ValueError("ChronosBoltConfig.from_hf_dict: no 'chronos_config' in the config")
+            raise ConfigError("ChronosBoltConfig.from_hf_dict: no 'chronos_config' in the config")
         cc = d["chronos_config"]
         missing = [k for k in ("context_length", "prediction_length", "input_patch_size",
                                "input_patch_stride", "quantiles") if k not in cc]
         if missing:
-            raise ValueError(
+            raise ConfigError(
                 f"ChronosBoltConfig.from_hf_dict: chronos_config lacks {missing}; is this a "
                 "Chronos-Bolt checkpoint?")
         reg = bool(cc.get("use_reg_token", False))
@@ -202,28 +206,38 @@ def patch(x: Array, size: int, stride: int) -> Array:
 
 # -- model -----------------------------------------------------------------------------------
 
-def init(key: Array, cfg: ChronosBoltConfig) -> dict:
-    """Random Chronos-Bolt parameters (Dense leaves; ``N(0, 1)`` embeddings as HF's init)."""
+def init(key: Array, cfg: ChronosBoltConfig, *, encoder_layers=None,
+         decoder_layers=None) -> dict:
+    """Random Chronos-Bolt parameters (Dense leaves; ``N(0, 1)`` embeddings as HF's init).
+
+    ``encoder_layers`` / ``decoder_layers``: optional per-layer
+    :class:`~lowrank_jax.nn.LayerSizes`, as :func:`lowrank_jax.models.t5.init`.
+    """
+    t5 = cfg.t5
+    enc = t5_model._layer_sizes(encoder_layers, t5.encoder_sizes,
+                                "chronos_bolt.init: encoder_layers", t5.num_layers)
+    dec = t5_model._layer_sizes(decoder_layers, t5.decoder_sizes,
+                                "chronos_bolt.init: decoder_layers", t5.decoder_layers)
     ks, ki, ke, kd, ko = jax.random.split(key, 5)
-    d, ff = cfg.t5.d_model, cfg.t5.d_ff
+    d, ff = t5.d_model, t5.d_ff
     return {
-        "shared": jax.random.normal(ks, (cfg.t5.vocab_size, d), jnp.float32),
+        "shared": jax.random.normal(ks, (t5.vocab_size, d), jnp.float32),
         "input_patch_embedding": init_residual_block(ki, 2 * cfg.input_patch_size, ff, d),
-        "encoder": init_encoder(ke, cfg.t5.encoder),
-        "decoder": init_decoder(kd, cfg.t5.decoder),
+        "encoder": init_encoder(ke, t5.encoder, d_model=d, layers=enc),
+        "decoder": init_decoder(kd, t5.decoder, d_model=d, layers=dec),
         "output_patch_embedding": init_residual_block(
             ko, d, ff, cfg.num_quantiles * cfg.prediction_length),
     }
 
 
-def encode(params: dict, cfg: ChronosBoltConfig, *, context: Array,
+def encode(params: dict, context: Array, cfg: ChronosBoltConfig, *,
            mask: Array | None = None) -> dict:
     """Encoder half of the forward pass (reference ``ChronosBoltModelForForecasting.encode``).
 
     Args:
       params: model parameters.
-      cfg: model configuration.
       context: ``[batch, length]`` float series, NaN where unobserved.
+      cfg: model configuration.
       mask: optional ``[batch, length]`` observed mask (default: ``~isnan(context)``).
 
     Returns:
@@ -233,15 +247,17 @@ def encode(params: dict, cfg: ChronosBoltConfig, *, context: Array,
     """
     context = jnp.asarray(context, jnp.float32)
     if context.ndim != 2:
-        raise ValueError(f"chronos_bolt: context must be [batch, length], got shape "
-                         f"{tuple(context.shape)}")
+        raise DataError(f"chronos_bolt: context must be [batch, length], got shape "
+                        f"{tuple(context.shape)}", where="context", expected="[batch, length]",
+                        actual=tuple(context.shape))
     if mask is None:
         mask = (~jnp.isnan(context)).astype(jnp.float32)
     else:
         mask = jnp.asarray(mask).astype(jnp.float32)
         if mask.shape != context.shape:
-            raise ValueError(f"chronos_bolt: mask shape {tuple(mask.shape)} must equal the "
-                             f"context shape {tuple(context.shape)}")
+            raise DataError(f"chronos_bolt: mask shape {tuple(mask.shape)} must equal the "
+                            f"context shape {tuple(context.shape)}", where="mask",
+                            expected=tuple(context.shape), actual=tuple(mask.shape))
     batch = context.shape[0]
     if context.shape[-1] > cfg.context_length:
         context = context[:, -cfg.context_length:]
@@ -265,28 +281,34 @@ def encode(params: dict, cfg: ChronosBoltConfig, *, context: Array,
             "inputs_embeds": embeds, "attention_mask": valid}
 
 
-def apply(params: dict, cfg: ChronosBoltConfig, *, context: Array,
-          mask: Array | None = None) -> dict:
+INPUTS = ("context", "mask")
+
+
+def apply(params: dict, inputs: dict, cfg: ChronosBoltConfig) -> dict:
     """Forward pass of ``ChronosBoltModelForForecasting`` in inference (no ``target``).
 
     Args:
       params: model parameters.
+      inputs: ``{'context': [batch, length] series, NaN where unobserved (only the last
+        context_length values are used), 'mask': optional [batch, length] observed mask
+        (default ~isnan(context))}``.
       cfg: model configuration.
-      context: ``[batch, length]`` series, NaN where unobserved; only the last
-        ``context_length`` values are used.
-      mask: optional ``[batch, length]`` observed mask (default: ``~isnan(context)``).
 
     Returns:
       ``{'quantile_preds': [batch, n_quantiles, prediction_length]`` (in the series' units),
       ``'loc_scale': (loc, scale)`` each ``[batch, 1]``, ``'encoder_last_hidden_state'``,
       ``'last_hidden_state'``: the decoder state ``[batch, 1, d_model]``}.
     """
-    enc = encode(params, cfg, context=context, mask=mask)
+    inputs = t5_model.check_inputs(inputs, INPUTS, "chronos_bolt.apply")
+    if "context" not in inputs:
+        raise DataError("chronos_bolt.apply: inputs need 'context' [batch, length]",
+                        where="inputs", expected="context")
+    enc = encode(params, inputs["context"], cfg, mask=inputs.get("mask"))
     hidden = enc["encoder_last_hidden_state"]
     batch = hidden.shape[0]
     start = params["shared"][cfg.t5.decoder_start_token_id]
     y = jnp.broadcast_to(start, (batch, 1, cfg.t5.d_model)).astype(hidden.dtype)
-    dec = apply_decoder(params["decoder"], y, hidden, cfg.t5.decoder,
+    dec = apply_decoder(params["decoder"], y, cfg.t5.decoder, enc=hidden,
                         cross_mask=padding_mask(enc["attention_mask"]))  # [batch, 1, d_model]
     out = apply_residual_block(params["output_patch_embedding"], dec, cfg.activation)
     preds = out.reshape(batch, cfg.num_quantiles, cfg.prediction_length).astype(jnp.float32)
@@ -304,7 +326,7 @@ def _as_batch(context) -> np.ndarray | Array:
     if isinstance(context, (list, tuple)):
         series = [np.asarray(c, np.float32) for c in context]
         if any(c.ndim != 1 for c in series):
-            raise ValueError("chronos_bolt: a list context must hold 1-D series")
+            raise DataError("chronos_bolt: a list context must hold 1-D series", where="context")
         n = max(len(c) for c in series)
         return np.stack([np.concatenate([np.full(n - len(c), np.nan, np.float32), c])
                          for c in series])
@@ -312,8 +334,8 @@ def _as_batch(context) -> np.ndarray | Array:
     if x.ndim == 1:
         x = x[None]
     if x.ndim != 2:
-        raise ValueError(f"chronos_bolt: context must be 1-D, 2-D or a list of 1-D series, got "
-                         f"shape {tuple(x.shape)}")
+        raise DataError(f"chronos_bolt: context must be 1-D, 2-D or a list of 1-D series, got "
+                        f"shape {tuple(x.shape)}", where="context", actual=tuple(x.shape))
     return x
 
 
@@ -333,9 +355,9 @@ def _fit_context(x: Array, cfg: ChronosBoltConfig) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "horizon"))
-def _predict(params: dict, cfg: ChronosBoltConfig, context: Array, horizon: int) -> Array:
+def _predict(params: dict, context: Array, cfg: ChronosBoltConfig, horizon: int) -> Array:
     p, nq, c = cfg.prediction_length, cfg.num_quantiles, cfg.context_length
-    pred = apply(params, cfg, context=context)["quantile_preds"]  # [batch, nq, p]
+    pred = apply(params, {"context": context}, cfg)["quantile_preds"]  # [batch, nq, p]
     preds = [pred]
     steps = math.ceil(max(horizon - p, 0) / p)
     if steps:
@@ -346,14 +368,14 @@ def _predict(params: dict, cfg: ChronosBoltConfig, context: Array, horizon: int)
         # Each quantile's forecast extends its own copy of the context; the nq * nq forecasts
         # are reduced back to nq empirical quantiles (torch.quantile, linear interpolation).
         ctx = jnp.concatenate([ctx, pred], axis=-1)[..., -c:]
-        out = apply(params, cfg, context=ctx.reshape(batch * nq, ctx.shape[-1]))
+        out = apply(params, {"context": ctx.reshape(batch * nq, ctx.shape[-1])}, cfg)
         samples = out["quantile_preds"].reshape(batch, nq * nq, p)
         pred = jnp.moveaxis(jnp.quantile(samples, levels, axis=1), 0, 1)  # [batch, nq, p]
         preds.append(pred)
     return jnp.concatenate(preds, axis=-1)[..., :horizon]
 
 
-def predict(params: dict, cfg: ChronosBoltConfig, context, horizon: int | None = None) -> Array:
+def predict(params: dict, context, cfg: ChronosBoltConfig, horizon: int | None = None) -> Array:
     """Quantile forecasts as ``ChronosBoltPipeline.predict``.
 
     A horizon longer than ``prediction_length`` is extended the pipeline's way: every quantile
@@ -364,9 +386,9 @@ def predict(params: dict, cfg: ChronosBoltConfig, context, horizon: int | None =
 
     Args:
       params: model parameters.
-      cfg: model configuration.
       context: a 1-D series, a ``[batch, length]`` array (left-padded with NaN) or a list of
         1-D series.
+      cfg: model configuration.
       horizon: number of steps (default ``prediction_length``); static.
 
     Returns:
@@ -374,12 +396,13 @@ def predict(params: dict, cfg: ChronosBoltConfig, context, horizon: int | None =
     """
     horizon = cfg.prediction_length if horizon is None else int(horizon)
     if horizon < 1:
-        raise ValueError(f"chronos_bolt.predict: horizon must be >= 1, got {horizon}")
+        raise ConfigError(f"chronos_bolt.predict: horizon must be >= 1, got {horizon}",
+                          where="horizon", expected=">= 1", actual=horizon)
     x = _fit_context(_as_batch(context), cfg)
-    return _predict(params, cfg, x, horizon)
+    return _predict(params, x, cfg, horizon)
 
 
-def predict_quantiles(params: dict, cfg: ChronosBoltConfig, context, horizon: int | None = None,
+def predict_quantiles(params: dict, context, cfg: ChronosBoltConfig, horizon: int | None = None,
                       quantile_levels=None) -> tuple[Array, Array]:
     """Quantiles and mean as ``ChronosBoltPipeline.predict_quantiles``.
 
@@ -390,8 +413,8 @@ def predict_quantiles(params: dict, cfg: ChronosBoltConfig, context, horizon: in
 
     Args:
       params: model parameters.
-      cfg: model configuration.
       context: see :func:`predict`.
+      cfg: model configuration.
       horizon: number of steps (default ``prediction_length``).
       quantile_levels: levels to return (default ``0.1, ..., 0.9``).
 
@@ -404,9 +427,10 @@ def predict_quantiles(params: dict, cfg: ChronosBoltConfig, context, horizon: in
     levels = [float(q) for q in quantile_levels]
     train = list(cfg.quantiles)
     if 0.5 not in train:
-        raise ValueError(f"chronos_bolt.predict_quantiles: the mean is the 0.5 quantile, which "
-                         f"the model was not trained on (quantiles={train})")
-    preds = jnp.swapaxes(predict(params, cfg, context, horizon), 1, 2)  # [batch, h, nq]
+        raise ConfigError(f"chronos_bolt.predict_quantiles: the mean is the 0.5 quantile, which "
+                          f"the model was not trained on (quantiles={train})",
+                          where="quantiles", expected="0.5 among them", actual=train)
+    preds = jnp.swapaxes(predict(params, context, cfg, horizon), 1, 2)  # [batch, h, nq]
     if set(levels).issubset(train):
         quantiles = preds[..., [train.index(q) for q in levels]]
     else:
@@ -416,6 +440,43 @@ def predict_quantiles(params: dict, cfg: ChronosBoltConfig, context, horizon: in
     return quantiles, preds[..., train.index(0.5)]
 
 
-def registry_apply(cfg: ChronosBoltConfig, params: dict, **inputs) -> dict:
-    """``models.apply`` hook: ``apply(params, cfg, **inputs)``."""
-    return apply(params, cfg, **inputs)
+def sample_inputs(cfg: ChronosBoltConfig, rng: np.random.Generator, batch: int) -> dict:
+    """Real series windows (shipped with aeon) of the model's context length, a few values
+    missing (NaN)."""
+    series, _ = builtin_series()
+    w = windows(series, cfg.context_length, batch, seed=int(rng.integers(1 << 30)))
+    w[0, : cfg.context_length // 4] = np.nan  # a shorter, left-padded context
+    if batch > 1:
+        w[1, rng.integers(0, cfg.context_length, size=3)] = np.nan
+    return {"context": jnp.asarray(w, jnp.float32)}
+
+
+def loss(cfg: ChronosBoltConfig):
+    """``loss_fn(params, batch, key)``: Chronos-Bolt's quantile loss on the normalized scale.
+
+    The model instance-normalizes each context; as in the reference training code the pinball
+    loss is computed on ``(pred - loc) / scale`` against ``(target - loc) / scale``. ``batch``
+    holds ``context [b, length]`` and ``target [b, horizon]``.
+    """
+
+    def loss_fn(params, batch, key):
+        del key  # no dropout
+        out = apply(params, {"context": batch["context"]}, cfg)
+        loc, scale = out["loc_scale"]  # [b, 1] each
+        pred = (out["quantile_preds"] - loc[:, :, None]) / scale[:, :, None]
+        target = (batch["target"] - loc) / scale
+        return quantile_loss(pred, target, cfg.quantiles), {}
+
+    return loss_fn
+
+
+def forecast(params: dict, context, cfg: ChronosBoltConfig) -> Array:
+    """``quantile_preds [batch, n_quantiles, prediction_length]`` of one forward pass."""
+    return apply(params, {"context": context}, cfg)["quantile_preds"]
+
+
+FAMILY = register_family(ModelFamily(
+    name="chronos_bolt", config_cls=ChronosBoltConfig, init=init, apply=apply,
+    sample_inputs=sample_inputs, primary_outputs=("quantile_preds",), loss=loss,
+    forecast=forecast, forecast_levels=lambda cfg: tuple(cfg.quantiles),
+    batch_from_windows=lambda cfg, context, target: {"context": context, "target": target}))

@@ -4,12 +4,15 @@ Matches Hugging Face ``T5ForConditionalGeneration`` in inference: RMS layer norm
 residuals, unscaled attention, one relative-position-bias table per stack (HF keeps it in layer
 0 and shares it down the stack; here the stack owns it as ``'rel_bias'``), no relative bias in
 cross-attention, ``d_kv * num_heads != d_model`` allowed. Every weight matrix is a leaf, so any
-projection may be ``Dense``, ``LowRank``, ``HeadLowRank`` or ``MaskedBinary``.
+projection may be ``Dense``, ``LowRank``, ``HeadLowRank`` or ``MaskedBinary``. The config holds
+the Hugging Face sizes (what :func:`init` builds by default and what an export writes); the
+forward pass reads every size from the parameters, so each layer may have its own head count
+and MLP width (``init(..., encoder_layers=..., decoder_layers=...)``, or structured pruning).
 
 Parameter tree::
 
     {'shared': [vocab, d_model],                 # token embedding (raw array)
-     'encoder': init_encoder(...) tree,          # layers/i/{attn,attn_norm,mlp,mlp_norm}, ...
+     'encoder': init_encoder(...) tree,          # layers/i/{attn/{qk,v,o,heads},attn_norm,...}
      'decoder': init_decoder(...) tree,          # layers/i/{self_attn,...,cross_attn,...}, ...
      'lm_head': Dense [d_model, vocab]}          # only when not tie_word_embeddings
 """
@@ -20,14 +23,18 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.models.family import ModelFamily, register_family
+from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.nn import (
     AttentionConfig,
     DecoderConfig,
     DecoderLayerConfig,
     EncoderConfig,
     EncoderLayerConfig,
+    LayerSizes,
     MLPConfig,
     NormConfig,
     RelativeBiasConfig,
@@ -89,16 +96,16 @@ class T5Config:
                      "relative_attention_num_buckets", "relative_attention_max_distance"):
             val = getattr(self, name)
             if not isinstance(val, int) or val < 1:
-                raise ValueError(f"T5Config: {name} must be a positive int, got {val!r}")
+                raise ConfigError(f"T5Config: {name} must be a positive int, got {val!r}")
         if self.num_decoder_layers is not None and (
             not isinstance(self.num_decoder_layers, int) or self.num_decoder_layers < 1
         ):
-            raise ValueError(
+            raise ConfigError(
                 f"T5Config: num_decoder_layers must be None or a positive int, "
                 f"got {self.num_decoder_layers!r}"
             )
         if self.feed_forward_proj not in _FEED_FORWARD:
-            raise ValueError(
+            raise ConfigError(
                 f"T5Config: feed_forward_proj must be one of {tuple(_FEED_FORWARD)}, "
                 f"got {self.feed_forward_proj!r}"
             )
@@ -172,13 +179,9 @@ class T5Config:
     def is_gated(self) -> bool:
         return _FEED_FORWARD[self.feed_forward_proj][1]
 
-    def _attention(self) -> AttentionConfig:
-        return AttentionConfig(d_model=self.d_model, num_heads=self.num_heads, d_head=self.d_kv,
-                               use_bias=False, scaled=False)
-
     def _mlp(self) -> MLPConfig:
         act, gated = _FEED_FORWARD[self.feed_forward_proj]
-        return MLPConfig(d_model=self.d_model, d_ff=self.d_ff, activation=act, gated=gated)
+        return MLPConfig(activation=act, gated=gated)
 
     def _norm(self) -> NormConfig:
         return NormConfig(kind="rms", eps=self.layer_norm_epsilon)
@@ -190,50 +193,105 @@ class T5Config:
 
     @property
     def encoder(self) -> EncoderConfig:
-        """The :class:`~lowrank_jax.nn.EncoderConfig` of the encoder stack."""
-        layer = EncoderLayerConfig(attention=self._attention(), mlp=self._mlp(),
+        """The :class:`~lowrank_jax.nn.EncoderConfig` of the encoder stack (unscaled attention,
+        RMS norm, pre-norm, relative bias)."""
+        layer = EncoderLayerConfig(attention=AttentionConfig(scaled=False), mlp=self._mlp(),
                                    norm=self._norm(), prenorm=True)
-        return EncoderConfig(layer=layer, num_layers=self.num_layers, final_norm=True,
-                             relative_bias=self._relative_bias(True))
+        return EncoderConfig(layer=layer, final_norm=True, relative_bias=self._relative_bias(True))
 
     @property
     def decoder(self) -> DecoderConfig:
         """The :class:`~lowrank_jax.nn.DecoderConfig` of the decoder stack."""
-        layer = DecoderLayerConfig(self_attention=self._attention(),
-                                   cross_attention=self._attention(), mlp=self._mlp(),
+        attn = AttentionConfig(scaled=False)
+        layer = DecoderLayerConfig(self_attention=attn, cross_attention=attn, mlp=self._mlp(),
                                    norm=self._norm(), prenorm=True)
-        return DecoderConfig(layer=layer, num_layers=self.decoder_layers, final_norm=True,
+        return DecoderConfig(layer=layer, final_norm=True,
                              relative_bias=self._relative_bias(False))
 
+    @property
+    def encoder_sizes(self) -> tuple[LayerSizes, ...]:
+        """The Hugging Face sizes of every encoder layer (what :func:`init` builds)."""
+        return LayerSizes.uniform(self.num_layers, num_heads=self.num_heads, d_head=self.d_kv,
+                                  d_ff=self.d_ff)
 
-def init(key: Array, cfg: T5Config) -> dict:
+    @property
+    def decoder_sizes(self) -> tuple[LayerSizes, ...]:
+        """The Hugging Face sizes of every decoder layer."""
+        return LayerSizes.uniform(self.decoder_layers, num_heads=self.num_heads,
+                                  d_head=self.d_kv, d_ff=self.d_ff)
+
+
+def _layer_sizes(given, default: tuple, name: str, expected_len: int) -> tuple:
+    if given is None:
+        return default
+    given = tuple(given)
+    if len(given) != expected_len:
+        raise ConfigError(f"{name} must give one LayerSizes per layer ({expected_len}), got "
+                          f"{len(given)}", where=name, expected=expected_len, actual=len(given))
+    return given
+
+
+def init(key: Array, cfg: T5Config, *, encoder_layers=None, decoder_layers=None) -> dict:
     """Random T5 parameters (Dense leaves; ``N(0, 1)`` embedding as HF's initializer).
 
     Args:
       key: PRNG key.
       cfg: model configuration.
+      encoder_layers, decoder_layers: optional per-layer :class:`~lowrank_jax.nn.LayerSizes`
+        (one per layer) for a model whose layers differ in head count, head width or MLP width;
+        default ``cfg.encoder_sizes`` / ``cfg.decoder_sizes``.
 
     Returns:
       ``{'shared', 'encoder', 'decoder'}`` plus ``'lm_head'`` when the head is untied.
     """
+    enc = _layer_sizes(encoder_layers, cfg.encoder_sizes, "t5.init: encoder_layers",
+                       cfg.num_layers)
+    dec = _layer_sizes(decoder_layers, cfg.decoder_sizes, "t5.init: decoder_layers",
+                       cfg.decoder_layers)
     ks, ke, kd, kh = jax.random.split(key, 4)
     params = {
         "shared": jax.random.normal(ks, (cfg.vocab_size, cfg.d_model), jnp.float32),
-        "encoder": init_encoder(ke, cfg.encoder),
-        "decoder": init_decoder(kd, cfg.decoder),
+        "encoder": init_encoder(ke, cfg.encoder, d_model=cfg.d_model, layers=enc),
+        "decoder": init_decoder(kd, cfg.decoder, d_model=cfg.d_model, layers=dec),
     }
     if not cfg.tie_word_embeddings:
         params["lm_head"] = init_dense(kh, cfg.d_model, cfg.vocab_size)
     return params
 
 
-def _embed(params: dict, ids: Array, name: str) -> Array:
+def check_inputs(inputs, allowed: tuple[str, ...], owner: str) -> dict:
+    """``inputs`` as a dict whose keys are among ``allowed`` (a clear error otherwise)."""
+    if not isinstance(inputs, dict):
+        raise DataError(f"{owner}: inputs must be a dict of arrays named as in the PyTorch "
+                        f"forward ({', '.join(allowed)}), got {type(inputs).__name__}",
+                        where="inputs", expected="dict", actual=type(inputs).__name__)
+    unknown = sorted(set(inputs) - set(allowed))
+    if unknown:
+        raise DataError(f"{owner}: unknown inputs {unknown}; expected some of {list(allowed)}",
+                        where="inputs", expected=list(allowed), actual=unknown)
+    return inputs
+
+
+def check_token_ids(ids, vocab_size: int, name: str, owner: str) -> Array:
+    """Integer ``[batch, seq]`` ids inside the vocabulary (checked when the values are known,
+    i.e. outside ``jit``; inside it an out-of-range id would read NaN)."""
     ids = jnp.asarray(ids)
     if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise ValueError(
-            f"t5: {name} must be an integer array [batch, seq], got shape {tuple(ids.shape)} "
-            f"and dtype {ids.dtype}"
-        )
+        raise DataError(
+            f"{owner}: {name} must be an integer array [batch, seq], got shape "
+            f"{tuple(ids.shape)} and dtype {ids.dtype}", where=name,
+            expected="int[batch, seq]", actual=f"{ids.dtype}{list(ids.shape)}")
+    if not isinstance(ids, jax.core.Tracer) and ids.size:
+        lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+        if lo < 0 or hi >= vocab_size:
+            raise DataError(f"{owner}: {name} must lie in [0, vocab_size={vocab_size}), got ids "
+                            f"in [{lo}, {hi}]", where=name, expected=f"[0, {vocab_size})",
+                            actual=(lo, hi))
+    return ids
+
+
+def _embed(params: dict, ids: Array, name: str) -> Array:
+    ids = check_token_ids(ids, params["shared"].shape[0], name, "t5")
     return jnp.take(params["shared"], ids, axis=0)  # [batch, seq, d_model]
 
 
@@ -241,14 +299,14 @@ def _mask(m: Array | None) -> Array | None:
     return None if m is None else padding_mask(m)  # [batch, 1, 1, k]
 
 
-def encode(params: dict, cfg: T5Config, *, input_ids: Array,
+def encode(params: dict, input_ids: Array, cfg: T5Config, *,
            attention_mask: Array | None = None) -> Array:
     """Encoder states (HF ``model.encoder(...).last_hidden_state``).
 
     Args:
       params: model parameters.
-      cfg: model configuration.
       input_ids: ``int[batch, s]``.
+      cfg: model configuration.
       attention_mask: ``[batch, s]``, 1 for real tokens and 0 for padding.
 
     Returns:
@@ -258,14 +316,16 @@ def encode(params: dict, cfg: T5Config, *, input_ids: Array,
     return apply_encoder(params["encoder"], x, cfg.encoder, mask=_mask(attention_mask))
 
 
-def decode(params: dict, cfg: T5Config, *, decoder_input_ids: Array, encoder_hidden: Array,
+def decode(params: dict, decoder_input_ids: Array, cfg: T5Config, *, enc: Array,
            attention_mask: Array | None = None,
            decoder_attention_mask: Array | None = None) -> Array:
     """Decoder states after the final norm (HF ``model.decoder(...).last_hidden_state``).
 
     Args:
+      params: model parameters.
       decoder_input_ids: ``int[batch, t]``, used as given (no shift).
-      encoder_hidden: ``[batch, s, d_model]``.
+      cfg: model configuration.
+      enc: encoder states ``[batch, s, d_model]``.
       attention_mask: encoder padding ``[batch, s]`` (masks the cross-attention keys).
       decoder_attention_mask: decoder padding ``[batch, t]`` (causal masking is always on).
 
@@ -273,12 +333,12 @@ def decode(params: dict, cfg: T5Config, *, decoder_input_ids: Array, encoder_hid
       ``[batch, t, d_model]``.
     """
     y = _embed(params, decoder_input_ids, "decoder_input_ids")
-    return apply_decoder(params["decoder"], y, encoder_hidden, cfg.decoder,
+    return apply_decoder(params["decoder"], y, cfg.decoder, enc=enc,
                          self_mask=_mask(decoder_attention_mask),
                          cross_mask=_mask(attention_mask))
 
 
-def lm_logits(params: dict, cfg: T5Config, hidden: Array) -> Array:
+def lm_logits(params: dict, hidden: Array, cfg: T5Config) -> Array:
     """LM head: ``hidden * d_model**-0.5`` (if scaling) times the tied embedding or lm_head."""
     if cfg.scales_decoder_outputs:
         hidden = hidden * (cfg.d_model ** -0.5)
@@ -295,50 +355,87 @@ def shift_right(labels: Array, cfg: T5Config) -> Array:
     return jnp.where(shifted == -100, cfg.pad_token_id, shifted)
 
 
-def apply(params: dict, cfg: T5Config, *, input_ids: Array | None = None,
-          attention_mask: Array | None = None, decoder_input_ids: Array | None = None,
-          decoder_attention_mask: Array | None = None, encoder_outputs: Array | None = None,
-          labels: Array | None = None) -> dict:
+INPUTS = ("input_ids", "attention_mask", "decoder_input_ids", "decoder_attention_mask",
+          "encoder_outputs", "labels")
+
+
+def token_loss(logits: Array, labels: Array) -> Array:
+    """Mean cross-entropy over the labels that are not ``-100`` (HF's convention)."""
+    labels = jnp.asarray(labels)
+    valid = labels != -100
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
+    return jnp.sum(nll * valid) / jnp.maximum(jnp.sum(valid), 1)
+
+
+def apply(params: dict, inputs: dict, cfg: T5Config) -> dict:
     """Forward pass of ``T5ForConditionalGeneration`` (inputs and outputs named as in HF).
 
     Args:
       params: model parameters.
-      cfg: model configuration.
-      input_ids: encoder tokens ``int[batch, s]`` (not needed if ``encoder_outputs`` given).
-      attention_mask: encoder padding mask ``[batch, s]`` (1 = token, 0 = padding).
-      decoder_input_ids: decoder tokens ``int[batch, t]``, used as given (HF does not shift
-        them); if ``None``, ``shift_right(labels)``.
-      decoder_attention_mask: decoder padding mask ``[batch, t]``; causal masking always on.
-      encoder_outputs: precomputed encoder states ``[batch, s, d_model]``.
-      labels: target tokens ``int[batch, t]`` (-100 = ignore): adds a mean cross-entropy
+      inputs: a dict with
+        ``input_ids``: encoder tokens ``int[batch, s]`` (not needed with ``encoder_outputs``);
+        ``attention_mask``: encoder padding mask ``[batch, s]`` (1 = token, 0 = padding);
+        ``decoder_input_ids``: decoder tokens ``int[batch, t]``, used as given (HF does not
+        shift them); if absent, ``shift_right(labels)``;
+        ``decoder_attention_mask``: decoder padding mask ``[batch, t]`` (causal masking is
+        always on); ``encoder_outputs``: precomputed encoder states ``[batch, s, d_model]``;
+        ``labels``: target tokens ``int[batch, t]`` (-100 = ignore): adds a mean cross-entropy
         ``'loss'`` over the non-ignored positions.
+      cfg: model configuration.
 
     Returns:
       ``{'last_hidden_state': decoder states [batch, t, d_model],
       'encoder_last_hidden_state': [batch, s, d_model], 'logits': [batch, t, vocab]}`` and
       ``'loss'`` when ``labels`` is given.
     """
+    inputs = check_inputs(inputs, INPUTS, "t5.apply")
+    labels = inputs.get("labels")
+    decoder_input_ids = inputs.get("decoder_input_ids")
+    attention_mask = inputs.get("attention_mask")
     if decoder_input_ids is None:
         if labels is None:
-            raise ValueError(
+            raise DataError(
                 "t5.apply: pass decoder_input_ids or labels (for encoder states alone, "
-                "use t5.encode)"
-            )
+                "use t5.encode)", where="inputs", expected="decoder_input_ids or labels")
         decoder_input_ids = shift_right(labels, cfg)
-    if encoder_outputs is None:
-        if input_ids is None:
-            raise ValueError("t5.apply: pass input_ids (or precomputed encoder_outputs)")
-        enc = encode(params, cfg, input_ids=input_ids, attention_mask=attention_mask)
+    if inputs.get("encoder_outputs") is None:
+        if inputs.get("input_ids") is None:
+            raise DataError("t5.apply: pass input_ids (or precomputed encoder_outputs)",
+                            where="inputs", expected="input_ids")
+        enc = encode(params, inputs["input_ids"], cfg, attention_mask=attention_mask)
     else:
-        enc = jnp.asarray(encoder_outputs)
-    dec = decode(params, cfg, decoder_input_ids=decoder_input_ids, encoder_hidden=enc,
-                 attention_mask=attention_mask, decoder_attention_mask=decoder_attention_mask)
-    logits = lm_logits(params, cfg, dec)  # [batch, t, vocab]
+        enc = jnp.asarray(inputs["encoder_outputs"])
+    dec = decode(params, decoder_input_ids, cfg, enc=enc, attention_mask=attention_mask,
+                 decoder_attention_mask=inputs.get("decoder_attention_mask"))
+    logits = lm_logits(params, dec, cfg)  # [batch, t, vocab]
     out = {"last_hidden_state": dec, "encoder_last_hidden_state": enc, "logits": logits}
     if labels is not None:
-        labels = jnp.asarray(labels)
-        valid = labels != -100
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        nll = -jnp.take_along_axis(logp, jnp.where(valid, labels, 0)[..., None], axis=-1)[..., 0]
-        out["loss"] = jnp.sum(nll * valid) / jnp.maximum(jnp.sum(valid), 1)
+        out["loss"] = token_loss(logits, labels)
     return out
+
+
+def sample_inputs(cfg: T5Config, rng: np.random.Generator, batch: int) -> dict:
+    """Random token inputs (32 encoder, 16 decoder tokens; some padding in the first row)."""
+    ids = rng.integers(2, cfg.vocab_size, size=(batch, 32))
+    mask = np.ones_like(ids)
+    mask[0, -5:] = 0
+    dec = rng.integers(2, cfg.vocab_size, size=(batch, 16))
+    return {"input_ids": jnp.asarray(ids, jnp.int32), "attention_mask": jnp.asarray(mask, jnp.int32),
+            "decoder_input_ids": jnp.asarray(dec, jnp.int32)}
+
+
+def loss(cfg: T5Config):
+    """Default objective: token cross-entropy of ``apply(params, batch, cfg)`` on
+    ``batch['labels']`` (-100 ignored)."""
+
+    def loss_fn(params, batch, key):
+        del key  # no dropout
+        return apply(params, batch, cfg)["loss"], {}
+
+    return loss_fn
+
+
+FAMILY = register_family(ModelFamily(
+    name="t5", config_cls=T5Config, init=init, apply=apply, sample_inputs=sample_inputs,
+    primary_outputs=("logits",), token_outputs=True, loss=loss))

@@ -25,12 +25,17 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.models.family import ModelFamily, register_family
+from lowrank_jax.models.t5 import _layer_sizes, check_inputs
 from lowrank_jax.nn import (
     AttentionConfig,
     EncoderConfig,
     EncoderLayerConfig,
+    LayerSizes,
     MLPConfig,
     NormConfig,
     apply_encoder,
@@ -53,30 +58,39 @@ HF_ACTIVATIONS = {
 def activation_from_hf(name: str, owner: str) -> str:
     """Map a Hugging Face ``hidden_act`` to an :data:`lowrank_jax.nn.ACTIVATIONS` key."""
     if name not in HF_ACTIVATIONS:
-        raise ValueError(
+        raise ConfigError(
             f"{owner}: hidden_act {name!r} is not supported; expected one of "
-            f"{tuple(HF_ACTIVATIONS)}"
-        )
+            f"{tuple(HF_ACTIVATIONS)}", where="hidden_act", expected=tuple(HF_ACTIVATIONS),
+            actual=name)
     return HF_ACTIVATIONS[name]
 
 
 def layernorm_encoder(cfg, *, prenorm: bool) -> EncoderConfig:
     """The BERT/ViT encoder: biased scaled attention, biased MLP, LayerNorm.
 
-    ``cfg`` has the Hugging Face field names (``hidden_size``, ``num_attention_heads``,
-    ``intermediate_size``, ``hidden_act``, ``layer_norm_eps``, ``num_hidden_layers``).
-    Pre-norm with a final LayerNorm is ViT/DeiT; post-norm without one is BERT.
+    ``cfg`` has the Hugging Face field names (``hidden_act``, ``layer_norm_eps``). Pre-norm
+    with a final LayerNorm is ViT/DeiT; post-norm without one is BERT.
     """
-    d = cfg.hidden_size
     layer = EncoderLayerConfig(
-        attention=AttentionConfig(d_model=d, num_heads=cfg.num_attention_heads, use_bias=True,
-                                  scaled=True),
-        mlp=MLPConfig(d_model=d, d_ff=cfg.intermediate_size, activation=cfg.hidden_act,
-                      use_bias=True),
+        attention=AttentionConfig(use_bias=True, scaled=True),
+        mlp=MLPConfig(activation=cfg.hidden_act, use_bias=True),
         norm=NormConfig(kind="layer", eps=cfg.layer_norm_eps),
         prenorm=prenorm,
     )
-    return EncoderConfig(layer=layer, num_layers=cfg.num_hidden_layers, final_norm=prenorm)
+    return EncoderConfig(layer=layer, final_norm=prenorm)
+
+
+def layernorm_encoder_sizes(cfg) -> tuple[LayerSizes, ...]:
+    """Hugging Face sizes of every layer of a BERT/ViT encoder (``hidden_size`` divided among
+    ``num_attention_heads``, ``intermediate_size`` MLP)."""
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ConfigError(
+            f"{type(cfg).__name__}: num_attention_heads={cfg.num_attention_heads} must divide "
+            f"hidden_size={cfg.hidden_size}", where="num_attention_heads",
+            expected=f"a divisor of {cfg.hidden_size}", actual=cfg.num_attention_heads)
+    return LayerSizes.uniform(cfg.num_hidden_layers, num_heads=cfg.num_attention_heads,
+                              d_head=cfg.hidden_size // cfg.num_attention_heads,
+                              d_ff=cfg.intermediate_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,23 +137,24 @@ class ViTConfig:
                      "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             val = getattr(self, name)
             if not isinstance(val, int) or isinstance(val, bool) or val < 1:
-                raise ValueError(f"ViTConfig: {name} must be a positive int, got {val!r}")
+                raise ConfigError(f"ViTConfig: {name} must be a positive int, got {val!r}")
         if not isinstance(self.num_labels, int) or self.num_labels < 0:
-            raise ValueError(f"ViTConfig: num_labels must be an int >= 0, got {self.num_labels!r}")
+            raise ConfigError(f"ViTConfig: num_labels must be an int >= 0, got {self.num_labels!r}")
         if self.image_size % self.patch_size:
-            raise ValueError(
+            raise ConfigError(
                 f"ViTConfig: patch_size={self.patch_size} must divide "
                 f"image_size={self.image_size}"
             )
         if self.pooler_output_size is not None and (
             not isinstance(self.pooler_output_size, int) or self.pooler_output_size < 1
         ):
-            raise ValueError(
+            raise ConfigError(
                 "ViTConfig: pooler_output_size must be None or a positive int, got "
                 f"{self.pooler_output_size!r}"
             )
-        # The nn configs validate the rest (heads dividing width, activation name, eps).
+        # The nn configs validate the rest (activation name, eps); heads must divide the width.
         self.encoder  # noqa: B018
+        self.encoder_sizes  # noqa: B018
 
     @property
     def num_patches(self) -> int:
@@ -171,6 +186,10 @@ class ViTConfig:
     def encoder(self) -> EncoderConfig:
         return layernorm_encoder(self, prenorm=True)
 
+    @property
+    def encoder_sizes(self) -> tuple[LayerSizes, ...]:
+        return layernorm_encoder_sizes(self)
+
     @classmethod
     def from_hf_dict(cls, d: dict, **overrides) -> "ViTConfig":
         """Configuration from a Hugging Face ``config.json`` dict (``model_type`` vit or deit).
@@ -190,11 +209,11 @@ class ViTConfig:
         """
         model_type = d.get("model_type", "vit")
         if model_type not in ("vit", "deit"):
-            raise ValueError(f"ViTConfig.from_hf_dict: model_type must be 'vit' or 'deit', "
+            raise ConfigError(f"ViTConfig.from_hf_dict: model_type must be 'vit' or 'deit', "
                              f"got {model_type!r}")
         for name in ("image_size", "patch_size"):
             if not isinstance(d.get(name, 0), int):
-                raise ValueError(
+                raise ConfigError(
                     f"ViTConfig.from_hf_dict: only square images and patches are supported; "
                     f"{name} must be an int, got {d[name]!r}"
                 )
@@ -206,7 +225,7 @@ class ViTConfig:
             n_labels = int(d.get("num_labels", 2))
         pooler_act = d.get("pooler_act", "tanh")
         if pooler_act != "tanh":
-            raise ValueError(f"ViTConfig.from_hf_dict: pooler_act must be 'tanh', "
+            raise ConfigError(f"ViTConfig.from_hf_dict: pooler_act must be 'tanh', "
                              f"got {pooler_act!r}")
         kwargs = dict(
             image_size=d.get("image_size", 224),
@@ -229,12 +248,14 @@ class ViTConfig:
         return cls(**kwargs)
 
 
-def init(key: Array, cfg: ViTConfig) -> dict:
+def init(key: Array, cfg: ViTConfig, *, layers=None) -> dict:
     """Random parameters (Dense leaves; tokens and positions ``N(0, 0.02^2)`` as HF).
 
     Args:
       key: PRNG key.
       cfg: model configuration.
+      layers: optional per-layer :class:`~lowrank_jax.nn.LayerSizes` (default
+        ``cfg.encoder_sizes``).
 
     Returns:
       The parameter tree described in the module docstring.
@@ -248,7 +269,9 @@ def init(key: Array, cfg: ViTConfig) -> dict:
     }
     if cfg.distillation:
         emb["dist_token"] = 0.02 * jax.random.normal(kd, (d,), jnp.float32)
-    params = {"embeddings": emb, "encoder": init_encoder(ke, cfg.encoder)}
+    layers = _layer_sizes(layers, cfg.encoder_sizes, "vit.init: layers", cfg.num_hidden_layers)
+    params = {"embeddings": emb,
+              "encoder": init_encoder(ke, cfg.encoder, d_model=d, layers=layers)}
     if cfg.pooler:
         params["pooler"] = init_dense(kpool, d, cfg.pooler_width, bias=True)
     if cfg.num_labels > 0:
@@ -274,7 +297,7 @@ def patchify(pixel_values: Array, cfg: ViTConfig) -> Array:
     x = jnp.asarray(pixel_values)
     expected = (cfg.num_channels, cfg.image_size, cfg.image_size)
     if x.ndim != 4 or tuple(x.shape[1:]) != expected:
-        raise ValueError(
+        raise DataError(
             f"vit.apply: pixel_values must be NCHW [batch, {expected[0]}, {expected[1]}, "
             f"{expected[2]}], got shape {tuple(x.shape)}"
         )
@@ -302,13 +325,17 @@ def embed(params: dict, pixel_values: Array, cfg: ViTConfig) -> Array:
     return x + emb["position"][None].astype(x.dtype)
 
 
-def apply(params: dict, cfg: ViTConfig, *, pixel_values: Array) -> dict:
+INPUTS = ("pixel_values",)
+
+
+def apply(params: dict, inputs: dict, cfg: ViTConfig) -> dict:
     """Run ViT / DeiT on a batch of images (eval mode: no dropout).
 
     Args:
       params: from :func:`init` or :func:`lowrank_jax.convert.load_pretrained`.
+      inputs: ``{'pixel_values': [batch, num_channels, image_size, image_size]}`` (NCHW, as
+        PyTorch).
       cfg: model configuration.
-      pixel_values: ``[batch, num_channels, image_size, image_size]`` (NCHW, as PyTorch).
 
     Returns:
       ``last_hidden_state [batch, num_tokens, d]`` (after the final LayerNorm), plus
@@ -316,7 +343,11 @@ def apply(params: dict, cfg: ViTConfig, *, pixel_values: Array) -> dict:
       if ``cfg.num_labels > 0``, and with the DeiT teacher head also ``cls_logits`` and
       ``distillation_logits`` (``logits`` is their mean).
     """
-    x = embed(params, pixel_values, cfg)  # [b, num_tokens, d]
+    inputs = check_inputs(inputs, INPUTS, "vit.apply")
+    if "pixel_values" not in inputs:
+        raise DataError("vit.apply: inputs need 'pixel_values'", where="inputs",
+                        expected="pixel_values")
+    x = embed(params, inputs["pixel_values"], cfg)  # [b, num_tokens, d]
     h = apply_encoder(params["encoder"], x, cfg.encoder)  # [b, num_tokens, d]
     out = {"last_hidden_state": h}
     if cfg.pooler:
@@ -331,3 +362,30 @@ def apply(params: dict, cfg: ViTConfig, *, pixel_values: Array) -> dict:
         else:
             out["logits"] = cls_logits
     return out
+
+
+def sample_inputs(cfg: ViTConfig, rng: np.random.Generator, batch: int) -> dict:
+    """Standard-normal images ``[batch, C, H, W]``."""
+    x = rng.normal(size=(batch, cfg.num_channels, cfg.image_size, cfg.image_size))
+    return {"pixel_values": jnp.asarray(x, jnp.float32)}
+
+
+def loss(cfg: ViTConfig):
+    """Default objective of a classifier: cross-entropy of ``logits`` on integer
+    ``batch['labels'] [batch]`` (other batch entries are the model inputs)."""
+
+    def loss_fn(params, batch, key):
+        del key  # no dropout
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = apply(params, inputs, cfg)["logits"].astype(jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        nll = -jnp.take_along_axis(logp, jnp.asarray(batch["labels"])[:, None], axis=-1)
+        acc = jnp.mean(jnp.argmax(logits, -1) == batch["labels"])
+        return jnp.mean(nll), {"accuracy": acc}
+
+    return loss_fn
+
+
+FAMILY = register_family(ModelFamily(
+    name="vit", config_cls=ViTConfig, init=init, apply=apply, sample_inputs=sample_inputs,
+    primary_outputs=("logits", "last_hidden_state"), loss=loss))

@@ -15,7 +15,7 @@ Public API:
 
 import importlib
 
-from lowrank_jax.train.losses import (
+from lowrank_jax.losses import (
     IGNORE_INDEX,
     geometric_mean_relative,
     mase,

@@ -18,7 +18,7 @@ import numpy as np
 
 from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
-from lowrank_jax.train.losses import mase, quantile_loss, wql
+from lowrank_jax.losses import mase, quantile_loss, wql
 from lowrank_jax.train.state import full_params, init_train_state
 from lowrank_jax.train.step import default_optimizer, make_train_step
 
