@@ -14,6 +14,7 @@ from lowrank_jax.nn.attention import (
     attention_score_flops,
     init_attention,
     init_relative_bias,
+    keep_heads,
     relative_bias,
     relative_position_bucket,
 )
@@ -40,7 +41,7 @@ from lowrank_jax.nn.masks import (
     qkv_activation_masks,
     step_t_mask,
 )
-from lowrank_jax.nn.mlp import ACTIVATIONS, MLPConfig, apply_mlp, init_mlp
+from lowrank_jax.nn.mlp import ACTIVATIONS, MLPConfig, apply_mlp, init_mlp, keep_hidden
 from lowrank_jax.nn.norms import (
     BatchNormConfig,
     NormConfig,
@@ -57,6 +58,7 @@ __all__ = [
     "apply_decoder", "apply_decoder_layer", "apply_encoder", "apply_encoder_layer", "apply_mlp",
     "apply_norm", "attention_params", "attention_score_flops", "causal_mask", "combine_masks",
     "init_attention", "init_batch_norm", "init_decoder", "init_decoder_layer", "init_encoder",
-    "init_encoder_layer", "init_mlp", "init_norm", "init_relative_bias", "padding_mask",
+    "init_encoder_layer", "init_mlp", "init_norm", "init_relative_bias", "keep_heads",
+    "keep_hidden", "padding_mask",
     "qkv_activation_masks", "relative_bias", "relative_position_bucket", "step_t_mask",
 ]

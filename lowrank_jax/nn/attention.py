@@ -29,7 +29,10 @@ from lowrank_jax.leaves import (
     HeadLayout,
     QueryKey,
     attention_logits,
+    head_offsets,
     init_dense,
+    keep_inputs,
+    keep_outputs,
     linear,
     merge_heads,
     split_heads,
@@ -419,3 +422,30 @@ def attention_score_flops(params: dict, q_len: int, k_len: int) -> int:
     qk, _, _, heads = attention_params(params, "attention_score_flops")
     return qk.score_flops(q_len, k_len) + int(q_len) * int(k_len) * heads.num_heads * max(
         heads.v, default=0)
+
+
+def keep_heads(params: dict, idx) -> dict:
+    """An attention block restricted to the heads at positions ``idx`` of its layout.
+
+    Physical removal: the query-key object keeps those heads (:meth:`QK.keep_heads`), the value
+    projection keeps their output columns and the output projection their input rows; the head
+    layout keeps their original ids (for relative-bias tables) and the original scale. The
+    result computes exactly what the block computes with the other heads' value (or output)
+    weights zeroed.
+
+    Args:
+      params: ``{'qk', 'v', 'o', 'heads'}``.
+      idx: positions (in the current layout) of the heads to keep, sorted and distinct.
+    """
+    qk, v, o, heads = attention_params(params, "keep_heads")
+    idx = np.asarray(idx, np.int64)
+    if idx.ndim != 1 or np.any(np.diff(idx) <= 0) or (idx.size and (
+            idx.min() < 0 or idx.max() >= heads.num_heads)):
+        raise ShapeError(f"keep_heads: head positions must be sorted, distinct and in "
+                         f"[0, {heads.num_heads}), got {idx.tolist()}", where="idx",
+                         expected=f"[0, {heads.num_heads})", actual=idx.tolist())
+    off = head_offsets(heads.v)
+    cols = np.concatenate([np.arange(off[h], off[h + 1]) for h in idx] or
+                          [np.zeros(0, np.int64)]).astype(np.int64)
+    return {**params, "qk": qk.keep_heads(idx), "v": keep_outputs(v, cols),
+            "o": keep_inputs(o, cols), "heads": heads.keep(idx)}

@@ -7,7 +7,7 @@ import dataclasses
 import jax
 
 from lowrank_jax.errors import ConfigError
-from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.leaves import init_dense, keep_inputs, keep_outputs, linear
 
 Array = jax.Array
 
@@ -98,3 +98,16 @@ def apply_mlp(params: dict, x: Array, cfg: MLPConfig) -> Array:
     else:
         h = act(linear(params["wi"], x))  # [..., d_ff]
     return linear(params["wo"], h)  # [..., d_out]
+
+
+def keep_hidden(params: dict, idx) -> dict:
+    """An MLP restricted to the hidden channels ``idx`` (sorted, distinct): the input
+    projection(s) keep those outputs (both ``wi_0`` and ``wi_1`` when gated), ``wo`` keeps those
+    inputs. Exactly the MLP with the other channels' weights zeroed, since every activation
+    here maps 0 to 0."""
+    out = dict(params)
+    for name in ("wi", "wi_0", "wi_1"):
+        if name in params:
+            out[name] = keep_outputs(params[name], idx)
+    out["wo"] = keep_inputs(params["wo"], idx)
+    return out
