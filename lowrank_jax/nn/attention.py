@@ -449,3 +449,28 @@ def keep_heads(params: dict, idx) -> dict:
                           [np.zeros(0, np.int64)]).astype(np.int64)
     return {**params, "qk": qk.keep_heads(idx), "v": keep_outputs(v, cols),
             "o": keep_inputs(o, cols), "heads": heads.keep(idx)}
+
+
+def head_widths(tree, path: str) -> tuple[int, ...] | None:
+    """How the weight at ``path`` of ``tree`` splits into heads, from the enclosing attention
+    block's parameters (shapes come from the params, never from a config).
+
+    * ``'.../attn/qk/q'`` and ``'.../attn/qk/k'``: the outputs, by the query-key object's
+      per-head widths (``QueryKey.widths``);
+    * ``'.../attn/v'``: the outputs, by the head layout's value widths;
+    * ``'.../attn/o'``: the *inputs*, by the value widths;
+    * anything else (or a query-key object without per-head widths): ``None``.
+    """
+    from lowrank_jax.leaves import get_path
+
+    parts = path.split("/")
+    for depth, tail in ((2, ("qk", "q")), (2, ("qk", "k")), (1, ("v",)), (1, ("o",))):
+        if len(parts) > depth and tuple(parts[-depth:]) == tail:
+            block = get_path(tree, "/".join(parts[:-depth]))
+            if not isinstance(block, dict) or not isinstance(block.get("heads"), HeadLayout):
+                return None
+            if tail[0] == "qk":
+                qk = block["qk"]
+                return tuple(qk.widths) if isinstance(qk, QueryKey) else None
+            return tuple(block["heads"].v)
+    return None
