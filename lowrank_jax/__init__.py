@@ -9,11 +9,16 @@ architecture section for the layers of the package: ``leaves``, ``nn``, ``models
 from lowrank_jax.analysis import analyze, eps_rank
 from lowrank_jax.compress import compress, head_truncated_svd, project_inputs, truncated_svd
 from lowrank_jax.leaves import (
+    QK,
     Dense,
+    FrozenBinary,
+    HeadLayout,
     HeadLowRank,
     Leaf,
     LowRank,
     MaskedBinary,
+    QueryKey,
+    attention_logits,
     combine,
     flops,
     init_dense,
@@ -21,11 +26,17 @@ from lowrank_jax.leaves import (
     init_lowrank,
     init_masked_binary,
     is_leaf,
+    keep_inputs,
+    keep_outputs,
+    leaf_dataclass,
     linear,
+    map_with_path,
     materialize,
+    materialize_host,
     named_leaves,
     param_count,
     partition,
+    partition_specs,
     storage_bits,
     trainable_mask,
 )
@@ -33,8 +44,11 @@ from lowrank_jax.leaves import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "Dense", "HeadLowRank", "Leaf", "LowRank", "MaskedBinary", "analyze", "combine", "compress",
-    "eps_rank", "flops", "head_truncated_svd", "init_dense", "init_head_lowrank", "init_lowrank",
-    "init_masked_binary", "is_leaf", "linear", "materialize", "named_leaves", "param_count",
-    "partition", "project_inputs", "storage_bits", "trainable_mask", "truncated_svd",
+    "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
+    "MaskedBinary", "QueryKey", "analyze", "attention_logits", "combine", "compress", "eps_rank",
+    "flops", "head_truncated_svd", "init_dense", "init_head_lowrank", "init_lowrank",
+    "init_masked_binary", "is_leaf", "keep_inputs", "keep_outputs", "leaf_dataclass", "linear",
+    "map_with_path", "materialize", "materialize_host", "named_leaves", "param_count",
+    "partition", "partition_specs", "project_inputs", "storage_bits", "trainable_mask",
+    "truncated_svd",
 ]
