@@ -69,7 +69,13 @@ def _field_hints(cls: type) -> dict[str, Any]:
 
 
 def config_classes() -> dict[str, type]:
-    """Every config class that :func:`config_from_dict` rebuilds, by qualified name."""
+    """Every config class that :func:`config_from_dict` rebuilds, by qualified name.
+
+    Computed from the families and classes registered at the time of the call.
+
+    Returns:
+      ``{'lowrank_jax.models.t5.T5Config': T5Config, ...}``.
+    """
     todo = [fam.config_cls for fam in families().values()] + list(_EXTRA)
     found: dict[str, type] = {}
     while todo:

@@ -108,7 +108,14 @@ def clean_stale(target: str | os.PathLike) -> list[str]:
 
 
 def is_empty_dir(path: str | os.PathLike) -> bool:
-    """``path`` is a real (not symlinked) directory with no entries."""
+    """Whether ``path`` is a real (not symlinked) directory with no entries.
+
+    Args:
+      path: a filesystem path.
+
+    Returns:
+      ``True`` for an empty directory.
+    """
     path = os.fspath(path)
     return os.path.isdir(path) and not os.path.islink(path) and not os.listdir(path)
 
@@ -182,6 +189,9 @@ def write_text(file: str | os.PathLike, text: str) -> None:
     Args:
       file: the file to create or truncate.
       text: its content.
+
+    Returns:
+      ``None``.
     """
     with open(file, "w", encoding="utf-8") as f:
         f.write(text)

@@ -144,6 +144,13 @@ def read_document(path: str | os.PathLike, who: str = "load_params") -> tuple[st
 
     Format version 1 skeletons are converted to the version 2 form (no checksums).
 
+    Args:
+      path: the checkpoint directory.
+      who: the caller's name, for messages.
+
+    Returns:
+      The absolute directory, the path of its ``tree.json`` and the parsed document.
+
     Raises:
       MissingFileError: ``path`` or its ``tree.json`` does not exist.
       CheckpointError: ``path`` is a file, ``tree.json`` is not valid JSON, not a lowrank_jax

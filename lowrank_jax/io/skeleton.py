@@ -32,12 +32,27 @@ _HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def where(path: str) -> str:
-    """``"at 'a/b'"`` (``"at the root"`` for the empty path)."""
+    """A path for messages.
+
+    Args:
+      path: a parameter path.
+
+    Returns:
+      ``"at 'a/b'"`` (``"at the root"`` for the empty path).
+    """
     return f"at '{path}'" if path else "at the root"
 
 
 def join(path: str, key: Any) -> str:
-    """``path/key`` (``key`` alone at the root)."""
+    """One step down a parameter path.
+
+    Args:
+      path: the parent's path.
+      key: a dict key, list index or field name.
+
+    Returns:
+      ``path/key`` (``key`` alone at the root).
+    """
     return f"{path}/{key}" if path else str(key)
 
 
@@ -66,6 +81,14 @@ def encode_static(value: Any, path: str, who: str = "save_params") -> Any:
     """A static field as JSON; tuples and lists are tagged (``{'tuple': [...]}``) so that they
     come back as the same type (treedefs compare static fields by equality and type).
 
+    Args:
+      value: the field's value.
+      path: the field's parameter path, for messages.
+      who: the caller's name, for messages.
+
+    Returns:
+      A JSON-able value.
+
     Raises:
       LeafTypeError: the value is not None, bool, int, float, str or a tuple/list of them.
     """
@@ -88,7 +111,19 @@ def encode_static(value: Any, path: str, who: str = "save_params") -> Any:
 
 
 def decode_static(value: Any, path: str, source: str) -> Any:
-    """Inverse of :func:`encode_static` (a :class:`CheckpointError` for anything else)."""
+    """Inverse of :func:`encode_static`.
+
+    Args:
+      value: the stored JSON value.
+      path: the field's parameter path, for messages.
+      source: the file it was read from, for messages.
+
+    Returns:
+      The static value (tuples and lists restored).
+
+    Raises:
+      CheckpointError: the value is not an encoded static value.
+    """
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     if isinstance(value, dict) and len(value) == 1:
@@ -101,7 +136,14 @@ def decode_static(value: Any, path: str, source: str) -> Any:
 
 
 def corrupt(source: str, path: str, expected: str, found: str) -> CheckpointError:
-    """The error for a skeleton that does not follow the format."""
+    """The error for a skeleton that does not follow the format.
+
+    Args:
+      source: the file, path: the parameter path, expected / found: descriptions.
+
+    Returns:
+      A :class:`~lowrank_jax.errors.CheckpointError` to raise.
+    """
     e = CheckpointError(source, message=f"load_params: corrupt skeleton in {source} "
                         f"{where(path)}: expected {expected}, found {found}")
     e.expected, e.actual = expected, found
@@ -122,6 +164,14 @@ def find_node_class(name: str, path: str, source: str) -> type:
     ``name`` is a qualified name (``'lowrank_jax.leaves.dense.LowRank'``); when no class is
     registered under it, a unique registered class whose ``__name__`` is its last component
     is used (a class whose module moved, or the short names of format version 1).
+
+    Args:
+      name: the stored class name.
+      path: the node's parameter path, for messages.
+      source: the file it was read from, for messages.
+
+    Returns:
+      The class.
 
     Raises:
       CheckpointError: no registered class, or several, match.
@@ -238,6 +288,9 @@ def collect_arrays(spec: Any, source: str, *, root: str = "", checksums: bool = 
       checksums: stored arrays must carry a ``'sha256'`` digest (format version 2).
       out: a dict to add to (keys must be unique across the trees of one checkpoint).
 
+    Returns:
+      ``out``, with this skeleton's stored arrays added.
+
     Raises:
       CheckpointError: the skeleton does not follow the format.
     """
@@ -314,6 +367,9 @@ def build_tree(spec: dict, arrays: dict[str, Any], source: str, root: str = "") 
       arrays: ``{key: array}`` of its stored arrays (restored with the right kind and dtype).
       source: the file the skeleton was read from, for messages.
       root: path prefix of this tree in messages.
+
+    Returns:
+      The tree.
 
     Raises:
       CheckpointError: a node class is unknown, or a node cannot be rebuilt from its fields.
