@@ -1,4 +1,8 @@
-"""Embedding rank over a corpus of patches; the Chebyshev embedding (seed 000 sec. 2, App. I)."""
+"""Embedding rank over a corpus of patches; the Chebyshev embedding.
+
+"Understanding Transformers for Time Series: Rank Structure, Flow-of-Ranks, and Compressibility",
+sec. 2 and App. I.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +12,11 @@ import jax
 import numpy as np
 
 from lowrank_jax.analysis.rank import eps_rank_from_sv, singular_values
+from lowrank_jax.errors import ConfigError, DataError
 
 
 def chebyshev_embedding(x, rank: int, d: int, *, key, x_max: float = 15.0) -> np.ndarray:
-    """The fixed rank-``k`` Chebyshev embedding of seed 000 App. I.
+    """The fixed rank-``k`` Chebyshev embedding of App. I.
 
     ``Phi_k(x) = sum_{j=1..k} T_j(x / x_max) u_j`` with orthonormal random ``u_j in R^d``
     (steps 1-3 of App. I; ``x_max = 15`` is Chronos' quantization range). The paper indexes
@@ -29,7 +34,8 @@ def chebyshev_embedding(x, rank: int, d: int, *, key, x_max: float = 15.0) -> np
       ``[L, d]`` embedded points (rows are tokens; the paper's ``X`` is its transpose).
     """
     if not 1 <= rank <= d:
-        raise ValueError(f"chebyshev_embedding: rank must be in [1, d={d}], got {rank}")
+        raise ConfigError(f"chebyshev_embedding: rank must be in [1, d={d}], got {rank}",
+                          where="rank", expected=f"[1, {d}]", actual=rank)
     t = np.asarray(x, dtype=np.float64).reshape(-1) / x_max
     g = np.asarray(jax.random.normal(key, (d, rank)), dtype=np.float64)
     u, _ = np.linalg.qr(g)  # [d, k], orthonormal columns
@@ -44,7 +50,7 @@ def embedding_matrix(embed: Callable, patches) -> np.ndarray:
 
 
 def embedding_rank(embedded, eps: float | Sequence[float] = (1e-2, 1e-3)) -> dict:
-    """Singular-value decay and eps-ranks of an embedded corpus (seed 000 Fig. 2a, 3a).
+    """Singular-value decay and eps-ranks of an embedded corpus (Figs. 2a, 3a).
 
     Args:
       embedded: ``[N, d]`` embedded patches (use :func:`embedding_matrix` to build it from an
@@ -81,8 +87,12 @@ def sample_patches(series, patch: int, n: int | None = None, *, seed: int = 0) -
         m = s.size // patch
         out.append(s[: m * patch].reshape(m, patch))
     if not out:
-        raise ValueError(f"sample_patches: no series is at least patch={patch} long")
+        raise DataError(f"sample_patches: no series is at least patch={patch} long",
+                        where="series", expected=f">= {patch} values", actual=None)
     p = np.concatenate(out)
     if n is not None and n < len(p):
         p = p[np.random.default_rng(seed).choice(len(p), n, replace=False)]
     return p
+
+
+__all__ = ["chebyshev_embedding", "embedding_matrix", "embedding_rank", "sample_patches"]

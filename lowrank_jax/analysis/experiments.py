@@ -1,4 +1,5 @@
-"""Seed 000 App. J numerical experiments, run through the library's own attention block.
+"""App. J numerical experiments of "Understanding Transformers for Time Series: Rank Structure,
+Flow-of-Ranks, and Compressibility", run through the library's own attention block.
 
 * :func:`theorem3_experiment` (J.1 left, Fig. 15): attention output error after compressing
   ``W_Q, W_K, W_V`` to rank ``d~`` with the construction of Theorem 3 (``W~ = W U_d U_d^T``,
@@ -25,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.analysis.rank import eps_rank_from_sv
-from lowrank_jax.leaves import Dense, LowRank
+from lowrank_jax.errors import ConfigError
+from lowrank_jax.leaves import Dense, HeadLayout, LowRank, QueryKey
 from lowrank_jax.nn import AttentionConfig, apply_attention
 
 
@@ -35,7 +37,8 @@ def spectrum_matrix(n_tokens: int, d: int, s: np.ndarray, rng: np.random.Generat
     The paper's ``X = U diag(s) V^T`` (``d x N``, tokens as columns) transposed to rows.
     """
     if n_tokens < d:
-        raise ValueError(f"spectrum_matrix: need n_tokens >= d, got {n_tokens} < {d}")
+        raise ConfigError(f"spectrum_matrix: need n_tokens >= d, got {n_tokens} < {d}",
+                          where="n_tokens", expected=f">= {d}", actual=n_tokens)
     a, _ = np.linalg.qr(rng.normal(size=(n_tokens, d)))  # [N, d] orthonormal columns
     b, _ = np.linalg.qr(rng.normal(size=(d, d)))  # [d, d] orthogonal
     return (a * s) @ b.T
@@ -44,9 +47,14 @@ def spectrum_matrix(n_tokens: int, d: int, s: np.ndarray, rng: np.random.Generat
 @functools.partial(jax.jit, static_argnums=(4,))
 def _attention(x, wq, wk, wv, num_heads: int):
     d = x.shape[-1]
-    cfg = AttentionConfig(d_model=d, num_heads=num_heads, d_head=d // num_heads, scaled=True)
-    params = {"q": wq, "k": wk, "v": wv, "o": Dense(jnp.eye(d, dtype=jnp.float32))}
-    return apply_attention(params, x[None], cfg)[0]
+    d_head = d // num_heads
+    params = {
+        "qk": QueryKey.uniform(wq, wk, num_heads),
+        "v": wv,
+        "o": Dense(jnp.eye(d, dtype=jnp.float32)),
+        "heads": HeadLayout.uniform(num_heads, d_head, scale=1.0 / np.sqrt(d_head)),
+    }
+    return apply_attention(params, x[None], AttentionConfig())[0]
 
 
 def _project(w: np.ndarray, basis: np.ndarray) -> LowRank:
@@ -103,7 +111,7 @@ def theorem3_experiment(
     log_sigma_range: tuple[float, float] = (0.0, -5.0),
     fit_max_rank_fraction: float = 0.9,
 ) -> SlopeResult:
-    """Seed 000 App. J.1 (left): error vs ``sigma_{d~+1}`` for ``d~`` in ``ranks``.
+    """App. J.1 (left): error vs ``sigma_{d~+1}`` for ``d~`` in ``ranks``.
 
     Args:
       d: hidden dimension (paper: 512).
@@ -149,7 +157,7 @@ def theorem3_experiment(
     errs = np.asarray(errs)
     fitted = np.asarray(ranks) <= fit_max_rank_fraction * d
     if fitted.sum() < 2:
-        raise ValueError(
+        raise ConfigError(
             f"theorem3_experiment: need >= 2 ranks <= {fit_max_rank_fraction} * d, got {ranks}"
         )
     return SlopeResult(
@@ -170,7 +178,7 @@ def theorem3_width_experiment(
     seeds: int = 3,
     decay: float = 5.0 / 511,
 ) -> SlopeResult:
-    """Seed 000 App. J.1 (right): error at a fixed rank ``d~`` as the width ``d`` grows.
+    """App. J.1 (right): error at a fixed rank ``d~`` as the width ``d`` grows.
 
     The leading singular values are held fixed across widths, ``s_j = exp(-decay (j - 1))``
     (default: the spacing of the ``d = 512`` spectrum of :func:`theorem3_experiment`); weights
@@ -181,7 +189,8 @@ def theorem3_width_experiment(
     errs = []
     for d in widths:
         if n_tokens < d:
-            raise ValueError(f"theorem3_width_experiment: n_tokens={n_tokens} < width {d}")
+            raise ConfigError(f"theorem3_width_experiment: n_tokens={n_tokens} < width {d}",
+                              where="n_tokens", expected=f">= {d}", actual=n_tokens)
         e = []
         for seed in range(seeds):
             rng = np.random.default_rng(seed)
@@ -226,7 +235,7 @@ def theorem4_experiment(
     eps=(1e-2, 1e-3, 1e-4),
     seed: int = 0,
 ) -> HeadsRankResult:
-    """Seed 000 App. J.3: eps-rank of ``Y = MH-Attention(X) + X`` for each number of heads.
+    """App. J.3: eps-rank of ``Y = MH-Attention(X) + X`` for each number of heads.
 
     ``X`` has singular values ``exp(-decay j)``, rows scaled to norm at most 1; ``W_Q, W_K``
     have ``N(0, 1)`` entries and ``W_V`` ``N(0, 1/d)``, the same matrices for every ``h`` (only
@@ -244,7 +253,8 @@ def theorem4_experiment(
     spectra = []
     for h in heads:
         if d % h:
-            raise ValueError(f"theorem4_experiment: heads={h} must divide d={d}")
+            raise ConfigError(f"theorem4_experiment: heads={h} must divide d={d}",
+                              where="heads", expected=f"a divisor of {d}", actual=h)
         y = _attention(xj, *(Dense(jnp.asarray(w, jnp.float32)) for w in (wq, wk, wv)), h) + xj
         sy = np.linalg.svd(np.asarray(y, np.float64), compute_uv=False)
         spectra.append(sy / sy[0])

@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Sequence
 
 
-def _pyplot():
+def pyplot():
+    """``matplotlib.pyplot`` with the non-interactive Agg backend (the optional ``plot`` extra)."""
     try:
         import matplotlib
 
@@ -17,10 +18,11 @@ def _pyplot():
 
 
 def plot_spectra(spectra: Sequence, labels: Sequence[str], path: str, *, title: str = "") -> str:
-    """Normalized singular values ``sigma_j / sigma_1`` on a log scale (seed 000 Figs. 2, 5c)."""
+    """Normalized singular values ``sigma_j / sigma_1`` on a log scale ("Understanding
+    Transformers for Time Series", Figs. 2, 5c)."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for s, lab in zip(spectra, labels, strict=True):
         s = np.asarray(s, dtype=float)
@@ -37,8 +39,8 @@ def plot_spectra(spectra: Sequence, labels: Sequence[str], path: str, *, title: 
 
 def plot_layer_ranks(layers: Sequence[int], ranks: dict, path: str, *, title: str = "",
                      ylabel: str = "eps-rank") -> str:
-    """eps-rank per layer, one line per eps (flow-of-ranks, seed 000 Fig. 5a)."""
-    plt = _pyplot()
+    """eps-rank per layer, one line per eps (flow-of-ranks, Fig. 5a)."""
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for eps, r in ranks.items():
         ax.plot(list(layers), list(r), marker="o", label=f"eps={eps:g}")
@@ -53,10 +55,10 @@ def plot_layer_ranks(layers: Sequence[int], ranks: dict, path: str, *, title: st
 
 
 def plot_slope(x, y, path: str, *, reference_slope: float, xlabel: str, title: str = "") -> str:
-    """Log-log error plot with a reference line of the given slope (seed 000 Fig. 15)."""
+    """Log-log error plot with a reference line of the given slope (Fig. 15)."""
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     x, y = np.asarray(x, float), np.asarray(y, float)
     fig, ax = plt.subplots(figsize=(5, 4))
     ax.loglog(x, y, "o-", label="measured")
@@ -70,3 +72,6 @@ def plot_slope(x, y, path: str, *, reference_slope: float, xlabel: str, title: s
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+__all__ = ["plot_layer_ranks", "plot_slope", "plot_spectra", "pyplot"]

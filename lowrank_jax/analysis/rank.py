@@ -1,4 +1,5 @@
-"""eps-rank and spectra (seed 000 eq. 1)."""
+"""eps-rank and spectra (eq. 1 of "Understanding Transformers for Time Series: Rank Structure,
+Flow-of-Ranks, and Compressibility")."""
 
 from __future__ import annotations
 
@@ -6,15 +7,18 @@ from typing import Sequence
 
 import numpy as np
 
-from lowrank_jax.leaves import Leaf, materialize
+from lowrank_jax.errors import ConfigError, DataError, ShapeError
+from lowrank_jax.leaves import materialize_host
 
 
 def _as_matrix(w, name: str = "w") -> np.ndarray:
-    a = np.asarray(materialize(w) if isinstance(w, Leaf) else w, dtype=np.float64)
+    a = materialize_host(w)
     if a.ndim != 2:
-        raise ValueError(f"{name}: expected a 2-D matrix, got shape {a.shape}")
+        raise ShapeError(f"{name}: expected a 2-D matrix, got shape {a.shape}", where=name,
+                         expected="2-D", actual=a.shape)
     if not np.all(np.isfinite(a)):
-        raise ValueError(f"{name}: matrix has non-finite entries")
+        raise DataError(f"{name}: matrix has non-finite entries", where=name,
+                        expected="finite values", actual="non-finite")
     return a
 
 
@@ -22,14 +26,15 @@ def singular_values(w, *, name: str = "w") -> np.ndarray:
     """Singular values of a matrix or leaf, descending, computed in float64 on the host.
 
     Args:
-      w: a 2-D array or a :class:`~lowrank_jax.Leaf` (materialized for the analysis).
+      w: a 2-D array or a :class:`~lowrank_jax.Leaf` (materialized in float64,
+        :func:`lowrank_jax.materialize_host`).
       name: used in error messages (a parameter path).
     """
     return np.linalg.svd(_as_matrix(w, name), compute_uv=False)
 
 
 def eps_rank_from_sv(sv: np.ndarray, eps: float) -> int:
-    """Seed 000 eq. 1 on given singular values: ``#{j : sigma_j / sigma_1 > eps}``."""
+    """Eq. 1 on given singular values: ``#{j : sigma_j / sigma_1 > eps}``."""
     _check_eps(eps)
     sv = np.asarray(sv, dtype=np.float64)
     if sv.size == 0 or sv[0] <= 0:
@@ -39,11 +44,12 @@ def eps_rank_from_sv(sv: np.ndarray, eps: float) -> int:
 
 def _check_eps(eps) -> None:
     if not (isinstance(eps, (int, float, np.floating)) and 0.0 < float(eps) < 1.0):
-        raise ValueError(f"eps must be a number in (0, 1), got {eps!r}")
+        raise ConfigError(f"eps must be a number in (0, 1), got {eps!r}", where="eps",
+                          expected="(0, 1)", actual=eps)
 
 
 def eps_rank(w, eps: float | Sequence[float], *, name: str = "w") -> int | list[int]:
-    """Numerical rank ``rank_eps(W) = #{j : sigma_j(W) / sigma_1(W) > eps}`` (seed 000 eq. 1).
+    """Numerical rank ``rank_eps(W) = #{j : sigma_j(W) / sigma_1(W) > eps}`` (eq. 1).
 
     Truncating ``W`` to its eps-rank guarantees ``||W - W_r||_2 <= eps ||W||_2``.
 
@@ -62,7 +68,7 @@ def eps_rank(w, eps: float | Sequence[float], *, name: str = "w") -> int | list[
 
 
 def normalized_spectrum(w, *, name: str = "w") -> np.ndarray:
-    """``sigma_j / sigma_1`` (the curves of seed 000 Figs. 2, 3, 5c)."""
+    """``sigma_j / sigma_1`` (the curves of Figs. 2, 3, 5c)."""
     sv = singular_values(w, name=name)
     return sv / sv[0] if sv.size and sv[0] > 0 else sv
 
@@ -71,3 +77,8 @@ def tokens_matrix(h) -> np.ndarray:
     """Hidden states ``[..., d]`` as a ``[N, d]`` matrix of tokens (rows)."""
     a = np.asarray(h, dtype=np.float64)
     return a.reshape(-1, a.shape[-1])
+
+
+__all__ = [
+    "eps_rank", "eps_rank_from_sv", "normalized_spectrum", "singular_values", "tokens_matrix",
+]

@@ -1,7 +1,13 @@
 """Per-layer rank reports: weights and the hidden states entering each layer (flow-of-ranks).
 
-Seed 000 sec. 4 (Fig. 5): the eps-rank of attention weights and of the inputs to each layer
-grows with depth. :func:`analyze` builds the report the CLI prints and writes as JSON.
+"Understanding Transformers for Time Series: Rank Structure, Flow-of-Ranks, and
+Compressibility", sec. 4 (Fig. 5): the eps-rank of attention weights and of the inputs to each
+layer grows with depth. :func:`analyze` builds the report the CLI prints and writes as JSON.
+
+Per-head eps-ranks (Fig. 9) are reported for every weight whose outputs split into heads
+(the query, key and value projections of an attention block), with the head widths read from
+the block's parameters (:func:`output_head_widths`), so pruned blocks with heads of different
+widths are split correctly.
 """
 
 from __future__ import annotations
@@ -13,9 +19,27 @@ from typing import Any, Sequence
 import numpy as np
 
 from lowrank_jax.analysis.rank import eps_rank_from_sv, singular_values, tokens_matrix
-from lowrank_jax.leaves import HeadLowRank, Leaf, layer_index, named_leaves
+from lowrank_jax.errors import ConfigError
+from lowrank_jax.leaves import Leaf, head_offsets, layer_index, materialize_host, named_leaves
+from lowrank_jax.nn import head_widths
 
 DEFAULT_EPS = (0.01, 0.05, 0.1)
+
+#: The attention projections, by path (query and key inside the query-key object).
+ATTENTION_PATTERN = r"attn/(qk/q|qk/k|v|o)$"
+
+
+def output_head_widths(tree: Any, path: str) -> tuple[int, ...] | None:
+    """Per-head widths of the *outputs* of the weight at ``path``, read from the enclosing
+    attention block (:func:`lowrank_jax.nn.head_widths`): the query-key object's widths for
+    ``.../attn/qk/q`` and ``.../attn/qk/k``, the head layout's value widths for ``.../attn/v``.
+
+    ``None`` for the output projection ``.../attn/o`` (its *inputs* split into heads) and for
+    weights outside attention blocks.
+    """
+    if path.rsplit("/", 1)[-1] == "o":
+        return None
+    return head_widths(tree, path)
 
 
 @dataclasses.dataclass
@@ -28,7 +52,7 @@ class WeightRanks:
     leaf_type: str
     eps_ranks: dict[float, int]
     singular_values: list[float]
-    head_eps_ranks: dict[float, list[int]] | None = None  # per-head blocks (seed 000 Fig. 9)
+    head_eps_ranks: dict[float, list[int]] | None = None  # per-head blocks (Fig. 9)
 
 
 @dataclasses.dataclass
@@ -47,7 +71,7 @@ class AnalysisReport:
     weights: list[WeightRanks]
     hidden: list[HiddenRanks] = dataclasses.field(default_factory=list)
 
-    def layer_summary(self, pattern: str = r"attn/(q|k|v|o)$") -> list[dict]:
+    def layer_summary(self, pattern: str = ATTENTION_PATTERN) -> list[dict]:
         """Mean eps-rank per layer of the weights whose path matches ``pattern``."""
         by_layer: dict[int, list[WeightRanks]] = {}
         rx = re.compile(pattern)
@@ -128,7 +152,8 @@ def _eps_tuple(eps) -> tuple[float, ...]:
     eps = (eps,) if isinstance(eps, (int, float)) else tuple(float(e) for e in eps)
     for e in eps:
         if not 0.0 < e < 1.0:
-            raise ValueError(f"eps must be in (0, 1), got {e!r}")
+            raise ConfigError(f"eps must be in (0, 1), got {e!r}", where="eps",
+                              expected="(0, 1)", actual=e)
     return eps
 
 
@@ -136,7 +161,6 @@ def weight_ranks(
     params: Any,
     eps: float | Sequence[float] = DEFAULT_EPS,
     *,
-    num_heads: int | None = None,
     pattern: str | None = None,
     progress: bool = False,
 ) -> list[WeightRanks]:
@@ -145,10 +169,13 @@ def weight_ranks(
     Args:
       params: a parameter tree.
       eps: tolerance(s).
-      num_heads: if given, the eps-ranks of each head's column block of q/k/v projections are
-        reported too (``W^(i)`` of seed 000 eq. 18; Fig. 9 middle).
       pattern: optional regular expression over paths.
       progress: show a progress bar.
+
+    Returns:
+      One :class:`WeightRanks` per weight, in tree order. For weights whose outputs split into
+      heads (:func:`output_head_widths`) also the eps-ranks of each head's column block
+      (``W^(i)`` of eq. 18; Fig. 9 middle), split at the block's own head widths.
     """
     eps = _eps_tuple(eps)
     items = [(p, n) for p, n in named_leaves(params) if isinstance(n, Leaf)]
@@ -163,27 +190,18 @@ def weight_ranks(
     for path, leaf in items:
         sv = singular_values(leaf, name=path)
         head = None
-        if num_heads and re.search(r"attn/(q|k|v)$", path) and leaf.d_out % num_heads == 0:
-            w = np.asarray(leaf.to_dense(), np.float64)
-            dh = leaf.d_out // num_heads
-            head_sv = [
-                np.linalg.svd(w[:, i * dh : (i + 1) * dh], compute_uv=False)
-                for i in range(num_heads)
-            ]
-            head = {e: [eps_rank_from_sv(s, e) for s in head_sv] for e in eps}
-        elif isinstance(leaf, HeadLowRank):
-            w = np.asarray(leaf.to_dense(), np.float64)
-            dh = leaf.d_head
-            head_sv = [
-                np.linalg.svd(w[:, i * dh : (i + 1) * dh], compute_uv=False)
-                for i in range(leaf.num_heads)
-            ]
+        widths = output_head_widths(params, path)
+        if widths:
+            w = materialize_host(leaf)
+            off = head_offsets(widths)
+            head_sv = [np.linalg.svd(w[:, off[i]:off[i + 1]], compute_uv=False)
+                       for i in range(len(widths))]
             head = {e: [eps_rank_from_sv(s, e) for s in head_sv] for e in eps}
         rows.append(
             WeightRanks(
                 path=path,
                 layer=layer_index(path),
-                shape=leaf.shape,
+                shape=tuple(leaf.shape),
                 leaf_type=type(leaf).__name__,
                 eps_ranks={e: eps_rank_from_sv(sv, e) for e in eps},
                 singular_values=sv.tolist(),
@@ -196,7 +214,7 @@ def weight_ranks(
 def hidden_state_ranks(
     hidden: Sequence[Any], eps: float | Sequence[float] = DEFAULT_EPS
 ) -> list[HiddenRanks]:
-    """eps-rank of the hidden states entering each layer (seed 000 sec. 4, Fig. 5c).
+    """eps-rank of the hidden states entering each layer (sec. 4, Fig. 5c).
 
     Args:
       hidden: one array ``[..., d]`` per layer, e.g. from
@@ -225,16 +243,30 @@ def analyze(
     eps: float | Sequence[float] = DEFAULT_EPS,
     *,
     hidden=None,
-    num_heads: int | None = None,
     pattern: str | None = None,
     progress: bool = False,
 ) -> AnalysisReport:
-    """The per-layer report: eps-ranks of every weight, and of the hidden states if given."""
+    """The per-layer report: eps-ranks of every weight, and of the hidden states if given.
+
+    Args:
+      params: a parameter tree.
+      eps: tolerance(s).
+      hidden: optional hidden states entering each layer (:func:`hidden_state_ranks`).
+      pattern: optional regular expression over weight paths.
+      progress: show a progress bar.
+
+    Returns:
+      An :class:`AnalysisReport`.
+    """
     eps_t = _eps_tuple(eps)
     return AnalysisReport(
         eps=eps_t,
-        weights=weight_ranks(
-            params, eps_t, num_heads=num_heads, pattern=pattern, progress=progress
-        ),
+        weights=weight_ranks(params, eps_t, pattern=pattern, progress=progress),
         hidden=hidden_state_ranks(hidden, eps_t) if hidden is not None else [],
     )
+
+
+__all__ = [
+    "ATTENTION_PATTERN", "AnalysisReport", "DEFAULT_EPS", "HiddenRanks", "WeightRanks",
+    "analyze", "hidden_state_ranks", "output_head_widths", "weight_ranks",
+]

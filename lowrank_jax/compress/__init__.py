@@ -1,22 +1,66 @@
-"""Compression of parameter trees: truncated SVD, rank schedules, path rules (seed 000 sec. 5).
+"""Surgery on parameter trees: one plan, applied in order, one report.
 
-Public API:
+"Understanding Transformers for Time Series: Rank Structure, Flow-of-Ranks, and
+Compressibility" (sec. 5) and the methods to come plug into one entry point:
 
-* :func:`truncated_svd` -- one matrix to a :class:`~lowrank_jax.LowRank` at ``eps`` or ``rank``
-  (eq. 1: ``||W - W_r||_2 <= eps ||W||_2``).
-* :func:`head_truncated_svd` -- per-head sketches, a :class:`~lowrank_jax.HeadLowRank` (eq. 20).
-* :func:`project_inputs` -- data-aware ``W~ = B_r B_r^T W`` (App. D);
-  :func:`compare_truncations` -- its errors next to plain SVD.
+* :class:`Plan` / :class:`Step` -- a plan is data: steps of (method, path rules, settings),
+  printable, comparable, saved as JSON (:meth:`Plan.to_json`, :meth:`Plan.from_file`).
+* :func:`apply_plan` -- applies the steps in order to one tree (never mutating it) and returns
+  the new tree and a :class:`Report` whose :class:`Row` s share one schema (path, method, rule,
+  step, parameters / bits / FLOPs before and after, relative error, details).
+* :func:`register_method` -- every method is a module with one function
+  ``fn(params, selection, settings, ctx) -> (new_params, rows)`` and one registration.
+  Built in: ``svd`` (:mod:`~lowrank_jax.compress.svd_method`: truncated SVD by eps / rank /
+  ratio / schedule, per head, data-aware) and ``factorize`` (:mod:`~lowrank_jax.compress.factorize`:
+  compressed-by-design factors).
+* :func:`compress` (a one-step ``svd`` plan) and :func:`factorize_init` (a one-step
+  ``factorize`` plan), :func:`reuse_weights`.
+* Matrix-level tools: :func:`truncated_svd`, :func:`head_truncated_svd`,
+  :func:`project_inputs`, :func:`compare_truncations`.
 * :func:`power_schedule` (sec. 5), :func:`interpolation_schedule` (App. K),
   :func:`uniform_schedule` -- per-layer ranks.
-* :func:`select`, :data:`ATTENTION_QKVO`, :data:`ATTENTION_QKV_PER_HEAD` -- path rules.
-* :func:`compress` -- the tree rewrite, returning ``(new_params, CompressionReport)``.
-* :func:`compare_models` -- output error, top-10 overlap and measured time of a compressed model.
+* :func:`select`, :data:`ATTENTION_QKVO`, :data:`ATTENTION_QKV_PER_HEAD`,
+  :data:`ATTENTION_QK` -- path rules.
+* :func:`compare_models`, :func:`sample_inputs` -- output error, top-10 overlap and measured
+  time of a compressed model; :func:`eps_sweep`, :func:`head_rank_sweep` -- rank sweeps
+  compiled once.
+
+Adding a method (say ``prune``) is a new module ``lowrank_jax/compress/prune.py``::
+
+    from lowrank_jax.compress.registry import register_method
+    from lowrank_jax.compress.report import Row
+    from lowrank_jax.leaves import keep_outputs, replace_paths
+
+    def prune(params, selection, settings, ctx):
+        new, rows = {}, []
+        for sel in selection:                        # sel: path, node, overrides, rule
+            s = {**settings, **sel.overrides}
+            leaf = keep_outputs(sel.node, choose_channels(sel.node, s["keep"]))
+            new[sel.path] = leaf
+            rows.append(Row.compare(sel.path, sel.node, leaf, rule=sel.rule, kind="pruned"))
+        return replace_paths(params, new), rows
+
+    register_method("prune", prune, settings=("keep",))
+
+plus its import in this file (importing a method module registers it). A method on
+query-key objects registers with ``selects="qk"`` and its rules match paths like
+``'.../attn/qk'``. A method defined outside the package registers the same way and works in
+plans with no library change.
 """
 
-from lowrank_jax.compress.compress import CompressionReport, CompressionRow, compress
 from lowrank_jax.compress.evaluate import compare_models, sample_inputs, top_k_jaccard
+from lowrank_jax.compress.factorize import factorize_init, reuse_weights
+from lowrank_jax.compress.plan import Plan, Step, apply_plan, as_plan, validate_plan
+from lowrank_jax.compress.registry import (
+    Context,
+    Method,
+    get_method,
+    register_method,
+    registered_methods,
+)
+from lowrank_jax.compress.report import Report, Row, StepSummary
 from lowrank_jax.compress.rules import (
+    ATTENTION_QK,
     ATTENTION_QKV_PER_HEAD,
     ATTENTION_QKVO,
     Selection,
@@ -34,13 +78,15 @@ from lowrank_jax.compress.svd import (
     project_inputs,
     truncated_svd,
 )
-from lowrank_jax.compress.sweep import eps_sweep, head_rank_sweep
+from lowrank_jax.compress.svd_method import compress
+from lowrank_jax.compress.sweep import attention_blocks, eps_sweep, head_rank_sweep
 
 __all__ = [
-    "compare_models", "sample_inputs", "top_k_jaccard",
-    "ATTENTION_QKVO", "ATTENTION_QKV_PER_HEAD", "CompressionReport", "CompressionRow",
-    "Selection", "compare_truncations", "compress", "eps_sweep", "head_rank_sweep",
-    "head_truncated_svd",
-    "interpolation_schedule", "normalize_rules", "power_schedule", "project_inputs", "select",
-    "truncated_svd", "uniform_schedule",
+    "ATTENTION_QK", "ATTENTION_QKVO", "ATTENTION_QKV_PER_HEAD", "Context", "Method", "Plan",
+    "Report", "Row", "Selection", "Step", "StepSummary", "apply_plan", "as_plan",
+    "attention_blocks", "compare_models", "compare_truncations", "compress", "eps_sweep",
+    "factorize_init", "get_method", "head_rank_sweep", "head_truncated_svd",
+    "interpolation_schedule", "normalize_rules", "power_schedule", "project_inputs",
+    "register_method", "registered_methods", "reuse_weights", "sample_inputs", "select",
+    "top_k_jaccard", "truncated_svd", "uniform_schedule", "validate_plan",
 ]

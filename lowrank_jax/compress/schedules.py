@@ -1,9 +1,12 @@
-"""Per-layer rank schedules for the "flow-of-ranks" (seed 000 sec. 5 and App. K).
+"""Per-layer rank schedules for the "flow-of-ranks".
 
-The numerical rank of a layer's input grows with depth (seed 000 sec. 4), so deeper layers get
+"Understanding Transformers for Time Series: Rank Structure, Flow-of-Ranks, and Compressibility",
+sec. 5 and App. K.
+
+The numerical rank of a layer's input grows with depth (sec. 4), so deeper layers get
 larger ranks. Each function returns a list of Python ints, one per layer (layer ``i`` of
-``lowrank_jax.leaves.layer_index``), usable as ``compress(..., schedule=...)`` or as the ranks
-of a model pretrained in compressed form.
+``lowrank_jax.leaves.layer_index``), usable as the ``schedule`` setting of the ``svd`` and
+``factorize`` methods (``compress(..., schedule=...)``, ``factorize_init(..., schedule=...)``).
 
 Floating point: ``d0 * (1 + i) ** alpha`` may land a hair above an integer it equals exactly
 (``8 ** (1/3) = 2.0000000000000004``), and ``ceil`` would then jump to the next integer. The
@@ -16,6 +19,8 @@ from __future__ import annotations
 
 import math
 import numbers
+
+from lowrank_jax.errors import ConfigError
 
 _SLACK = 1e-9
 
@@ -34,7 +39,7 @@ def _is_int(x) -> bool:
 
 def _check_layers(fn: str, num_layers) -> int:
     if not _is_int(num_layers) or num_layers < 1:
-        raise ValueError(f"{fn}: num_layers must be an int >= 1, got {num_layers!r}")
+        raise ConfigError(f"{fn}: num_layers must be an int >= 1, got {num_layers!r}")
     return int(num_layers)
 
 
@@ -42,13 +47,13 @@ def _check_alpha(fn: str, alpha) -> float:
     if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real) or not (
         math.isfinite(alpha) and alpha >= 0
     ):
-        raise ValueError(f"{fn}: alpha must be a finite number >= 0, got {alpha!r}")
+        raise ConfigError(f"{fn}: alpha must be a finite number >= 0, got {alpha!r}")
     return float(alpha)
 
 
 def _check_rank(fn: str, name: str, r) -> int:
     if not _is_int(r) or r < 1:
-        raise ValueError(f"{fn}: {name} must be an int >= 1, got {r!r}")
+        raise ConfigError(f"{fn}: {name} must be an int >= 1, got {r!r}")
     return int(r)
 
 
@@ -61,7 +66,7 @@ def _clip(ranks: list[int], max_rank: int | None, fn: str) -> list[int]:
 
 def power_schedule(d0: float, alpha: float, num_layers: int, *,
                    max_rank: int | None = None) -> list[int]:
-    """Seed 000 sec. 5: ``d_i = ceil(d0 (1 + i)^alpha)`` for layers ``i = 0, ..., D - 1``.
+    """Sec. 5: ``d_i = ceil(d0 (1 + i)^alpha)`` for layers ``i = 0, ..., D - 1``.
 
     Args:
       d0: base rank ``d~_0 > 0`` (a real number; the paper uses 2..64).
@@ -77,7 +82,7 @@ def power_schedule(d0: float, alpha: float, num_layers: int, *,
     if isinstance(d0, bool) or not isinstance(d0, numbers.Real) or not (
         math.isfinite(d0) and d0 > 0
     ):
-        raise ValueError(f"{fn}: d0 must be a finite number > 0, got {d0!r}")
+        raise ConfigError(f"{fn}: d0 must be a finite number > 0, got {d0!r}")
     alpha = _check_alpha(fn, alpha)
     num_layers = _check_layers(fn, num_layers)
     ranks = [max(1, _ceil(float(d0) * (1.0 + i) ** alpha)) for i in range(num_layers)]
@@ -86,7 +91,7 @@ def power_schedule(d0: float, alpha: float, num_layers: int, *,
 
 def interpolation_schedule(r1: int, rD: int, alpha: float, num_layers: int, *,
                            max_rank: int | None = None) -> list[int]:
-    """Seed 000 App. K: ``r_l = r_1 + (r_D - r_1) ((l - 1) / (D - 1))^alpha``, ``l = 1..D``.
+    """App. K: ``r_l = r_1 + (r_D - r_1) ((l - 1) / (D - 1))^alpha``, ``l = 1..D``.
 
     Rounded half up to an int (``floor(x + 1/2)`` with the module's ``1e-9`` slack). The
     endpoints are exact: ``r_1`` at ``l = 1`` for every ``alpha`` (``0^0`` is taken as 0 there,
@@ -120,7 +125,10 @@ def interpolation_schedule(r1: int, rD: int, alpha: float, num_layers: int, *,
 
 
 def uniform_schedule(rank: int, num_layers: int) -> list[int]:
-    """The same rank for every layer (the "without flow-of-ranks" baseline, seed 000 Table 4)."""
+    """The same rank for every layer (the "without flow-of-ranks" baseline, Table 4)."""
     fn = "uniform_schedule"
     rank = _check_rank(fn, "rank", rank)
     return [rank] * _check_layers(fn, num_layers)
+
+
+__all__ = ["interpolation_schedule", "power_schedule", "uniform_schedule"]

@@ -1,81 +1,79 @@
-"""Rank sweeps compiled once: per-head rank curves and the model-level ratio -> loss curve.
+"""Rank sweeps compiled once: per-head rank curves and the model-level ratio -> error curve.
 
 Truncating a weight at every rank (or eps) of interest and re-running the model is the naive
-way to draw seed 000's curves; each rank is a new parameter tree with new static shapes, so each
-costs a trace and an XLA compilation. Here the singular values are *masked* instead: every
-candidate keeps the full SVD factors (static shapes) and a 0/1 mask over its singular values
-selects the rank, so one compiled program evaluates all of them under ``jax.vmap``.
+way to draw the curves of "Understanding Transformers for Time Series: Rank Structure,
+Flow-of-Ranks, and Compressibility"; each rank is a new parameter tree with new static shapes,
+so each costs a trace and an XLA compilation. Here the singular values are *masked* instead:
+every candidate keeps the full SVD factors (static shapes) and a 0/1 mask over its singular
+values selects the rank, so one compiled program evaluates all of them under ``jax.vmap``.
 
-* :func:`head_rank_sweep` -- one attention layer: the relative output error when head ``h``'s
-  q/k/v columns are truncated to rank ``r`` (head-dependent sketching, seed 000 eq. 20 and
-  App. E), for every ``(h, r)`` pair, as a ``[heads, ranks]`` array.
+* :func:`head_rank_sweep` -- one attention block: the relative output error when head ``h``'s
+  q/k/v columns are truncated to rank ``r`` (head-dependent sketching, eq. 20 and App. E), for
+  every ``(h, r)`` pair, as a ``[heads, ranks]`` array.
 * :func:`eps_sweep` -- a whole model: the compression ratio of the selected weights and the
-  output error (or a loss) for every ``eps`` of a list, exactly as :func:`compress` at that eps
-  would give (seed 000 sec. 5, Table 2).
+  output error (or a loss) for every ``eps`` of a list, exactly as the ``svd`` method at that
+  eps would give (sec. 5, Table 2).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.compress.compress import _check_global, _decide, _make_plan
-from lowrank_jax.compress.evaluate import _primary
+from lowrank_jax.compress.evaluate import sample_inputs
 from lowrank_jax.compress.rules import ATTENTION_QKVO, select
-from lowrank_jax.compress.svd import _check_eps, _is_int
+from lowrank_jax.compress.svd import check_eps, is_int, split_columns, svd64, truncatable
+from lowrank_jax.compress.svd_method import OVERRIDES, decide_ranks, prepare_truncation
+from lowrank_jax.errors import ConfigError, LeafTypeError, ShapeError
 from lowrank_jax.leaves import (
     Dense,
-    HeadLowRank,
-    Leaf,
+    HeadLayout,
     LowRank,
-    leaf_dataclass,
-    linear,
+    QueryKey,
+    bias_of,
+    get_path,
+    head_offsets,
     map_with_path,
     materialize,
+    materialize_host,
 )
 from lowrank_jax.models import apply as model_apply
-from lowrank_jax.nn.attention import AttentionConfig, apply_attention
+from lowrank_jax.models import family_of, primary_output
+from lowrank_jax.nn import AttentionConfig, apply_attention, attention_params, head_widths
 
 Array = jax.Array
 
 _PROJ = ("q", "k", "v")
+_PATHS = {"q": "qk/q", "k": "qk/k", "v": "v"}
 
 
 # ---------------------------------------------------------------------------------------------
-# Per-head rank sweep of one attention layer.
+# Per-head rank sweep of one attention block.
 
-def _bias(name: str, leaf) -> Array | None:
-    if isinstance(leaf, (Dense, LowRank, HeadLowRank)):
-        return leaf.b
-    if isinstance(leaf, Leaf):
-        raise TypeError(
-            f"head_rank_sweep: projection '{name}' is a {type(leaf).__name__} leaf; expected "
-            "Dense, LowRank, HeadLowRank or a 2-D array"
-        )
-    return None
+def _per_head(arr: Array | None, name: str, ids: tuple[int, ...]):
+    """``(per_head [h, b, 1, q, k] or None, shared [b, 1, q, k] or None)`` of a 4-D mask/bias.
 
-
-def _per_head_mask(arr: Array | None, name: str, num_heads: int):
-    """``(per_head [h, b, 1, q, k] or None, shared [b, 1, q, k] or None)`` of a 4-D mask/bias."""
+    A head axis of size > 1 indexes the model's *original* heads (as in
+    :func:`~lowrank_jax.nn.apply_attention`): the block's heads ``ids`` are taken from it.
+    """
     if arr is None:
         return None, None
     arr = jnp.asarray(arr)
     if arr.ndim != 4:
-        raise ValueError(
+        raise ShapeError(
             f"head_rank_sweep: {name} must be 4-D [batch, heads, q_len, k_len] (broadcastable), "
-            f"got shape {tuple(arr.shape)}"
-        )
+            f"got shape {tuple(arr.shape)}", where=name, expected="4-D", actual=tuple(arr.shape))
     if arr.shape[1] == 1:
         return None, arr
-    if arr.shape[1] != num_heads:
-        raise ValueError(
-            f"head_rank_sweep: {name} has {arr.shape[1]} heads on axis 1, expected 1 or "
-            f"num_heads={num_heads}"
-        )
+    if max(ids) >= arr.shape[1]:
+        raise ShapeError(
+            f"head_rank_sweep: {name} has {arr.shape[1]} heads on axis 1, but the block keeps "
+            f"original heads {ids}; pass one column per original head (or one shared)",
+            where=name, expected=f"> {max(ids)}", actual=arr.shape[1])
+    arr = arr[:, np.asarray(ids)]
     return jnp.moveaxis(arr, 1, 0)[:, :, None], None
 
 
@@ -88,20 +86,25 @@ _full_norm = jax.jit(
 
 
 def _head_sweep_impl(heads: dict, keeps: dict, x, kv, shared_mask, shared_bias, *,
-                     cfg1: AttentionConfig, which: tuple[str, ...], layer: int) -> Array:
+                     cfg: AttentionConfig, scale: float, which: tuple[str, ...],
+                     layer: int) -> Array:
     """Output error norms ``[heads, ranks]`` (before dividing by ``||y||``).
 
-    ``heads`` holds per-head arrays stacked on axis 0 (mapped with ``lax.map``); ``keeps`` the
-    ``[ranks, k]`` 0/1 masks over singular values (vmapped).
+    ``heads`` holds per-head arrays (zero-padded to the widest head) stacked on axis 0 (mapped
+    with ``lax.map``); ``keeps`` the ``[ranks, k]`` 0/1 masks over singular values (vmapped).
+    ``scale`` is the block's logit scale (static: a one-head layout is built from it).
     """
+    width = heads["q"]["w"].shape[-1]
+    layout = HeadLayout(ids=(0,), v=(heads["v"]["w"].shape[-1],), scale=scale)
 
     def one_head(hp):
         mask = hp.get("mask", shared_mask)
         bias = hp.get("bias", shared_bias)
 
         def run(proj: dict) -> Array:
-            params = dict(proj, o=Dense(hp["o"]))
-            return apply_attention(params, x, cfg1, kv=kv, mask=mask, bias=bias,
+            params = {"qk": QueryKey(q=proj["q"], k=proj["k"], widths=(width,)),
+                      "v": proj["v"], "o": Dense(hp["o"]), "heads": layout}
+            return apply_attention(params, x, cfg, kv=kv, mask=mask, bias=bias,
                                    layer_index=layer)  # [b, q, m]
 
         dense = {n: Dense(hp[n]["w"], hp[n]["b"]) for n in _PROJ}
@@ -121,20 +124,31 @@ def _head_sweep_impl(heads: dict, keeps: dict, x, kv, shared_mask, shared_bias, 
     return jax.lax.map(one_head, heads)  # [heads, ranks]
 
 
-_head_sweep_jit = jax.jit(_head_sweep_impl, static_argnames=("cfg1", "which", "layer"))
+_head_sweep_jit = jax.jit(_head_sweep_impl, static_argnames=("cfg", "scale", "which", "layer"))
 
 
-def head_rank_sweep(attn_params: dict, x: Array, cfg: AttentionConfig, ranks: Sequence[int], *,
-                    which: Sequence[str] = _PROJ, kv: Array | None = None,
-                    mask: Array | None = None, bias: Array | None = None,
-                    layer_index: int = 0) -> Array:
-    """Output error of one attention layer for every (head, rank) truncation, in one compile.
+def _padded_blocks(mat: np.ndarray, widths: tuple[int, ...], pad: int) -> list[np.ndarray]:
+    """Column blocks of the heads, each zero-padded on the right to ``pad`` columns."""
+    return [np.pad(b, ((0, 0), (0, pad - b.shape[1]))) for b in split_columns(mat, widths)]
+
+
+def head_rank_sweep(attn_params: dict, x: Array, cfg: AttentionConfig | None,
+                    ranks: Sequence[int], *, which: Sequence[str] = _PROJ,
+                    kv: Array | None = None, mask: Array | None = None,
+                    bias: Array | None = None, layer_index: int = 0) -> Array:
+    """Output error of one attention block for every (head, rank) truncation, in one compile.
 
     For head ``h`` and rank ``r``, the projections named in ``which`` keep head ``h``'s columns
-    ``W[:, h*d_head:(h+1)*d_head]`` only up to their best rank-``r`` approximation (the per-head
-    truncation of :func:`~lowrank_jax.compress.head_truncated_svd`, seed 000 eq. 20 and App. E);
-    every other head and the output projection stay intact. The entry is
-    ``||y_{h,r} - y||_F / ||y||_F`` with ``y = apply_attention(attn_params, x, cfg, ...)``.
+    only up to their best rank-``r`` approximation (the per-head truncation of
+    :func:`~lowrank_jax.compress.head_truncated_svd`, "Understanding Transformers for Time
+    Series" eq. 20 and App. E); every other head and the output projection stay intact. The
+    entry is ``||y_{h,r} - y||_F / ||y||_F`` with ``y = apply_attention(attn_params, x, cfg,
+    ...)``.
+
+    Head widths come from the parameters (the query-key object's widths for q/k, the head
+    layout's value widths for v and o), so a pruned block with heads of different widths works:
+    every head is zero-padded to the widest (as the block itself computes it), and a head
+    narrower than ``r`` keeps its columns exactly.
 
     How: per-head SVDs ``W_h = U_h diag(s_h) V_h^T`` run once on the host in float64; the
     rank-``r`` weight is ``U_h diag(s_h * mask_r) V_h^T`` with ``mask_r = arange(k) < r``, so all
@@ -143,179 +157,159 @@ def head_rank_sweep(attn_params: dict, x: Array, cfg: AttentionConfig, ranks: Se
     ``y_{h,r} - y = (A_{h,r} - A_h) W_o^{(h)}`` with ``A_h`` head ``h``'s attention output and
     ``W_o^{(h)}`` its rows of the output projection, and the Frobenius norm of that difference is
     computed as ``||(A_{h,r} - A_h) U_o S_o||_F`` (``W_o^{(h)} = U_o S_o V_o^T``, ``V_o``
-    orthonormal): a single-head attention per pair instead of the full layer.
+    orthonormal): a single-head attention per pair instead of the full block.
 
     Args:
-      attn_params: ``{'q', 'k', 'v', 'o'}`` leaves (Dense / LowRank / HeadLowRank or 2-D
-        arrays; they are materialized once for the SVDs).
-      x: queries' input ``[batch, q_len, d_model]``.
-      cfg: the layer's attention configuration.
-      ranks: ranks to evaluate, ints in ``[0, k]`` with ``k = min(d_in, d_head)`` of the
+      attn_params: an attention block ``{'qk', 'v', 'o', 'heads'}`` whose query-key object is a
+        :class:`~lowrank_jax.QueryKey` (any weight leaf types: they are materialized once for
+        the SVDs).
+      x: queries' input ``[batch, q_len, d_q_in]``.
+      cfg: the block's attention config (its meaning: fixed activation masks); ``None`` for
+        the default.
+      ranks: ranks to evaluate, ints in ``[0, k]`` with ``k = min(d_in, widest head)`` of the
         truncated projections (0 removes the head's projection).
       which: projections truncated together, a subset of ``('q', 'k', 'v')``.
       kv, mask, bias, layer_index: as in :func:`~lowrank_jax.nn.apply_attention`.
 
     Returns:
       ``float32[num_heads, len(ranks)]``.
+
+    Raises:
+      ConfigError: bad ``which`` or ``ranks``. ShapeError: a block without the four entries, a
+        bad mask or bias. LeafTypeError: a query-key object that is not a ``QueryKey``.
     """
     which = tuple(which)
     if not which or any(n not in _PROJ for n in which) or len(set(which)) != len(which):
-        raise ValueError(
+        raise ConfigError(
             f"head_rank_sweep: which must be a non-empty subset of ('q', 'k', 'v') without "
-            f"repeats, got {which!r}"
-        )
-    missing = [n for n in (*_PROJ, "o") if n not in attn_params]
+            f"repeats, got {which!r}", where="which", expected=_PROJ, actual=which)
+    missing = [n for n in ("qk", "v", "o", "heads") if not isinstance(attn_params, dict)
+               or n not in attn_params]
     if missing:
-        raise ValueError(
-            f"head_rank_sweep: attn_params must have keys q, k, v, o; missing {missing} "
-            f"(got {sorted(attn_params)})"
-        )
+        got = sorted(attn_params) if isinstance(attn_params, dict) else type(attn_params).__name__
+        raise ShapeError(
+            f"head_rank_sweep: attn_params must be an attention block with keys qk, v, o, heads; "
+            f"missing {missing} (got {got})", where="attn_params", expected=["qk", "v", "o",
+                                                                            "heads"], actual=got)
+    cfg = AttentionConfig() if cfg is None else cfg
+    _, _, _, layout = attention_params(attn_params, "head_rank_sweep")
+    block = {"attn": attn_params}
+    w_qk = head_widths(block, "attn/qk/q")
+    if w_qk is None:
+        raise LeafTypeError(
+            f"head_rank_sweep: needs per-head query and key projections (a QueryKey); this "
+            f"block's query-key object is a {type(attn_params['qk']).__name__}", where="qk",
+            expected="QueryKey", actual=type(attn_params["qk"]).__name__)
+    widths = {"q": tuple(w_qk), "k": tuple(w_qk), "v": tuple(layout.v)}
+    pads = {n: max(w, default=0) for n, w in widths.items()}
     x = jnp.asarray(x)
-    h_num, dh = cfg.num_heads, cfg.head_dim
-    cfg1 = dataclasses.replace(cfg, num_heads=1, d_head=dh)
+    h_num = layout.num_heads
 
     heads: dict[str, Any] = {}
     ks = {}
     for n in _PROJ:
-        w = np.asarray(materialize(attn_params[n]), np.float64)
-        d_in_expected = cfg.d_model if n == "q" else cfg.kv_dim
-        if w.shape != (d_in_expected, cfg.inner_dim):
-            raise ValueError(
-                f"head_rank_sweep: projection '{n}' has shape {w.shape}, expected "
-                f"({d_in_expected}, num_heads * d_head = {cfg.inner_dim})"
-            )
-        dtype = np.float32
-        b = _bias(n, attn_params[n])
-        blocks = [w[:, i * dh:(i + 1) * dh] for i in range(h_num)]
-        entry = {"w": jnp.asarray(np.stack(blocks), dtype),
-                 "b": None if b is None else jnp.asarray(b).reshape(h_num, dh)}
+        leaf = get_path(attn_params, _PATHS[n])
+        w = materialize_host(leaf)
+        blocks = _padded_blocks(w, widths[n], pads[n])
+        b = bias_of(leaf)
+        b_blocks = None if b is None else _padded_blocks(np.asarray(b, np.float64)[None],
+                                                         widths[n], pads[n])
+        entry = {"w": jnp.asarray(np.stack(blocks), np.float32),
+                 "b": None if b is None else jnp.asarray(np.concatenate(b_blocks), np.float32)}
         if n in which:
-            svds = [np.linalg.svd(blk, full_matrices=False) for blk in blocks]
-            entry["u"] = jnp.asarray(np.stack([u for u, _, _ in svds]), dtype)   # [h, d_in, k]
-            entry["s"] = jnp.asarray(np.stack([s for _, s, _ in svds]), dtype)   # [h, k]
-            entry["vt"] = jnp.asarray(np.stack([v for _, _, v in svds]), dtype)  # [h, k, d_h]
-            ks[n] = int(min(w.shape[0], dh))
+            svds = [svd64(blk) for blk in blocks]
+            entry["u"] = jnp.asarray(np.stack([u for u, _, _ in svds]), np.float32)   # [h, d_in, k]
+            entry["s"] = jnp.asarray(np.stack([s for _, s, _ in svds]), np.float32)   # [h, k]
+            entry["vt"] = jnp.asarray(np.stack([v for _, _, v in svds]), np.float32)  # [h, k, w]
+            ks[n] = int(min(w.shape[0], pads[n]))
         heads[n] = entry
-    wo = np.asarray(materialize(attn_params["o"]), np.float64)
-    if wo.shape != (cfg.inner_dim, cfg.d_model):
-        raise ValueError(
-            f"head_rank_sweep: projection 'o' has shape {wo.shape}, expected "
-            f"(num_heads * d_head = {cfg.inner_dim}, d_model = {cfg.d_model})"
-        )
+    wo = materialize_host(attn_params["o"])
+    off = head_offsets(widths["v"])
     cs = []
     for i in range(h_num):
-        u, s, _ = np.linalg.svd(wo[i * dh:(i + 1) * dh], full_matrices=False)
-        cs.append(u * s[None, :])  # [d_h, m]: same Frobenius norms as W_o^(h) on the left
+        rows = np.pad(wo[off[i]:off[i + 1]], ((0, pads["v"] - widths["v"][i]), (0, 0)))
+        u, s, _ = np.linalg.svd(rows, full_matrices=False)
+        cs.append(u * s[None, :])  # [w_v, m]: same Frobenius norms as W_o^(h) on the left
     heads["o"] = jnp.asarray(np.stack(cs), np.float32)
 
     k_max = min(ks.values())
     ranks = list(ranks)
-    if not ranks or any(not _is_int(r) or not 0 <= r <= k_max for r in ranks):
-        raise ValueError(
+    if not ranks or any(not is_int(r) or not 0 <= r <= k_max for r in ranks):
+        raise ConfigError(
             f"head_rank_sweep: ranks must be a non-empty list of ints in [0, {k_max}] "
-            f"(min(d_in, d_head) of the truncated projections), got {ranks!r}"
-        )
+            f"(min(d_in, widest head) of the truncated projections), got {ranks!r}",
+            where="ranks", expected=f"[0, {k_max}]", actual=ranks)
     r_arr = np.asarray(ranks)[:, None]
     keeps = {n: jnp.asarray(np.arange(k)[None, :] < r_arr, np.float32) for n, k in ks.items()}
 
     if mask is not None and jnp.asarray(mask).dtype != jnp.bool_:
-        raise ValueError(
+        raise ShapeError(
             f"head_rank_sweep: mask must be boolean (True = attend), got dtype "
-            f"{jnp.asarray(mask).dtype}; pass additive masks as bias="
-        )
-    pm, shared_mask = _per_head_mask(mask, "mask", h_num)
-    pb, shared_bias = _per_head_mask(bias, "bias", h_num)
+            f"{jnp.asarray(mask).dtype}; pass additive masks as bias=", where="mask",
+            expected="bool", actual=str(jnp.asarray(mask).dtype))
+    pm, shared_mask = _per_head(mask, "mask", layout.ids)
+    pb, shared_bias = _per_head(bias, "bias", layout.ids)
     if pm is not None:
         heads["mask"] = pm
     if pb is not None:
         heads["bias"] = pb
 
-    errs = _head_sweep_jit(heads, keeps, x, kv, shared_mask, shared_bias, cfg1=cfg1,
-                           which=which, layer=int(layer_index))
+    errs = _head_sweep_jit(heads, keeps, x, kv, shared_mask, shared_bias, cfg=cfg,
+                           scale=float(layout.scale), which=which, layer=int(layer_index))
     norm = _full_norm(attn_params, x, kv, mask, bias, cfg=cfg, layer=int(layer_index))
     return errs / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny)
+
+
+def attention_blocks(params: Any) -> list[tuple[str, dict]]:
+    """``(path, block)`` of every attention block (a dict with ``'qk'``, ``'v'``, ``'o'`` and a
+    :class:`~lowrank_jax.HeadLayout` ``'heads'``) of a tree, in tree order: the blocks
+    :func:`head_rank_sweep` takes."""
+    out = []
+
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            if {"qk", "v", "o"} <= set(node) and isinstance(node.get("heads"), HeadLayout):
+                out.append((prefix, node))
+                return
+            for k in sorted(node, key=str):
+                walk(node[k], f"{prefix}/{k}" if prefix else str(k))
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{prefix}/{i}" if prefix else str(i))
+
+    walk(params, "")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
 # Model-level eps sweep.
 
-class _TailRemoved(Leaf):
-    """``W`` minus a masked tail of its SVD, for sweeps: ``x @ W - linear(tail, x)``.
-
-    ``tail`` is a LowRank (or HeadLowRank, per head) ``U diag(s * (1 - mask)) V^T`` over the
-    full SVD factors. Writing the truncation as "the weight minus what is dropped" keeps a
-    weight that :func:`compress` would keep dense *exactly* the original (its tail is zero), and
-    ``x @ U`` does not depend on the mask, so under ``vmap`` over masks it is computed once.
-    Private to sweeps: counts report the original weight's.
-    """
-
-    w: Any
-    tail: Any
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.w.shape
-
-    def apply(self, x: Array) -> Array:
-        return linear(self.w, x) - linear(self.tail, x)
-
-    def to_dense(self) -> Array:
-        return materialize(self.w) - materialize(self.tail)
-
-    def param_count(self) -> int:
-        return self.w.param_count()
-
-    def storage_bits(self) -> int:
-        return self.w.storage_bits()
-
-    def flops(self, n_tokens: int) -> int:
-        return self.w.flops(n_tokens)
-
-
-_TailRemoved = leaf_dataclass(_TailRemoved)
-
-
-def _plans(params, rules, per_head, num_heads):
-    _check_global(None, None, None, None, "eps", per_head, num_heads)
-    return [_make_plan(sel, per_head, num_heads, {}) for sel in select(params, rules)]
-
-
-def _tail_scales(p, ranks, kept: bool) -> np.ndarray:
+def _tail_scales(t, ranks, kept: bool) -> np.ndarray:
     """``s * (1 - mask)`` per group, ``[groups, k]``: zero where kept."""
     out = []
-    for (_, s, _), r in zip(p.groups, ranks, strict=True):
+    for (_, s, _), r in zip(t.groups, ranks, strict=True):
         keep = np.ones_like(s) if kept else (np.arange(s.size) < r)
         out.append(s * (1.0 - keep))
     return np.stack(out)
 
 
-def _weight_error(p, ranks, kept: bool) -> float:
-    """``||W - W_r||_2 / ||W||_2`` as :func:`compress` reports it."""
-    if kept:
-        return 0.0
-    if p.kind == "svd":
-        (_, s, _), r = p.groups[0], ranks[0]
-        return float(s[r] / s[0]) if r < s.size and s[0] > 0 else 0.0
-    resid = np.concatenate([(u[:, r:] * s[r:]) @ vt[r:]
-                            for (u, s, vt), r in zip(p.groups, ranks, strict=True)], axis=1)
-    w_norm = float(np.linalg.norm(p.mat, 2))
-    return float(np.linalg.norm(resid, 2)) / w_norm if w_norm > 0 else 0.0
-
-
 def eps_sweep(config: Any, params: Any, inputs: dict | None, eps_values: Sequence[float], *,
               rules=ATTENTION_QKVO, loss_fn: Callable[[dict], Array] | None = None,
-              per_head: bool = False, num_heads: int | None = None,
-              batch_size: int | None = None) -> list[dict]:
+              per_head: bool = False, batch_size: int | None = None) -> list[dict]:
     """Compression ratio -> output error (or loss) of a model, for every eps, in one compile.
 
-    Seed 000 sec. 5, Table 2: truncate the selected weights at ``eps`` (each keeps its eps-rank,
-    eq. 1) and compare the compressed model with the original. Each row equals what
-    ``compress(params, eps=e, rules=rules, per_head=..., num_heads=...)`` followed by
-    ``models.apply`` gives (same ranks, same kept-dense decisions, same report ratio), but all
-    eps values run in one compiled program: every selected weight is written as the original
-    minus a masked tail of its full SVD (static shapes), and the masks are vmapped over the eps
-    axis (``lax.map`` in chunks of ``batch_size`` if given). The uncompressed model is the
-    all-kept row of the same program, so it is computed by exactly the same code.
+    "Understanding Transformers for Time Series", sec. 5, Table 2: truncate the selected
+    weights at ``eps`` (each keeps its eps-rank, eq. 1) and compare the compressed model with
+    the original. Each row equals what ``compress(params, eps=e, rules=rules,
+    per_head=per_head)`` followed by ``models.apply`` gives (same ranks, same kept-dense
+    decisions, same report ratio), but all eps values run in one compiled program: every
+    selected weight is written as ``Dense(W - U diag(t) V^T, b)``, the weight minus a masked
+    tail of its full SVD (static shapes; ``t = s * (1 - mask)``), and the tails are vmapped over
+    the eps axis (``lax.map`` in chunks of ``batch_size`` if given). A weight the ``svd``
+    method would keep has a zero tail, so it is exactly the original weight (``W - 0 = W``);
+    the uncompressed model is the all-kept row of the same program, so it is computed by
+    exactly the same code. Memory grows with the number of eps values times the selected
+    weights' sizes; ``batch_size`` bounds it.
 
     Args:
       config: a registered model config, or ``None`` for a bare parameter tree (then only the
@@ -324,56 +318,62 @@ def eps_sweep(config: Any, params: Any, inputs: dict | None, eps_values: Sequenc
       inputs: model inputs, a dict of arrays (default for a model:
         :func:`~lowrank_jax.compress.sample_inputs`).
       eps_values: tolerances in (0, 1).
-      rules: path rules selecting the weights (default: attention q/k/v/o); per-rule eps/rank/
-        per_head overrides are honoured as :func:`compress` honours them.
+      rules: path rules selecting the weights (default: the attention projections); per-rule
+        eps/rank/per_head overrides are honoured as the ``svd`` method honours them.
       loss_fn: optional ``loss_fn(outputs) -> scalar``, evaluated for the original and each
         compressed model.
-      per_head, num_heads: per-head truncation (seed 000 eq. 20), as in :func:`compress`.
+      per_head: per-head truncation (eq. 20), as in the ``svd`` method.
       batch_size: eps values evaluated at once (default: all, one ``vmap``).
 
     Returns:
       One dict per eps, in the given order: ``eps``, ``size_ratio`` (``params_after /
-      params_before`` of the selected weights, equal to ``compress``'s ``report.ratio``),
+      params_before`` of the selected weights, equal to the report's ``ratio``),
       ``params_before``, ``params_after``, ``max_weight_error`` (largest
       ``||W - W_r||_2 / ||W||_2`` over the selected weights); with a model also ``output``
       (the primary output's name), ``rel_error`` (``||y_eps - y||_F / ||y||_F``) and
       ``max_abs_error``; with ``loss_fn`` also ``loss`` and ``base_loss``.
     """
-    eps_values = [_check_eps("eps_sweep", "(all selected weights)", e) for e in eps_values]
+    eps_values = [check_eps("eps_sweep", "(all selected weights)", e) for e in eps_values]
     if not eps_values:
-        raise ValueError("eps_sweep: eps_values is empty; give at least one eps in (0, 1)")
-    plans = _plans(params, rules, per_head, num_heads)
-    before = sum(p.before for p in plans)
+        raise ConfigError("eps_sweep: eps_values is empty; give at least one eps in (0, 1)",
+                          where="eps_values", expected="a non-empty list", actual=[])
+    if not isinstance(per_head, bool):
+        raise ConfigError(f"eps_sweep: per_head must be a bool, got {per_head!r}",
+                          where="per_head", expected="bool", actual=per_head)
+    selection = select(params, rules, kind="weights", accepts=truncatable, allowed=OVERRIDES,
+                       where="eps_sweep")
+    truncs = [prepare_truncation(params, sel, per_head=per_head) for sel in selection]
+    before = sum(t.before for t in truncs)
 
-    rows, tails = [], {p.path: [] for p in plans}
+    rows, tails = [], {t.path: [] for t in truncs}
     for e in eps_values:
         after, werr = 0, 0.0
-        for p in plans:
-            ranks = _decide(p, "eps", e, None, None)
-            kept = p.factored(ranks) >= p.before  # compress's keep_dense_if_larger=True
-            after += p.after(ranks, True)
-            werr = max(werr, _weight_error(p, ranks, kept))
-            tails[p.path].append(_tail_scales(p, ranks, kept))
+        for t in truncs:
+            ranks = decide_ranks(t, "eps", {"eps": e})
+            kept = t.keeps(ranks, True)  # the svd method's keep_dense_if_larger=True
+            after += t.after(ranks, True)
+            werr = max(werr, t.error(ranks, kept))
+            tails[t.path].append(_tail_scales(t, ranks, kept))
         rows.append({"eps": e, "size_ratio": after / before if before else 1.0,
                      "params_before": before, "params_after": after,
                      "max_weight_error": werr})
     if config is None:
         return rows
 
-    inputs = _default_inputs(config) if inputs is None else inputs
+    inputs = sample_inputs(config) if inputs is None else inputs
     factors, scales = {}, {}
-    for p in plans:
-        dtype = p.dtype
-        if p.kind == "svd":
-            (u, _, vt), = p.groups
-            factors[p.path] = (jnp.asarray(u, dtype), jnp.asarray(vt, dtype))
-            t = np.stack([t[0] for t in tails[p.path]])  # [eps, k]
+    for t in truncs:
+        dtype = t.dtype
+        if t.kind == "svd":
+            (u, _, vt), = t.groups
+            factors[t.path] = (jnp.asarray(u, dtype), jnp.asarray(vt, dtype))
+            tt = np.stack([x[0] for x in tails[t.path]])  # [eps, k]
         else:  # svd-per-head
-            factors[p.path] = (jnp.asarray(np.stack([g[0] for g in p.groups], 1), dtype),
-                               jnp.asarray(np.stack([g[2] for g in p.groups]), dtype))
-            t = np.stack(tails[p.path])  # [eps, h, k]
+            factors[t.path] = (jnp.asarray(np.stack([g[0] for g in t.groups], 1), dtype),
+                               jnp.asarray(np.stack([g[2] for g in t.groups]), dtype))
+            tt = np.stack(tails[t.path])  # [eps, h, k]
         # Row 0 keeps everything: the uncompressed model, computed by the same program.
-        scales[p.path] = jnp.asarray(np.concatenate([np.zeros_like(t[:1]), t]), dtype)
+        scales[t.path] = jnp.asarray(np.concatenate([np.zeros_like(tt[:1]), tt]), dtype)
 
     out = _eps_sweep_run(config, params, factors, scales, inputs, loss_fn, batch_size)
     for i, row in enumerate(rows):
@@ -386,13 +386,8 @@ def eps_sweep(config: Any, params: Any, inputs: dict | None, eps_values: Sequenc
     return rows
 
 
-def _default_inputs(config):
-    from lowrank_jax.compress.evaluate import sample_inputs
-
-    return sample_inputs(config)
-
-
 def _eps_sweep_run(config, params, factors, scales, inputs, loss_fn, batch_size) -> dict:
+    family = family_of(config)
     key_box: list[str] = []
 
     def one(params, factors, row_scales, inputs):
@@ -401,15 +396,15 @@ def _eps_sweep_run(config, params, factors, scales, inputs, loss_fn, batch_size)
                 return node
             u, vt = factors[path]
             t = row_scales[path]
-            if u.ndim == 2:
-                tail = LowRank(u=u, v=t[:, None] * vt)
+            if u.ndim == 2:  # [d_in, k], [k, d_out]
+                tail = (u * t[None, :]) @ vt
             else:  # [d_in, h, k], [h, k, d_h]
-                tail = HeadLowRank(u=u, v=t[..., None] * vt)
-            return _TailRemoved(w=node, tail=tail)
+                tail = jnp.einsum("ihk,hkd->ihd", u * t[None], vt).reshape(u.shape[0], -1)
+            return Dense(w=materialize(node) - tail.astype(u.dtype), b=bias_of(node))
 
         tree = map_with_path(sub, params)
-        outputs = model_apply(config, tree, **inputs)
-        key = _primary(outputs)
+        outputs = model_apply(tree, inputs, config)
+        key = primary_output(family, outputs)
         if not key_box:
             key_box.append(key)
         res = {"y": outputs[key]}
@@ -438,3 +433,6 @@ def _eps_sweep_run(config, params, factors, scales, inputs, loss_fn, batch_size)
     out = jax.device_get(run(params, factors, scales, inputs))
     out["output"] = key_box[0]
     return out
+
+
+__all__ = ["attention_blocks", "eps_sweep", "head_rank_sweep"]

@@ -7,11 +7,13 @@ import pytest
 
 import lowrank_jax as lj
 from lowrank_jax.analysis import (
+    analyze,
     chebyshev_embedding,
     embedding_rank,
     eps_rank,
     hidden_state_ranks,
     normalized_spectrum,
+    output_head_widths,
     sample_patches,
     singular_values,
     weight_ranks,
@@ -95,12 +97,44 @@ def test_hidden_state_ranks_flatten_tokens():
     assert rows[0].n_tokens == 24
 
 
+def _block(q, k, widths, v_widths):
+    """An attention block whose heads split q/k at ``widths`` and v/o at ``v_widths``."""
+    d = q.shape[0]
+    dv = sum(v_widths)
+    return {"qk": lj.QueryKey(q=lj.Dense(jnp.asarray(q)), k=lj.Dense(jnp.asarray(k)),
+                              widths=widths),
+            "v": lj.Dense(jnp.ones((d, dv))), "o": lj.Dense(jnp.ones((dv, d))),
+            "heads": lj.HeadLayout(ids=tuple(range(len(widths))), v=v_widths)}
+
+
 def test_weight_ranks_report_per_head_blocks():
     d, h, dh = 12, 3, 4
     blocks = [with_spectrum(np.ones(r), d, dh, seed=r) for r in (1, 2, 4)]
     q = np.concatenate(blocks, axis=1).astype(np.float32)
-    params = {"layers": [{"attn": {"q": lj.Dense(jnp.asarray(q))}, "norm": jnp.ones(d)}]}
-    rows = weight_ranks(params, eps=(1e-3,), num_heads=h)
-    assert len(rows) == 1 and rows[0].path == "layers/0/attn/q" and rows[0].layer == 0
-    assert rows[0].head_eps_ranks[1e-3] == [1, 2, 4]
-    assert rows[0].eps_ranks[1e-3] == np.linalg.matrix_rank(q.astype(np.float64), tol=1e-4)
+    params = {"layers": [{"attn": _block(q, q[:, ::-1].copy(), (dh,) * h, (dh,) * h),
+                          "norm": jnp.ones(d)}]}
+    rows = {r.path: r for r in weight_ranks(params, eps=(1e-3,))}
+    row = rows["layers/0/attn/qk/q"]
+    assert row.layer == 0 and row.leaf_type == "Dense" and row.shape == (d, h * dh)
+    assert row.head_eps_ranks[1e-3] == [1, 2, 4]
+    assert row.eps_ranks[1e-3] == np.linalg.matrix_rank(q.astype(np.float64), tol=1e-4)
+    # v splits its outputs into heads too (rank 1 each: all ones); o consumes heads: no split
+    assert rows["layers/0/attn/v"].head_eps_ranks[1e-3] == [1, 1, 1]
+    assert rows["layers/0/attn/o"].head_eps_ranks is None
+    assert "norm" not in " ".join(rows)
+
+
+def test_weight_ranks_per_head_with_irregular_widths():
+    """A pruned block: heads of widths 2, 5, 3 are split at the block's own offsets."""
+    d = 12
+    blocks = [with_spectrum(np.ones(r), d, w, seed=r) for r, w in ((1, 2), (3, 5), (2, 3))]
+    q = np.concatenate(blocks, axis=1).astype(np.float32)
+    params = {"layers": [{"attn": _block(q, q, (2, 5, 3), (4, 4, 4))}]}
+    report = analyze(params, eps=(1e-3,))
+    row = next(w for w in report.weights if w.path == "layers/0/attn/qk/k")
+    assert row.head_eps_ranks[1e-3] == [1, 3, 2]
+    assert output_head_widths(params, "layers/0/attn/qk/k") == (2, 5, 3)
+    assert output_head_widths(params, "layers/0/attn/v") == (4, 4, 4)
+    assert output_head_widths(params, "layers/0/attn/o") is None
+    summary = report.layer_summary()
+    assert summary[0]["layer"] == 0 and summary[0]["n_weights"] == 4

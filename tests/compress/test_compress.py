@@ -1,4 +1,5 @@
-"""compress(): report numbers, budgets, rules, per-head, inputs, errors -- against NumPy here."""
+"""compress() (a one-step svd plan): report numbers, budgets, rules, per-head, inputs, errors --
+against NumPy here."""
 
 import json
 import re
@@ -10,14 +11,17 @@ import pytest
 
 from lowrank_jax.compress import (
     ATTENTION_QKV_PER_HEAD,
-    CompressionReport,
+    Report,
     compress,
     power_schedule,
 )
+from lowrank_jax.errors import PlanError
 from lowrank_jax.leaves import (
     Dense,
+    HeadLayout,
     HeadLowRank,
     LowRank,
+    QueryKey,
     init_dense,
     init_lowrank,
     linear,
@@ -27,17 +31,19 @@ from lowrank_jax.leaves import (
 )
 
 D, FF, LAYERS, HEADS = 24, 48, 3, 4
-ATTN = re.compile(r"attn/(q|k|v|o)$")
+ATTN = re.compile(r"attn/(qk/q|qk/k|v|o)$")
 
 
 def make_tree(seed=0):
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 64))
     layers = []
     for i in range(LAYERS):
-        attn = {n: init_dense(next(keys), D, D, bias=(n == "q")) for n in "qkvo"}
+        w = {n: init_dense(next(keys), D, D, bias=(n == "q")) for n in "qkvo"}
         # give layer 1's q a real bias, so "bias kept" is visible
         if i == 1:
-            attn["q"] = Dense(attn["q"].w, jnp.arange(D, dtype=jnp.float32) / D)
+            w["q"] = Dense(w["q"].w, jnp.arange(D, dtype=jnp.float32) / D)
+        attn = {"qk": QueryKey.uniform(w["q"], w["k"], HEADS), "v": w["v"], "o": w["o"],
+                "heads": HeadLayout.uniform(HEADS, D // HEADS, 1 / np.sqrt(D // HEADS))}
         layers.append({
             "attn": attn,
             "norm": {"scale": jnp.ones(D)},
@@ -78,6 +84,12 @@ def cost(w, nb, r, keep=True):
     return before if keep and f >= before else f
 
 
+def rank(row):
+    """The rank detail of a row (per-head ranks as a tuple)."""
+    r = row.details["rank"]
+    return tuple(r) if isinstance(r, list) else r
+
+
 def leaf_at(tree, path):
     return dict(named_leaves(tree))[path]
 
@@ -93,30 +105,35 @@ def test_eps_report_and_leaves():
     t = make_tree()
     ws = weights(t)
     new, rep = compress(t, eps=0.6)
-    assert isinstance(rep, CompressionReport) and len(rep.rows) == len(ws) == 4 * LAYERS
+    assert isinstance(rep, Report) and len(rep.rows) == len(ws) == 4 * LAYERS
     total_before = total_after = 0
     for row in rep.rows:
         w, nb = ws[row.path]
         s = sv(w)
         r = eps_rank(w, 0.6)
-        assert row.shape == w.shape and row.rank == r
+        assert tuple(row.details["shape"]) == w.shape and rank(row) == r
         assert row.params_before == w.size + nb
         assert row.params_after == r * 2 * D + nb
-        assert row.method == "svd"
-        assert row.rel_spectral_error == pytest.approx(s[r] / s[0], rel=1e-9)
-        assert row.rel_spectral_error <= 0.6
+        # float32 storage, multiply-adds per token: the counts of the papers, computed here
+        assert row.bits_before == 32 * (w.size + nb) and row.bits_after == 32 * (r * 2 * D + nb)
+        assert row.flops_before == w.size and row.flops_after == r * 2 * D
+        assert row.kind == "svd" and row.method == "svd" and row.step == 0 and row.changed
+        assert row.error == pytest.approx(s[r] / s[0], rel=1e-9)
+        assert row.error <= 0.6
         leaf = leaf_at(new, row.path)
         assert isinstance(leaf, LowRank) and leaf.rank == r
         np.testing.assert_allclose(np.asarray(materialize(leaf), np.float64), np_truncate(w, r),
                                    atol=1e-5)
         total_before += row.params_before
         total_after += row.params_after
-    assert rep.totals == {"params_before": total_before, "params_after": total_after,
-                          "ratio": total_after / total_before}
+    sel = rep.totals["selected"]
+    assert (sel["params_before"], sel["params_after"]) == (total_before, total_after)
+    assert rep.ratio == sel["params_ratio"] == total_after / total_before
+    assert rep.changed == len(rep.rows)
     # bias kept, and the new tree computes with it
-    q1 = leaf_at(new, "layers/1/attn/q")
+    q1 = leaf_at(new, "layers/1/attn/qk/q")
     x = np.random.default_rng(0).standard_normal((3, D)).astype(np.float32)
-    w, _ = ws["layers/1/attn/q"]
+    w, _ = ws["layers/1/attn/qk/q"]
     np.testing.assert_allclose(np.asarray(linear(q1, x)),
                                x @ np_truncate(w, q1.rank) + np.arange(D) / D, atol=1e-5)
     # untouched parts are the same objects
@@ -129,7 +146,7 @@ def test_input_tree_unchanged():
     before = snapshot(t)
     ids = [id(n) for _, n in named_leaves(t)]
     compress(t, eps=0.3)
-    compress(t, ratio=0.5, allocation="energy", per_head=True, num_heads=HEADS,
+    compress(t, ratio=0.5, allocation="energy", per_head=True,
              rules=ATTENTION_QKV_PER_HEAD)
     after = snapshot(t)
     assert [id(n) for _, n in named_leaves(t)] == ids
@@ -145,18 +162,18 @@ def test_rank_and_keep_dense():
     ws = weights(t)
     new, rep = compress(t, rank=12)  # 12 * (24 + 24) == 24 * 24: not smaller
     for row in rep.rows:
-        assert row.method == "kept-dense" and row.params_after == row.params_before
-        assert row.rel_spectral_error == 0.0
+        assert row.kind == "kept-dense" and row.params_after == row.params_before
+        assert row.error == 0.0
         assert leaf_at(new, row.path) is leaf_at(t, row.path)
     assert rep.ratio == 1.0
     new, rep = compress(t, rank=12, keep_dense_if_larger=False)
     for row in rep.rows:
         w, nb = ws[row.path]
         s = sv(w)
-        assert row.method == "svd" and row.params_after == 12 * 48 + nb
-        assert row.rel_spectral_error == pytest.approx(s[12] / s[0], rel=1e-9)
+        assert row.kind == "svd" and row.params_after == 12 * 48 + nb
+        assert row.error == pytest.approx(s[12] / s[0], rel=1e-9)
     new, rep = compress(t, rank=11)
-    assert all(r.method == "svd" and r.rank == 11 for r in rep.rows)
+    assert all(r.kind == "svd" and rank(r) == 11 for r in rep.rows)
 
 
 def eps_budget_reference(ws, eps, keep=True):
@@ -166,12 +183,12 @@ def eps_budget_reference(ws, eps, keep=True):
 @pytest.mark.parametrize("target", [0.3, 0.45, 0.62, 0.9])
 def test_ratio_eps_search_is_exact(target):
     t = make_tree(1)
-    rules = (r"attn/(q|k|v|o)$", r"mlp/w")
-    ws = weights(t, re.compile(r"attn/(q|k|v|o)$|mlp/w"))
+    rules = (r"attn/(qk/q|qk/k|v|o)$", r"mlp/w")
+    ws = weights(t, re.compile(r"attn/(qk/q|qk/k|v|o)$|mlp/w"))
     new, rep = compress(t, rules=rules, ratio=target)
     before = sum(w.size + nb for w, nb in ws.values())
     budget = target * before
-    chosen = rep.settings["chosen_eps"]
+    chosen = rep.info()["chosen_eps"]
     cand = sorted({float(c) for w, _ in ws.values() for c in sv(w) / sv(w)[0] if 0 < c < 1})
     assert chosen in cand
     after = eps_budget_reference(ws, chosen)
@@ -182,14 +199,14 @@ def test_ratio_eps_search_is_exact(target):
     assert i > 0 and eps_budget_reference(ws, cand[i - 1]) > budget
     for row in rep.rows:
         w, nb = ws[row.path]
-        assert row.rank == eps_rank(w, chosen)
-        assert row.params_after == cost(w, nb, row.rank)
+        assert rank(row) == eps_rank(w, chosen)
+        assert row.params_after == cost(w, nb, rank(row))
 
 
 def test_ratio_one_keeps_everything():
     t = make_tree()
     new, rep = compress(t, ratio=1.0)
-    assert rep.ratio == 1.0 and all(r.method == "kept-dense" for r in rep.rows)
+    assert rep.ratio == 1.0 and all(r.kind == "kept-dense" for r in rep.rows)
 
 
 def energy_reference(ws, budget):
@@ -219,13 +236,13 @@ def energy_reference(ws, budget):
 @pytest.mark.parametrize("target", [0.2, 0.35])
 def test_ratio_energy_allocation(target):
     t = make_tree(2)
-    rules = (r"attn/(q|k|v|o)$", r"mlp/w")
-    ws = weights(t, re.compile(r"attn/(q|k|v|o)$|mlp/w"))
+    rules = (r"attn/(qk/q|qk/k|v|o)$", r"mlp/w")
+    ws = weights(t, re.compile(r"attn/(qk/q|qk/k|v|o)$|mlp/w"))
     new, rep = compress(t, rules=rules, ratio=target, allocation="energy")
     before = sum(w.size + nb for w, nb in ws.values())
     budget = target * before
     ranks, left = energy_reference(ws, budget)
-    got = {r.path: r.rank for r in rep.rows}
+    got = {r.path: rank(r) for r in rep.rows}
     assert got == ranks
     assert len(set(ranks.values())) > 1  # energy per cost differs between matrices
     after = sum(cost(w, nb, ranks[p]) for p, (w, nb) in ws.items())
@@ -233,7 +250,7 @@ def test_ratio_energy_allocation(target):
     # the budget is used up: no matrix can take one more singular value
     for row in rep.rows:
         w, _ = ws[row.path]
-        assert row.method == "svd"
+        assert row.kind == "svd"
         assert after + sum(w.shape) > budget
     assert budget - after == pytest.approx(left)
 
@@ -242,34 +259,34 @@ def test_ratio_energy_allocation(target):
 def test_ratio_energy_near_dense(target):
     # near the dense size some matrices take the "keep it dense" step
     t = make_tree(5)
-    rules = (r"attn/(q|k|v|o)$", r"mlp/w")
+    rules = (r"attn/(qk/q|qk/k|v|o)$", r"mlp/w")
     new, rep = compress(t, rules=rules, ratio=target, allocation="energy")
     budget = target * rep.params_before
     assert rep.params_after <= budget
-    kept = [r for r in rep.rows if r.method == "kept-dense"]
+    kept = [r for r in rep.rows if r.kind == "kept-dense"]
     assert kept and all(r.params_after == r.params_before for r in kept)
     if target == 1.0:
         assert len(kept) == len(rep.rows) and rep.ratio == 1.0
     for row in rep.rows:  # budget used: no matrix can take its next step
-        if row.method == "svd":
-            nxt = min(sum(row.shape), row.params_before - row.params_after)
+        if row.kind == "svd":
+            nxt = min(sum(row.details["shape"]), row.params_before - row.params_after)
             assert rep.params_after + nxt > budget
-    ws = weights(t, re.compile(r"attn/(q|k|v|o)$|mlp/w"))
+    ws = weights(t, re.compile(r"attn/(qk/q|qk/k|v|o)$|mlp/w"))
     for row in rep.rows:
         w, nb = ws[row.path]
-        if row.method == "svd":
-            assert row.params_after == cost(w, nb, row.rank) < row.params_before
+        if row.kind == "svd":
+            assert row.params_after == cost(w, nb, rank(row)) < row.params_before
 
 
 def test_ratio_energy_per_head_budget():
     t = make_tree(6)
     new, rep = compress(t, rules=ATTENTION_QKV_PER_HEAD, ratio=0.4, allocation="energy",
-                        per_head=True, num_heads=HEADS)
+                        per_head=True)
     budget = 0.4 * rep.params_before
     assert rep.params_after <= budget
     dh = D // HEADS
     for row in rep.rows:
-        unit = D + (dh if row.method == "svd-per-head" else D)
+        unit = D + (dh if row.kind == "svd-per-head" else D)
         assert rep.params_after + unit > budget
     assert param_count(new) == param_count(t) - rep.params_before + rep.params_after
 
@@ -289,17 +306,16 @@ def test_lowrank_leaves_are_retruncated():
         s = sv(prod)
         row = rep.row(f"layers/{i}/mlp/wo")
         assert row.params_before == 6 * (FF + D) and row.params_after == 3 * (FF + D)
-        assert row.rel_spectral_error == pytest.approx(s[3] / s[0], rel=1e-6)
+        assert row.error == pytest.approx(s[3] / s[0], rel=1e-6)
     new, rep = compress(t, rules=[r"mlp/wo$"], rank=6)  # not smaller than the old leaf
-    assert all(r.method == "kept" for r in rep.rows)
+    assert all(r.kind == "kept" for r in rep.rows)
     assert new["layers"][0]["mlp"]["wo"] is t["layers"][0]["mlp"]["wo"]
 
 
 def test_per_head():
     t = make_tree(3)
     ws = weights(t)
-    new, rep = compress(t, rules=ATTENTION_QKV_PER_HEAD, eps=0.6, per_head=True,
-                        num_heads=HEADS)
+    new, rep = compress(t, rules=ATTENTION_QKV_PER_HEAD, eps=0.6, per_head=True)
     dh = D // HEADS
     n_per_head = 0
     x = np.random.default_rng(1).standard_normal((5, D)).astype(np.float32)
@@ -307,49 +323,51 @@ def test_per_head():
         w, nb = ws[row.path]
         leaf = leaf_at(new, row.path)
         if row.path.endswith("/o"):  # shared sketch for the output projection
-            assert row.method == "svd" and isinstance(leaf, LowRank)
-            assert row.rank == eps_rank(w, 0.6)
+            assert row.kind == "svd" and isinstance(leaf, LowRank)
+            assert rank(row) == eps_rank(w, 0.6)
             continue
         heads = [w[:, i * dh:(i + 1) * dh] for i in range(HEADS)]
         ranks = tuple(eps_rank(h, 0.6) for h in heads)
-        assert row.rank == ranks
+        assert rank(row) == ranks
         if sum(r * (D + dh) for r in ranks) + nb >= w.size + nb:
-            assert row.method == "kept-dense" and leaf is leaf_at(t, row.path)
+            assert row.kind == "kept-dense" and leaf is leaf_at(t, row.path)
             continue
         n_per_head += 1
-        assert row.method == "svd-per-head"
+        assert row.kind == "svd-per-head"
         assert isinstance(leaf, HeadLowRank) and leaf.head_ranks == ranks
         ref = np.concatenate([np_truncate(h, r) for h, r in zip(heads, ranks, strict=True)], axis=1)
-        assert row.rel_spectral_error == pytest.approx(
+        assert row.error == pytest.approx(
             np.linalg.norm(w - ref, 2) / np.linalg.norm(w, 2), rel=1e-9)
         assert row.params_after == sum(r * (D + dh) for r in ranks) + nb
         b = 0.0 if leaf.b is None else np.asarray(leaf.b)
         np.testing.assert_allclose(np.asarray(linear(leaf, x)), x @ ref + b, atol=1e-5)
     assert n_per_head >= 6
-    assert len({r.rank for r in rep.rows if r.method == "svd-per-head"}) > 1
+    assert len({rank(r) for r in rep.rows if r.kind == "svd-per-head"}) > 1
 
 
 def test_rule_overrides_first_match_and_skip():
     t = make_tree()
     ws = weights(t)
     rules = [
-        (r"^layers/0/attn/q$", {"rank": 2}),
+        (r"^layers/0/attn/qk/q$", {"rank": 2}),
         (r"attn/v$", {"eps": 0.3}),
         (r"attn/o$", None),
-        (r"^layers/2/attn/k$", {"per_head": True, "num_heads": 2, "rank": 1}),
-        r"attn/(q|k)$",
+        (r"^layers/2/attn/qk/k$", {"per_head": True, "rank": 1}),
+        r"attn/qk/(q|k)$",
     ]
     new, rep = compress(t, rules=rules, rank=3)
     got = {r.path: r for r in rep.rows}
-    assert got["layers/0/attn/q"].rank == 2
-    assert got["layers/1/attn/q"].rank == 3 and got["layers/0/attn/k"].rank == 3
+    assert rank(got["layers/0/attn/qk/q"]) == 2
+    assert rank(got["layers/1/attn/qk/q"]) == 3 and rank(got["layers/0/attn/qk/k"]) == 3
     for i in range(LAYERS):
-        assert got[f"layers/{i}/attn/v"].rank == eps_rank(ws[f"layers/{i}/attn/v"][0], 0.3)
+        assert rank(got[f"layers/{i}/attn/v"]) == eps_rank(ws[f"layers/{i}/attn/v"][0], 0.3)
         assert f"layers/{i}/attn/o" not in got
         assert leaf_at(new, f"layers/{i}/attn/o") is leaf_at(t, f"layers/{i}/attn/o")
-    assert got["layers/2/attn/k"].rank == (1, 1)
-    assert isinstance(leaf_at(new, "layers/2/attn/k"), HeadLowRank)
-    assert got["layers/1/attn/q"].rule == r"attn/(q|k)$"
+    # per head: the head count comes from the block's parameters
+    assert rank(got["layers/2/attn/qk/k"]) == (1,) * HEADS
+    assert got["layers/2/attn/qk/k"].kind == "svd-per-head"
+    assert isinstance(leaf_at(new, "layers/2/attn/qk/k"), HeadLowRank)
+    assert got["layers/1/attn/qk/q"].rule == r"attn/qk/(q|k)$"
 
 
 def test_ratio_with_fixed_overrides():
@@ -360,11 +378,11 @@ def test_ratio_with_fixed_overrides():
     assert rep.params_after <= 0.4 * before
     for row in rep.rows:
         if row.path.startswith("layers/0/"):
-            assert row.rank == 1
-    chosen = rep.settings["chosen_eps"]
+            assert rank(row) == 1
+    chosen = rep.info()["chosen_eps"]
     for row in rep.rows:
         if not row.path.startswith("layers/0/"):
-            assert row.rank == eps_rank(ws[row.path][0], chosen)
+            assert rank(row) == eps_rank(ws[row.path][0], chosen)
 
 
 def test_schedule():
@@ -374,8 +392,8 @@ def test_schedule():
     for row in rep.rows:
         i = int(row.path.split("/")[1])
         w, _ = weights(t)[row.path]
-        assert row.rank == sched[i]
-        assert row.rel_spectral_error == pytest.approx(sv(w)[sched[i]] / sv(w)[0], rel=1e-9)
+        assert rank(row) == sched[i]
+        assert row.error == pytest.approx(sv(w)[sched[i]] / sv(w)[0], rel=1e-9)
 
 
 def test_inputs_projection():
@@ -385,36 +403,40 @@ def test_inputs_projection():
     path = "layers/1/attn/v"
     new, rep = compress(t, rank=3, inputs={path: x})
     row = rep.row(path)
-    assert row.method == "inputs" and row.rank == 3
+    assert row.kind == "inputs" and rank(row) == 3
     w = np.asarray(leaf_at(t, path).w, np.float64)
     x2 = x.reshape(-1, D).astype(np.float64)
     B = np.linalg.svd(x2)[2][:3].T
-    assert row.rel_spectral_error == pytest.approx(
+    assert row.error == pytest.approx(
         np.linalg.norm(w - B @ B.T @ w, 2) / np.linalg.norm(w, 2), rel=1e-7)
     y_ref = x2 @ w
     y = np.asarray(linear(leaf_at(new, path), x), np.float64).reshape(-1, D)
     assert np.linalg.norm(y - y_ref) / np.linalg.norm(y_ref) <= 1e-5
-    assert rep.row("layers/1/attn/k").method == "svd"
+    assert rep.row("layers/1/attn/qk/k").kind == "svd"
     # eps on the inputs' spectrum
     new, rep = compress(t, eps=0.5, inputs={path: x})
-    assert rep.row(path).rank == eps_rank(x2, 0.5)
+    assert rank(rep.row(path)) == eps_rank(x2, 0.5)
 
 
 def test_report_json_and_table():
     t = make_tree()
-    new, rep = compress(t, rules=ATTENTION_QKV_PER_HEAD, per_head=True, num_heads=HEADS,
-                        eps=0.5)
+    new, rep = compress(t, rules=ATTENTION_QKV_PER_HEAD, per_head=True, eps=0.5)
     d = json.loads(json.dumps(rep.to_dict()))
-    assert d["totals"]["params_before"] == rep.params_before
-    assert d["totals"]["params_after"] == rep.params_after
+    assert d["totals"]["selected"]["params_before"] == rep.params_before
+    assert d["totals"]["selected"]["params_after"] == rep.params_after
+    assert d["totals"]["tree"]["params_before"] == param_count(t)
+    assert d["totals"]["tree"]["params_after"] == param_count(new)
+    assert d["changed"] == rep.changed
     assert [r["path"] for r in d["rows"]] == [r.path for r in rep.rows]
     for rd, r in zip(d["rows"], rep.rows, strict=True):
-        assert rd["rank"] == (list(r.rank) if isinstance(r.rank, tuple) else r.rank)
-        assert rd["rel_spectral_error"] == r.rel_spectral_error
+        assert rd["details"]["rank"] == (list(rank(r)) if isinstance(rank(r), tuple) else rank(r))
+        assert rd["error"] == r.error and rd["kind"] == r.kind and rd["step"] == 0
+    assert d["steps"][0]["method"] == "svd" and d["steps"][0]["settings"]["eps"] == 0.5
     table = rep.format_table()
     for r in rep.rows:
         assert r.path in table
-    assert f"{rep.params_after}" in table.splitlines()[-1]
+    sel_line = next(ln for ln in table.splitlines() if "total (selected)" in ln)
+    assert f"{rep.params_before} -> {rep.params_after}" in sel_line
 
 
 def test_progress_same_result():
@@ -433,20 +455,21 @@ def test_progress_same_result():
     (dict(eps=0.0), ["eps", "0.0"]),
     (dict(eps=1.0), ["eps", "1.0"]),
     (dict(eps=0.1, rank=2), ["eps", "rank"]),
-    (dict(rank=25), ["layers/0/attn/k", "25"]),
-    (dict(schedule=[2, 3]), ["layers/2/attn/k", "2 ranks", "layer 2"]),
-    (dict(rank=2, rules=[r"attn/q$", r"ffn/x"]), ["ffn/x", "layers/0/attn/q"]),
-    (dict(rank=2, per_head=True), ["layers/0/attn/k", "num_heads", "None"]),
-    (dict(rank=2, per_head=True, num_heads=5), ["layers/0/attn/k", "5"]),
-    (dict(rank=2, rules=[(r"attn/q$", {"rank": 30})]), ["layers/0/attn/q", "30"]),
+    (dict(rank=25), ["layers/0/attn/o", "25"]),
+    (dict(schedule=[2, 3]), ["layers/2/attn/o", "2 ranks", "layer 2"]),
+    (dict(rank=2, rules=[r"attn/qk/q$", r"ffn/x"]), ["ffn/x", "layers/0/attn/qk/q"]),
+    (dict(rank=7, per_head=True), ["layers/0/attn/qk/q", "7", "min(d_in, d_head)"]),
+    (dict(rank=2, rules=[(r"attn/qk/q$", {"rank": 30})]), ["layers/0/attn/qk/q", "30"]),
+    (dict(rank=2, rules=[(r"attn/qk/q$", {"per_head": 1})]), ["layers/0/attn/qk/q", "bool"]),
+    (dict(rank=2, rules=[(r"attn/qk/q$", {"num_heads": 4})]), ["num_heads", "override"]),
     (dict(rank=2, inputs={"layers/0/mlp/wi": np.ones((4, D))}), ["layers/0/mlp/wi"]),
     (dict(ratio=0.01), ["0.01", "not reachable"]),
     (dict(ratio=0.01, allocation="energy"), ["0.01", "not reachable"]),
     (dict(ratio=0.5, allocation="greedy"), ["allocation", "greedy"]),
-    (dict(), ["layers/0/attn/k", "eps="]),
+    (dict(), ["layers/0/attn/o", "eps="]),
 ])
 def test_errors(kwargs, needles):
-    with pytest.raises(ValueError) as e:
+    with pytest.raises(PlanError) as e:
         compress(make_tree(), **kwargs)
     for n in needles:
         assert n in str(e.value), (n, str(e.value))
@@ -454,5 +477,5 @@ def test_errors(kwargs, needles):
 
 def test_schedule_needs_layer_index():
     t = {"proj": init_dense(jax.random.PRNGKey(0), 8, 8), **make_tree()}
-    with pytest.raises(ValueError, match=r"'proj'.*no layer index"):
+    with pytest.raises(PlanError, match=r"'proj'.*no layer index"):
         compress(t, rules=[r"^proj$"], schedule=[2, 2, 2])

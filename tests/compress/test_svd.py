@@ -12,6 +12,7 @@ from lowrank_jax.compress import (
     project_inputs,
     truncated_svd,
 )
+from lowrank_jax.errors import LeafTypeError, PlanError
 from lowrank_jax.leaves import (
     Dense,
     HeadLowRank,
@@ -171,10 +172,21 @@ def test_truncated_svd_bad_weights():
     w[1, 2] = np.nan
     with pytest.raises(ValueError, match=r"enc/w.*non-finite"):
         truncated_svd(w, rank=1, path="enc/w")
-    with pytest.raises(TypeError, match="MaskedBinary"):
+    with pytest.raises(LeafTypeError, match="MaskedBinary"):  # a TypeError
         import jax
 
         truncated_svd(init_masked_binary(jax.random.PRNGKey(0), 4, 4, 0.5), rank=1)
+
+
+def test_head_lowrank_leaf_is_retruncated_from_its_product():
+    rng = np.random.default_rng(11)
+    u = rng.standard_normal((9, 2, 3)).astype(np.float32)
+    v = rng.standard_normal((2, 3, 4)).astype(np.float32)
+    leaf = HeadLowRank(u=jnp.asarray(u), v=jnp.asarray(v), ranks=(3, 2))
+    u64 = u.astype(np.float64) * (np.arange(3)[None, None, :] < np.array([3, 2])[None, :, None])
+    prod = np.einsum("ihr,hrd->ihd", u64, v.astype(np.float64)).reshape(9, 8)
+    np.testing.assert_allclose(dense64(truncated_svd(leaf, rank=2)), np_truncate(prod, 2),
+                               atol=1e-4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -224,6 +236,22 @@ def test_head_truncated_svd_irregular_ranks():
     for i, hd in enumerate(heads):
         blk = dense64(leaf)[:, i * d_h:(i + 1) * d_h]
         assert spec_norm(hd - blk) <= 0.5 * spec_norm(hd) * (1 + 1e-5)
+
+
+def test_head_truncated_svd_takes_head_widths():
+    rng = np.random.default_rng(12)
+    w = rng.standard_normal((10, 12))
+    a = head_truncated_svd(w, (4, 4, 4), rank=2)
+    b = head_truncated_svd(w, 3, rank=2)
+    np.testing.assert_array_equal(dense64(a), dense64(b))
+    for i in range(3):
+        np.testing.assert_allclose(dense64(a)[:, 4 * i:4 * (i + 1)],
+                                   np_truncate(w[:, 4 * i:4 * (i + 1)], 2), atol=1e-5)
+    # a HeadLowRank holds equal-width heads: a pruned block's irregular heads are refused
+    with pytest.raises(PlanError, match=r"attn/qk/q.*equal width.*\(4, 5, 3\)"):
+        head_truncated_svd(w, (4, 5, 3), rank=1, path="attn/qk/q")
+    with pytest.raises(ValueError, match=r"attn/qk/q.*sum to 11.*d_out=12"):
+        head_truncated_svd(w, (4, 4, 3), rank=1, path="attn/qk/q")
 
 
 def test_head_truncated_svd_errors():

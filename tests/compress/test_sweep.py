@@ -1,6 +1,5 @@
 """Rank sweeps: every (head, rank) and every eps against explicit truncations run one by one."""
 
-import dataclasses
 import json
 
 import jax
@@ -12,6 +11,7 @@ import lowrank_jax as lj
 from lowrank_jax import models
 from lowrank_jax.compress import (
     ATTENTION_QKV_PER_HEAD,
+    attention_blocks,
     compress,
     eps_sweep,
     head_rank_sweep,
@@ -20,6 +20,8 @@ from lowrank_jax.compress import (
     truncated_svd,
 )
 from lowrank_jax.compress import sweep as sweep_mod
+from lowrank_jax.errors import ConfigError, LeafTypeError, ShapeError
+from lowrank_jax.leaves import HeadLayout, QueryKey, head_offsets
 from lowrank_jax.nn import AttentionConfig, apply_attention, padding_mask
 
 # ---------------------------------------------------------------------------------------------
@@ -32,45 +34,67 @@ def _decaying(rng, d_in, d_out):
     return (a[:, :k] * np.exp(-0.3 * np.arange(k))) @ b[:, :k].T
 
 
-def _attn(rng, cfg, *, bias=True):
-    d_kv = cfg.kv_dim
-    shapes = {"q": (cfg.d_model, cfg.inner_dim), "k": (d_kv, cfg.inner_dim),
-              "v": (d_kv, cfg.inner_dim), "o": (cfg.inner_dim, cfg.d_model)}
-    out = {}
+def _attn(rng, *, d_model, num_heads, d_head, d_kv_in=None, scaled=True, bias=True):
+    """An attention block {'qk', 'v', 'o', 'heads'} with decaying spectra."""
+    d_kv = d_model if d_kv_in is None else d_kv_in
+    inner = num_heads * d_head
+    shapes = {"q": (d_model, inner), "k": (d_kv, inner), "v": (d_kv, inner),
+              "o": (inner, d_model)}
+    w = {}
     for n, (di, do) in shapes.items():
-        w = np.asarray(_decaying(rng, di, do), np.float32)
+        m = np.asarray(_decaying(rng, di, do), np.float32)
         b = np.asarray(0.1 * rng.normal(size=do), np.float32) if bias else None
-        out[n] = lj.Dense(jnp.asarray(w), None if b is None else jnp.asarray(b))
-    return out
+        w[n] = lj.Dense(jnp.asarray(m), None if b is None else jnp.asarray(b))
+    scale = 1 / np.sqrt(d_head) if scaled else 1.0
+    return {"qk": QueryKey.uniform(w["q"], w["k"], num_heads), "v": w["v"], "o": w["o"],
+            "heads": HeadLayout.uniform(num_heads, d_head, scale)}
 
 
-def _np_truncate_head(w, h, dh, r):
-    """Plain NumPy: replace head h's column block of w by its best rank-r approximation."""
+def _proj(params, n):
+    return params["qk"].q if n == "q" else params["qk"].k if n == "k" else params[n]
+
+
+def _with(params, n, leaf):
+    """The block with projection ``n`` (q, k or v) replaced."""
+    if n == "v":
+        return dict(params, v=leaf)
+    qk = params["qk"]
+    q, k = (leaf, qk.k) if n == "q" else (qk.q, leaf)
+    return dict(params, qk=QueryKey(q=q, k=k, widths=qk.widths))
+
+
+def _np_truncate_head(w, lo, hi, r):
+    """Plain NumPy: replace the column block [lo, hi) of w by its best rank-r approximation."""
     w = np.asarray(w, np.float64).copy()
-    blk = w[:, h * dh:(h + 1) * dh]
+    blk = w[:, lo:hi]
     u, s, vt = np.linalg.svd(blk, full_matrices=False)
-    w[:, h * dh:(h + 1) * dh] = (u[:, :r] * s[:r]) @ vt[:r]
+    w[:, lo:hi] = (u[:, :r] * s[:r]) @ vt[:r]
     return w
 
 
 def _loop_reference(params, x, cfg, ranks, which, **kw):
-    y = np.asarray(apply_attention(params, x, cfg, **kw), np.float64)
-    out = np.zeros((cfg.num_heads, len(ranks)))
-    for h in range(cfg.num_heads):
+    run = jax.jit(lambda p: apply_attention(p, x, cfg, **kw))  # one compile for the loop
+    y = np.asarray(run(params), np.float64)
+    widths = {"q": params["qk"].widths, "k": params["qk"].widths, "v": params["heads"].v}
+    h_num = params["heads"].num_heads
+    out = np.zeros((h_num, len(ranks)))
+    for h in range(h_num):
         for j, r in enumerate(ranks):
-            p = dict(params)
+            p = params
             for n in which:
-                w = _np_truncate_head(params[n].w, h, cfg.head_dim, r)
-                p[n] = lj.Dense(jnp.asarray(w, jnp.float32), params[n].b)
-            yr = np.asarray(apply_attention(p, x, cfg, **kw), np.float64)
+                off = head_offsets(widths[n])
+                leaf = _proj(params, n)
+                w = _np_truncate_head(leaf.w, off[h], off[h + 1], r)
+                p = _with(p, n, lj.Dense(jnp.asarray(w, jnp.float32), leaf.b))
+            yr = np.asarray(run(p), np.float64)
             out[h, j] = np.linalg.norm(yr - y) / np.linalg.norm(y)
     return out
 
 
 def test_head_rank_sweep_equals_loop_of_explicit_truncations():
     rng = np.random.default_rng(0)
-    cfg = AttentionConfig(d_model=24, num_heads=4, d_head=8, use_bias=True)
-    params = _attn(rng, cfg)
+    params = _attn(rng, d_model=24, num_heads=4, d_head=8)
+    cfg = AttentionConfig()
     x = jnp.asarray(rng.normal(size=(2, 7, 24)), jnp.float32)
     valid = np.ones((2, 7), bool)
     valid[1, -2:] = False
@@ -90,9 +114,9 @@ def test_head_rank_sweep_cross_attention_subset_matches_head_truncated_svd():
     The reference builds each truncated head with head_truncated_svd on that head's block.
     """
     rng = np.random.default_rng(1)
-    cfg = AttentionConfig(d_model=16, num_heads=2, d_head=6, d_kv_in=10, scaled=False,
-                          qkv_keep=0.75, qkv_mask_seed=3)
-    params = _attn(rng, cfg, bias=False)
+    params = _attn(rng, d_model=16, num_heads=2, d_head=6, d_kv_in=10, scaled=False,
+                   bias=False)
+    cfg = AttentionConfig(qkv_keep=0.75, qkv_mask_seed=3)
     x = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
     kv = jnp.asarray(rng.normal(size=(2, 9, 10)), jnp.float32)
     ranks = [1, 3, 6]
@@ -111,45 +135,81 @@ def test_head_rank_sweep_cross_attention_subset_matches_head_truncated_svd():
             assert abs(got[h, j] - ref) <= 1e-5, (h, r, got[h, j], ref)
 
 
-def test_head_rank_sweep_compiles_once_for_all_ranks():
+def test_head_rank_sweep_pruned_block_with_irregular_widths():
+    """Heads removed and channels pruned: widths come from the block, heads are padded."""
+    from lowrank_jax.nn import keep_heads
+
+    rng = np.random.default_rng(6)
+    params = keep_heads(_attn(rng, d_model=16, num_heads=4, d_head=5), [0, 2, 3])
+    params = dict(params, qk=params["qk"].keep_channels(np.array([0, 1, 2, 5, 7, 10, 11, 12,
+                                                                  13, 14])))
+    assert params["qk"].widths == (3, 2, 5) and params["heads"].ids == (0, 2, 3)
+    x = jnp.asarray(rng.normal(size=(2, 6, 16)), jnp.float32)
+    bias = jnp.asarray(0.3 * rng.normal(size=(1, 4, 6, 6)), jnp.float32)  # original heads
+    cfg = AttentionConfig()
+    ranks = [0, 1, 2, 4]
+    got = np.asarray(head_rank_sweep(params, x, cfg, ranks, bias=bias))
+    ref = _loop_reference(params, x, cfg, ranks, "qkv", bias=bias)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    got = np.asarray(head_rank_sweep(params, x, cfg, ranks, which=("q", "k"), bias=bias))
+    ref = _loop_reference(params, x, cfg, ranks, "qk", bias=bias)
+    np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+    assert ref[1, 2] < 1e-5 < ref[2, 2]  # head 1's q/k have width 2: exact from rank 2 on
+
+
+def test_head_rank_sweep_compiles_once_for_all_ranks(monkeypatch):
     rng = np.random.default_rng(2)
-    cfg = AttentionConfig(d_model=16, num_heads=2)
-    params = _attn(rng, cfg)
+    params = _attn(rng, d_model=16, num_heads=2, d_head=8)
     x = jnp.asarray(rng.normal(size=(1, 4, 16)), jnp.float32)
-    head_rank_sweep(params, x, cfg, [1, 2, 3])
-    n = sweep_mod._head_sweep_jit._cache_size()
-    head_rank_sweep(params, x, cfg, [4, 5, 8])  # other ranks, same count: no new compile
-    assert sweep_mod._head_sweep_jit._cache_size() == n
+    traces = []
+    real = sweep_mod.apply_attention
+    monkeypatch.setattr(sweep_mod, "apply_attention",
+                        lambda *a, **k: traces.append(1) or real(*a, **k))
+    head_rank_sweep(params, x, None, [1, 2, 3])
+    n = len(traces)
+    assert n > 0
+    head_rank_sweep(params, x, None, [4, 5, 8])  # other ranks, same count: no new trace
+    assert len(traces) == n
 
 
 def test_head_rank_sweep_accepts_factorized_leaves():
     rng = np.random.default_rng(3)
-    cfg = AttentionConfig(d_model=16, num_heads=2)
-    params = _attn(rng, cfg, bias=False)
+    params = _attn(rng, d_model=16, num_heads=2, d_head=8, bias=False)
     x = jnp.asarray(rng.normal(size=(1, 4, 16)), jnp.float32)
-    low = dict(params, q=head_truncated_svd(params["q"], 2, rank=8),
-               o=truncated_svd(params["o"], rank=16))
-    dense = {n: lj.Dense(lj.materialize(w)) for n, w in low.items()}
-    a = head_rank_sweep(low, x, cfg, [1, 4])
-    b = head_rank_sweep(dense, x, cfg, [1, 4])
+    low = _with(params, "q", head_truncated_svd(params["qk"].q, 2, rank=8))
+    low = dict(low, o=truncated_svd(params["o"], rank=16))
+    dense = _with(_with(dict(low, v=lj.Dense(lj.materialize(low["v"])),
+                             o=lj.Dense(lj.materialize(low["o"]))),
+                        "q", lj.Dense(lj.materialize(low["qk"].q))),
+                  "k", lj.Dense(lj.materialize(low["qk"].k)))
+    a = head_rank_sweep(low, x, None, [1, 4])
+    b = head_rank_sweep(dense, x, None, [1, 4])
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
 def test_head_rank_sweep_errors_name_the_problem():
     rng = np.random.default_rng(4)
-    cfg = AttentionConfig(d_model=16, num_heads=2)
-    params = _attn(rng, cfg)
+    params = _attn(rng, d_model=16, num_heads=2, d_head=8)
     x = jnp.zeros((1, 4, 16))
-    with pytest.raises(ValueError, match=r"ranks must be .* ints in \[0, 8\]"):
-        head_rank_sweep(params, x, cfg, [9])
-    with pytest.raises(ValueError, match="which must be"):
-        head_rank_sweep(params, x, cfg, [1], which=("o",))
-    with pytest.raises(ValueError, match="missing"):
-        head_rank_sweep({k: params[k] for k in "qkv"}, x, cfg, [1])
-    with pytest.raises(ValueError, match="mask must be boolean"):
-        head_rank_sweep(params, x, cfg, [1], mask=jnp.ones((1, 1, 4, 4)))
-    with pytest.raises(ValueError, match="projection 'q' has shape"):
-        head_rank_sweep(params, x, dataclasses.replace(cfg, num_heads=4, d_head=8), [1])
+    with pytest.raises(ConfigError, match=r"ranks must be .* ints in \[0, 8\]"):
+        head_rank_sweep(params, x, None, [9])
+    with pytest.raises(ConfigError, match="which must be"):
+        head_rank_sweep(params, x, None, [1], which=("o",))
+    with pytest.raises(ShapeError, match=r"missing \['o'\]"):
+        head_rank_sweep({k: params[k] for k in ("qk", "v", "heads")}, x, None, [1])
+    with pytest.raises(ShapeError, match="mask must be boolean"):
+        head_rank_sweep(params, x, None, [1], mask=jnp.ones((1, 1, 4, 4)))
+    with pytest.raises(ShapeError, match=r"bias has 1 heads|bias must be 4-D"):
+        head_rank_sweep(params, x, None, [1], bias=jnp.ones((4, 4)))
+    with pytest.raises(LeafTypeError, match="QueryKey"):
+        from lowrank_jax.leaves import QK
+
+        class Joint(QK):  # a query-key object without per-head q/k projections
+            num_heads = 2
+            d_q_in = d_k_in = 16
+            logits = score_flops = joint = keep_heads = keep_inputs = None
+
+        head_rank_sweep(dict(params, qk=Joint()), x, None, [1])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,9 +228,9 @@ EPS = [0.9, 0.5, 0.02]
 
 
 def _per_eps_reference(cfg, params, inputs, eps, **kw):
-    y = np.asarray(models.apply(cfg, params, **inputs)["logits"], np.float64)
+    y = np.asarray(models.apply(params, inputs, cfg)["logits"], np.float64)
     new, report = compress(params, eps=eps, **kw)
-    yc = np.asarray(models.apply(cfg, new, **inputs)["logits"], np.float64)
+    yc = np.asarray(models.apply(new, inputs, cfg)["logits"], np.float64)
     return report, np.linalg.norm(yc - y) / np.linalg.norm(y), new
 
 
@@ -192,20 +252,20 @@ def test_eps_sweep_rows_equal_compress_then_apply(t5_model, monkeypatch):
     assert calls == {"apply": 1, "loss": 1}  # one trace for all eps values: one compile
 
     assert [r["eps"] for r in rows] == EPS
-    base = float(jnp.mean(jnp.square(models.apply(cfg, params, **inputs)["logits"])))
+    base = float(jnp.mean(jnp.square(models.apply(params, inputs, cfg)["logits"])))
     kinds = set()
     for row, eps in zip(rows, EPS, strict=True):
         report, rel, new = _per_eps_reference(cfg, params, inputs, eps)
-        kinds |= {r.method for r in report.rows}
+        kinds |= {r.kind for r in report.rows}
         assert row["size_ratio"] == report.ratio
         assert row["params_after"] == report.params_after
         assert row["params_before"] == report.params_before
         assert row["max_weight_error"] == pytest.approx(
-            max(r.rel_spectral_error for r in report.rows), rel=1e-12)
+            max(r.error for r in report.rows), rel=1e-12)
         assert row["output"] == "logits"
         # rel_error is already relative to ||y||: 1e-5 of ||y|| absolute.
         assert abs(row["rel_error"] - rel) <= 1e-5, (eps, row["rel_error"], rel)
-        loss = float(jnp.mean(jnp.square(models.apply(cfg, new, **inputs)["logits"])))
+        loss = float(jnp.mean(jnp.square(models.apply(new, inputs, cfg)["logits"])))
         assert row["loss"] == pytest.approx(loss, rel=1e-5)
         assert row["base_loss"] == pytest.approx(base, rel=1e-5)
     assert {"svd", "kept-dense"} <= kinds  # both branches of compress are exercised
@@ -217,32 +277,43 @@ def test_eps_sweep_rows_equal_compress_then_apply(t5_model, monkeypatch):
 
 def test_eps_sweep_per_head_rules_and_lax_map(t5_model):
     cfg, params, inputs = t5_model
-    kw = dict(rules=ATTENTION_QKV_PER_HEAD, per_head=True, num_heads=4)
+    kw = dict(rules=ATTENTION_QKV_PER_HEAD, per_head=True)
     rows = eps_sweep(cfg, params, inputs, EPS[:2], batch_size=1, **kw)
     kinds = set()
     for row, eps in zip(rows, EPS[:2], strict=True):
         report, rel, _ = _per_eps_reference(cfg, params, inputs, eps, **kw)
-        kinds |= {r.method for r in report.rows}
+        kinds |= {r.kind for r in report.rows}
         assert row["size_ratio"] == report.ratio
         assert row["max_weight_error"] == pytest.approx(
-            max(r.rel_spectral_error for r in report.rows), rel=1e-9)
+            max(r.error for r in report.rows), rel=1e-9)
         assert abs(row["rel_error"] - rel) <= 1e-5, (eps, row["rel_error"], rel)
     assert {"svd-per-head", "svd"} <= kinds  # o stays shared under ATTENTION_QKV_PER_HEAD
 
 
 def test_eps_sweep_bare_tree_sizes_only():
     rng = np.random.default_rng(5)
-    params = {"layers": [{"attn": {n: lj.Dense(jnp.asarray(_decaying(rng, 12, 12), jnp.float32))
-                                   for n in "qkvo"}} for _ in range(2)]}
+    params = {"layers": [{"attn": _attn(rng, d_model=12, num_heads=3, d_head=4, bias=False)}
+                         for _ in range(2)]}
     rows = eps_sweep(None, params, None, [0.5, 0.1, 1e-3])
     for row, eps in zip(rows, [0.5, 0.1, 1e-3], strict=True):
         _, report = compress(params, eps=eps)
         assert row["size_ratio"] == report.ratio
+        assert row["max_weight_error"] == max(r.error for r in report.rows)
         assert "rel_error" not in row
+    rows = eps_sweep(None, params, None, [0.5], per_head=True, rules=ATTENTION_QKV_PER_HEAD)
+    _, report = compress(params, eps=0.5, per_head=True, rules=ATTENTION_QKV_PER_HEAD)
+    assert rows[0]["size_ratio"] == report.ratio
     with pytest.raises(ValueError, match="eps must be a number in"):
         eps_sweep(None, params, None, [1.5])
     with pytest.raises(ValueError, match="eps_values is empty"):
         eps_sweep(None, params, None, [])
+
+
+def test_attention_blocks_finds_every_block(t5_model):
+    _, params, _ = t5_model
+    found = [p for p, _ in attention_blocks(params)]
+    assert found == ["decoder/layers/0/cross_attn", "decoder/layers/0/self_attn",
+                     "encoder/layers/0/attn"]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,164 @@
+"""The method registry: every compression method is one function with one signature.
+
+A method is ``fn(params, selection, settings, ctx) -> (new_params, rows)``:
+
+* ``params``: the tree as the previous step left it (never mutate it; return a new tree, for
+  example with :func:`lowrank_jax.replace_paths`);
+* ``selection``: the :class:`~lowrank_jax.compress.rules.Selection` s of the step's rules
+  (path, node, the per-rule overrides, the rule pattern), in tree order;
+* ``settings``: the step's settings (a fresh dict); a node's effective settings are
+  ``{**settings, **selection.overrides}``;
+* ``ctx``: a :class:`Context` (PRNG key of the step, activations for data-aware methods, the
+  model config, progress flag, step index, and ``info`` for step-level notes);
+* ``rows``: one :class:`~lowrank_jax.compress.Row` per selected node
+  (:meth:`Row.compare <lowrank_jax.compress.Row.compare>` fills the counts from the leaves).
+
+Adding a method is a module with the function and one :func:`register_method` call::
+
+    from lowrank_jax import Dense, materialize, replace_paths
+    from lowrank_jax.compress import Row, register_method
+
+    def round_weights(params, selection, settings, ctx):
+        new, rows = {}, []
+        for sel in selection:
+            leaf = Dense(jnp.round(materialize(sel.node), settings.get("decimals", 2)))
+            new[sel.path] = leaf
+            rows.append(Row.compare(sel.path, sel.node, leaf, rule=sel.rule, kind="rounded"))
+        return replace_paths(params, new), rows
+
+    register_method("round", round_weights, settings=("decimals",))
+
+after which ``Step("round", ["mlp/"], {"decimals": 1})`` works in any plan and in JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Iterable, Mapping
+
+from lowrank_jax.compress.rules import KINDS
+from lowrank_jax.errors import PlanError
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What a method may need beyond the tree and its settings.
+
+    Fields:
+      step: index of the step in the plan.
+      method: the step's method name.
+      key: the step's PRNG key (``fold_in(key, step)`` of the key given to ``apply_plan``), or
+        ``None`` when no key was given.
+      inputs: activations entering weights, ``{path: x [..., d_in]}`` (data-aware methods such
+        as the input projection of ``svd``). Read them with :meth:`input_for`, which records
+        that they were used.
+      config: the model config, or ``None``.
+      progress: show progress bars.
+      info: step-level notes the method may add (shown in the report's step summary).
+    """
+
+    step: int = 0
+    method: str = ""
+    key: Any = None
+    inputs: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    config: Any = None
+    progress: bool = False
+    info: dict = dataclasses.field(default_factory=dict)
+    used_inputs: set = dataclasses.field(default_factory=set, repr=False)
+
+    def input_for(self, path: str):
+        """The activations given for ``path`` (``None`` if none), marking them used."""
+        if path in self.inputs:
+            self.used_inputs.add(path)
+            return self.inputs[path]
+        return None
+
+    def require_key(self, path: str | None = None):
+        """The step's key, or a :class:`~lowrank_jax.errors.PlanError` saying a key is
+        needed."""
+        if self.key is None:
+            raise PlanError(f"step {self.step} ({self.method}): this method draws random "
+                            f"numbers; pass key= to apply_plan", where=path or f"step {self.step}",
+                            expected="a PRNG key", actual=None)
+        return self.key
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A registered method.
+
+    Fields:
+      name: the name plans use.
+      fn: ``fn(params, selection, settings, ctx) -> (new_params, rows)``.
+      selects: ``'weights'`` (weight leaves) or ``'qk'`` (query-key objects).
+      settings: the setting names the method understands (``None``: any).
+      overrides: the setting names a rule may override (``None``: any of ``settings``).
+      accepts: predicate on a node: which nodes of ``selects`` the method can take; rules are
+        matched against those only (``None``: all).
+      validate: ``validate(settings) -> None``, raising
+        :class:`~lowrank_jax.errors.PlanError` on bad values; run for every step before any
+        step runs, so a bad setting in the last step fails before the first one works.
+    """
+
+    name: str
+    fn: Callable
+    selects: str = "weights"
+    settings: frozenset | None = None
+    overrides: frozenset | None = None
+    accepts: Callable[[Any], bool] | None = None
+    validate: Callable[[dict], None] | None = None
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register_method(name: str, fn: Callable, *, selects: str = "weights",
+                    settings: Iterable[str] | None = None,
+                    overrides: Iterable[str] | None = None,
+                    accepts: Callable[[Any], bool] | None = None,
+                    validate: Callable[[dict], None] | None = None) -> Method:
+    """Register (or replace) a compression method.
+
+    Args:
+      name: the name plans use (``Step(name, rules, settings)``).
+      fn: ``fn(params, selection, settings, ctx) -> (new_params, rows)`` (module docstring).
+      selects: ``'weights'`` or ``'qk'``.
+      settings: setting names the method understands; others are rejected before any step
+        runs (``None``: accept any).
+      overrides: setting names a rule may override (default: all of ``settings``).
+      accepts: which nodes the method can take (rules only see those).
+      validate: checks setting values before any step runs.
+
+    Returns:
+      The registered :class:`Method`.
+    """
+    if not isinstance(name, str) or not name:
+        raise PlanError(f"register_method: name must be a non-empty string, got {name!r}")
+    if not callable(fn):
+        raise PlanError(f"register_method: {name}: fn must be callable, got {fn!r}")
+    if selects not in KINDS:
+        raise PlanError(f"register_method: {name}: selects must be one of {KINDS}, got "
+                        f"{selects!r}", where=name, expected=KINDS, actual=selects)
+    settings = None if settings is None else frozenset(settings)
+    overrides = settings if overrides is None else frozenset(overrides)
+    m = Method(name=name, fn=fn, selects=selects, settings=settings, overrides=overrides,
+               accepts=accepts, validate=validate)
+    _METHODS[name] = m
+    return m
+
+
+def get_method(name: str) -> Method:
+    """The method registered as ``name`` (a :class:`~lowrank_jax.errors.PlanError` listing the
+    known ones otherwise)."""
+    if name not in _METHODS:
+        raise PlanError(f"unknown compression method {name!r}; known: {sorted(_METHODS)}",
+                        where="method", expected=sorted(_METHODS), actual=name)
+    return _METHODS[name]
+
+
+def registered_methods() -> dict[str, Method]:
+    """Every registered method, by name."""
+    return dict(_METHODS)
+
+
+__all__ = ["Context", "Method", "get_method", "register_method", "registered_methods"]
