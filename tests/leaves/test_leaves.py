@@ -6,7 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import lowrank_jax as lj
+from lowrank_jax import leaves as lj
+from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import keep_count
 
 
@@ -210,29 +211,37 @@ def test_tree_counts_sum_over_leaves():
 
 
 @pytest.mark.parametrize(
-    "make, match",
+    "make, match, error",
     [
-        (lambda: lj.Dense(jnp.ones((3,))), r"2-D .* got shape \(3,\)"),
-        (lambda: lj.LowRank(jnp.ones((4, 2)), jnp.ones((3, 5))), r"u \(4, 2\) and v \(3, 5\)"),
+        (lambda: lj.Dense(jnp.ones((3,))), r"2-D .* got shape \(3,\)", ShapeError),
+        (lambda: lj.LowRank(jnp.ones((4, 2)), jnp.ones((3, 5))), r"u \(4, 2\) and v \(3, 5\)",
+         ShapeError),
         (
             lambda: lj.Dense(jnp.ones((3, 2)), jnp.ones((3,))),
             r"bias b must have shape \(2,\), got \(3,\)",
+            ShapeError,
         ),
         (
             lambda: lj.MaskedBinary(jnp.ones((2, 2)), jnp.ones((2, 2)), keep=1.5),
             r"keep fraction .* 1\.5",
+            ConfigError,
         ),
-        (lambda: lj.HeadLowRank(jnp.ones((4, 2, 3)), jnp.ones((2, 3, 2)), ranks=(4, 1)), r"ranks"),
+        (lambda: lj.HeadLowRank(jnp.ones((4, 2, 3)), jnp.ones((2, 3, 2)), ranks=(4, 1)), r"ranks",
+         ShapeError),
+        (lambda: lj.FrozenBinary(jnp.ones((3,), jnp.int8), jnp.float32(1.0)), r"signs must be 2-D",
+         ShapeError),
     ],
 )
-def test_bad_leaves_raise_clear_errors(make, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_leaves_raise_clear_errors(make, match, error):
+    # The library's own error kinds, which also stay ValueErrors for existing callers.
+    with pytest.raises(error, match=match) as info:
         make()
+    assert isinstance(info.value, ValueError)
 
 
 def test_linear_rejects_wrong_input_dim():
     leaf = lj.LowRank(jnp.ones((4, 2)), jnp.ones((2, 3)))
-    with pytest.raises(ValueError, match=r"d_in=4.*\(5, 3\)"):
+    with pytest.raises(ShapeError, match=r"d_in=4.*\(5, 3\)"):
         lj.linear(leaf, jnp.ones((5, 3)))
 
 
@@ -247,7 +256,7 @@ def test_tree_rebuilds_skip_construction_checks():
         "b": lj.HeadLowRank(jnp.ones((4, 2, 2)), jnp.ones((2, 2, 3)), ranks=(2, 1)),
         "c": lj.init_masked_binary(jax.random.PRNGKey(0), 4, 3, keep=0.5),
     }
-    norm = float(optax.global_norm(tree))
+    norm = float(optax.tree.norm(tree))
     ref = np.sqrt(sum(np.sum(np.asarray(x, np.float64) ** 2) for x in jax.tree_util.tree_leaves(tree)))
     assert norm == pytest.approx(ref, rel=1e-6)
     stacked = jax.tree_util.tree_map(lambda x: jnp.stack([x, x]), tree)  # e.g. pmap outputs

@@ -1,4 +1,9 @@
-"""Multi-head attention and T5 relative bias against plain float64 NumPy references."""
+"""Multi-head attention and T5 relative bias against plain float64 NumPy references.
+
+The references loop over heads with each head's own query/key and value widths, so the same
+code checks uniform blocks, blocks with irregular per-head widths and blocks whose heads were
+removed (per-head masks and biases are indexed by original head id, ``heads.ids``).
+"""
 
 import dataclasses
 import math
@@ -9,17 +14,24 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import (
     Dense,
+    HeadLayout,
     HeadLowRank,
     LowRank,
     MaskedBinary,
+    QueryKey,
+    is_leaf,
+    keep_inputs,
+    keep_outputs,
     materialize,
 )
 from lowrank_jax.nn import (
     AttentionConfig,
     RelativeBiasConfig,
     apply_attention,
+    attention_score_flops,
     causal_mask,
     combine_masks,
     init_attention,
@@ -50,40 +62,55 @@ def np_linear(leaf, x):
     return y if leaf.b is None else y + np.asarray(leaf.b, np.float64)
 
 
-def np_attention(p, x, *, heads, d_head, scaled=True, kv=None, mask=None, bias=None,
-                 act_masks=None):
-    """Loop over batch and heads; act_masks = (mq [q, d_head], mk [k, d_head], mv [k, d_head])."""
+def offsets(widths):
+    return np.concatenate([[0], np.cumsum(widths)]).astype(int)
+
+
+def np_attention(p, x, *, scale, kv=None, mask=None, bias=None, act_masks=None):
+    """Loop over batch and heads of a block with Dense leaves, in float64.
+
+    Head ``h`` uses its own query/key columns (``p['qk'].widths``) and value columns
+    (``p['heads'].v``); a per-head mask or bias (head axis > 1) is read at the head's original
+    id ``p['heads'].ids[h]``. ``scale`` is given by the test (never read from the block).
+    ``act_masks = (mq [q, w_max], mk [k, w_max], mv [k, v_max])``: head h uses the first
+    columns of each mask.
+    """
+    qk, heads = p["qk"], p["heads"]
+    wqk, wv, ids = qk.widths, heads.v, heads.ids
+    oq, ov = offsets(wqk), offsets(wv)
     x = np.asarray(x, np.float64)
     kvx = x if kv is None else np.asarray(kv, np.float64)
     batch, q_len, _ = x.shape
     k_len = kvx.shape[1]
-    full = (batch, heads, q_len, k_len)
-    mask = None if mask is None else np.broadcast_to(np.asarray(mask), full)
-    bias = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
-    out = np.zeros((batch, q_len, heads * d_head))
+
+    def per_head(arr, b, h, dtype):
+        arr = np.asarray(arr, dtype)
+        return np.broadcast_to(arr[b if arr.shape[0] > 1 else 0,
+                                   ids[h] if arr.shape[1] > 1 else 0], (q_len, k_len))
+
+    out = np.zeros((batch, q_len, sum(wv)))
     for b in range(batch):
-        q_all = np_linear(p["q"], x[b])
-        k_all = np_linear(p["k"], kvx[b])
+        q_all, k_all = np_linear(qk.q, x[b]), np_linear(qk.k, kvx[b])
         v_all = np_linear(p["v"], kvx[b])
-        for h in range(heads):
-            cols = slice(h * d_head, (h + 1) * d_head)  # head-major layout
-            q, k, v = q_all[:, cols], k_all[:, cols], v_all[:, cols]
+        for h in range(len(wqk)):
+            q, k = q_all[:, oq[h]:oq[h + 1]], k_all[:, oq[h]:oq[h + 1]]
+            v = v_all[:, ov[h]:ov[h + 1]]
             if act_masks is not None:
                 mq, mk, mv = (np.asarray(m, np.float64) for m in act_masks)
-                q, k, v = q * mq, k * mk, v * mv
-            s = q @ k.T
-            if scaled:
-                s = s / math.sqrt(d_head)
+                q, k, v = q * mq[:, :wqk[h]], k * mk[:, :wqk[h]], v * mv[:, :wv[h]]
+            s = (q @ k.T) * scale  # a head of width 0 has logits 0
             if bias is not None:
-                s = s + bias[b, h]
+                s = s + per_head(bias, b, h, np.float64)
             if mask is not None:
-                s = np.where(mask[b, h], s, F32_MIN)
-            out[b, :, cols] = np_softmax(s) @ v
+                s = np.where(per_head(mask, b, h, bool), s, F32_MIN)
+            out[b, :, ov[h]:ov[h + 1]] = np_softmax(s) @ v
     return np_linear(p["o"], out)
 
 
-def densify(leaf):
-    return Dense(w=materialize(leaf), b=leaf.b)
+def densify(tree):
+    """Every weight leaf -> Dense(materialize(leaf), leaf.bias); containers are kept."""
+    return jax.tree_util.tree_map(
+        lambda n: Dense(w=materialize(n), b=n.bias) if is_leaf(n) else n, tree, is_leaf=is_leaf)
 
 
 def rand(seed, shape, scale=1.0):
@@ -93,20 +120,24 @@ def rand(seed, shape, scale=1.0):
     return jnp.asarray(z.astype(np.float32))
 
 
-def dense_params(seed, cfg):
-    """Random Dense q/k/v/o (NumPy-drawn), with random biases when cfg.use_bias."""
-    shapes = {"q": (cfg.d_model, cfg.inner_dim), "k": (cfg.kv_dim, cfg.inner_dim),
-              "v": (cfg.kv_dim, cfg.inner_dim), "o": (cfg.inner_dim, cfg.d_model)}
-    p = {}
-    for i, (name, (d_in, d_out)) in enumerate(shapes.items()):
-        w = rand(seed * 10 + i, (d_in, d_out), 1.0 / math.sqrt(d_in))
-        b = rand(seed * 10 + 5 + i, (d_out,), 0.5) if cfg.use_bias else None
-        p[name] = Dense(w=w, b=b)
-    return p
+def dense_params(seed, *, use_bias=False, scaled=True, **sizes):
+    """Parameters with init_attention's exact structure (so its head layout and scale), values
+    drawn with NumPy: weights ~ N(0, 1/d_in), random biases when ``use_bias``."""
+    cfg = AttentionConfig(use_bias=use_bias, scaled=scaled)
+    shapes = jax.eval_shape(lambda k: init_attention(k, cfg, **sizes), jax.random.PRNGKey(0))
+    rng = np.random.default_rng(seed)
+
+    def draw(s):
+        z = rng.standard_normal(s.shape)
+        z = z / math.sqrt(s.shape[0]) if len(s.shape) == 2 else 0.5 * z
+        return jnp.asarray(z.astype(np.float32))
+
+    return jax.tree_util.tree_map(draw, shapes)
 
 
 # Jitted once per (cfg, layer_index, shapes): much faster than op-by-op eager dispatch.
 attend = jax.jit(apply_attention, static_argnames=("cfg", "layer_index"))
+CFG = AttentionConfig()  # apply_attention reads sizes and scale from the parameters
 
 
 def max_err(a, b):
@@ -118,69 +149,66 @@ def max_err(a, b):
 
 @pytest.mark.parametrize("scaled,use_bias", [(True, True), (False, False)])
 def test_self_attention_matches_reference(scaled, use_bias):
-    cfg = AttentionConfig(d_model=16, num_heads=4, scaled=scaled, use_bias=use_bias)
-    p = dense_params(0, cfg)  # non-zero biases when use_bias, so that they are checked
+    p = dense_params(0, d_model=16, num_heads=4, scaled=scaled, use_bias=use_bias)
     x = rand(1, (2, 5, 16))
-    y = attend(p, x, cfg=cfg)
-    ref = np_attention(p, x, heads=4, d_head=4, scaled=scaled)
+    y = attend(p, x, cfg=CFG)
+    ref = np_attention(p, x, scale=1 / math.sqrt(4) if scaled else 1.0)
     assert y.shape == (2, 5, 16)
     assert max_err(y, ref) <= TOL
 
 
 def test_scaled_and_unscaled_differ():
-    # Guards against a reference and an implementation that both ignore `scaled`.
-    cfg = AttentionConfig(d_model=16, num_heads=2)
-    p = dense_params(0, cfg)
+    # Guards against a reference and an implementation that both ignore the scale.
+    p = dense_params(0, d_model=16, num_heads=2)
+    p1 = dict(p, heads=dataclasses.replace(p["heads"], scale=1.0))
+    assert p["heads"].scale == pytest.approx(1 / math.sqrt(8))
     x = rand(1, (1, 4, 16), 2.0)
-    y1 = attend(p, x, cfg)
-    y2 = attend(p, x, dataclasses.replace(cfg, scaled=False))
+    y1 = attend(p, x, CFG)
+    y2 = attend(p1, x, CFG)
     assert max_err(y1, y2) > 1e-3
+    assert max_err(y2, np_attention(p, x, scale=1.0)) <= TOL
 
 
 @pytest.mark.parametrize("d_model,heads,d_head", [(12, 3, 5), (10, 4, 2)])
 def test_head_width_independent_of_d_model(d_model, heads, d_head):
-    cfg = AttentionConfig(d_model=d_model, num_heads=heads, d_head=d_head, scaled=False)
-    p = dense_params(2, cfg)
-    assert p["q"].shape == (d_model, heads * d_head)
+    p = dense_params(2, d_model=d_model, num_heads=heads, d_head=d_head, scaled=False)
+    assert p["qk"].q.shape == (d_model, heads * d_head) and p["qk"].widths == (d_head,) * heads
     assert p["o"].shape == (heads * d_head, d_model)
     x = rand(3, (2, 6, d_model))
-    ref = np_attention(p, x, heads=heads, d_head=d_head, scaled=False)
-    assert max_err(attend(p, x, cfg), ref) <= TOL
+    ref = np_attention(p, x, scale=1.0)
+    assert max_err(attend(p, x, CFG), ref) <= TOL
 
 
 def test_padding_and_causal_masks():
-    cfg = AttentionConfig(d_model=8, num_heads=2)
-    p = dense_params(4, cfg)
+    p = dense_params(4, d_model=8, num_heads=2)
     x = rand(5, (3, 6, 8))
     valid = np.array([[1, 1, 1, 1, 1, 1], [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]], bool)
     for mask in (padding_mask(valid), causal_mask(6), combine_masks(padding_mask(valid),
                                                                     causal_mask(6))):
-        ref = np_attention(p, x, heads=2, d_head=4, mask=np.asarray(mask))
-        assert max_err(attend(p, x, cfg, mask=mask), ref) <= TOL
+        ref = np_attention(p, x, scale=0.5, mask=np.asarray(mask))
+        assert max_err(attend(p, x, CFG, mask=mask), ref) <= TOL
     # Masked keys have no influence: changing padded tokens leaves the valid rows unchanged.
-    y = attend(p, x, cfg, mask=padding_mask(valid))
+    y = attend(p, x, CFG, mask=padding_mask(valid))
     x2 = x.at[1, 3:].set(100.0)
-    y2 = attend(p, x2, cfg, mask=padding_mask(valid))
+    y2 = attend(p, x2, CFG, mask=padding_mask(valid))
     assert max_err(y[1, :3], y2[1, :3]) <= TOL
 
 
 def test_per_head_mask():
-    cfg = AttentionConfig(d_model=8, num_heads=2)
-    p = dense_params(6, cfg)
+    p = dense_params(6, d_model=8, num_heads=2)
     x = rand(7, (2, 4, 8))
     mask = np.random.default_rng(8).random((2, 2, 4, 4)) < 0.6
     mask[..., 0] = True  # every row keeps at least one key
-    ref = np_attention(p, x, heads=2, d_head=4, mask=mask)
-    assert max_err(attend(p, x, cfg, mask=jnp.asarray(mask)), ref) <= TOL
+    ref = np_attention(p, x, scale=0.5, mask=mask)
+    assert max_err(attend(p, x, CFG, mask=jnp.asarray(mask)), ref) <= TOL
 
 
 def test_step_t_mask_in_attention():
     w = 5
-    cfg = AttentionConfig(d_model=8, num_heads=2)
-    p = dense_params(9, cfg)
+    p = dense_params(9, d_model=8, num_heads=2)
     x = rand(10, (2, w, 8))
-    y = attend(p, x, cfg, mask=step_t_mask(w))
-    ref = np_attention(p, x, heads=2, d_head=4, mask=np.asarray(step_t_mask(w)))
+    y = attend(p, x, CFG, mask=step_t_mask(w))
+    ref = np_attention(p, x, scale=0.5, mask=np.asarray(step_t_mask(w)))
     assert max_err(y, ref) <= TOL
     # Past steps attend only themselves: their output is o(v(x_i)).
     v_only = np_linear(p["o"], np_linear(p["v"], np.asarray(x, np.float64)))
@@ -189,11 +217,10 @@ def test_step_t_mask_in_attention():
 
 def test_fully_masked_row_is_uniform_like_hf():
     # All keys masked: every logit is finfo.min, so the softmax is uniform (HF T5 behaviour).
-    cfg = AttentionConfig(d_model=8, num_heads=2)
-    p = dense_params(11, cfg)
+    p = dense_params(11, d_model=8, num_heads=2)
     x = rand(12, (1, 3, 8))
     mask = jnp.zeros((1, 1, 3, 3), bool)
-    y = attend(p, x, cfg, mask=mask)
+    y = attend(p, x, CFG, mask=mask)
     assert bool(jnp.all(jnp.isfinite(y)))
     v_mean = np_linear(p["v"], np.asarray(x[0], np.float64)).mean(axis=0)
     expected = np_linear(p["o"], v_mean)
@@ -202,24 +229,32 @@ def test_fully_masked_row_is_uniform_like_hf():
 
 @pytest.mark.parametrize("bias_shape", [(3, 2, 4, 6), (1, 1, 1, 6)])
 def test_additive_bias(bias_shape):
-    cfg = AttentionConfig(d_model=8, num_heads=2, scaled=False, d_kv_in=8)
-    p = dense_params(13, cfg)
+    p = dense_params(13, d_model=8, num_heads=2, scaled=False, d_kv_in=8)
     x, kv = rand(14, (3, 4, 8)), rand(15, (3, 6, 8))
     bias = rand(16, bias_shape, 2.0)
-    ref = np_attention(p, x, heads=2, d_head=4, scaled=False, kv=kv, bias=bias)
-    assert max_err(attend(p, x, cfg, kv=kv, bias=bias), ref) <= TOL
+    ref = np_attention(p, x, scale=1.0, kv=kv, bias=bias)
+    assert max_err(attend(p, x, CFG, kv=kv, bias=bias), ref) <= TOL
 
 
 def test_cross_attention():
-    cfg = AttentionConfig(d_model=12, num_heads=3, d_head=3, d_kv_in=10)
-    p = dense_params(17, cfg)
-    assert p["q"].shape == (12, 9) and p["k"].shape == (10, 9) and p["v"].shape == (10, 9)
+    p = dense_params(17, d_model=12, num_heads=3, d_head=3, d_kv_in=10)
+    assert p["qk"].q.shape == (12, 9) and p["qk"].k.shape == (10, 9) and p["v"].shape == (10, 9)
     x, enc = rand(18, (2, 4, 12)), rand(19, (2, 7, 10))
     mask = padding_mask(np.array([[1] * 7, [1] * 4 + [0] * 3], bool))
-    y = attend(p, x, cfg, kv=enc, mask=mask)
-    ref = np_attention(p, x, heads=3, d_head=3, kv=enc, mask=np.asarray(mask))
+    y = attend(p, x, CFG, kv=enc, mask=mask)
+    ref = np_attention(p, x, scale=1 / math.sqrt(3), kv=enc, mask=np.asarray(mask))
     assert y.shape == (2, 4, 12)
     assert max_err(y, ref) <= TOL
+
+
+def test_value_width_and_output_width_from_init():
+    # d_v != d_head and d_out != d_model: every size is read back from the parameters.
+    p = dense_params(60, d_model=8, num_heads=2, d_head=3, d_v=5, d_out=7, use_bias=True)
+    assert p["v"].shape == (8, 10) and p["o"].shape == (10, 7) and p["heads"].v == (5, 5)
+    x = rand(61, (2, 4, 8))
+    y = attend(p, x, CFG)
+    assert y.shape == (2, 4, 7)
+    assert max_err(y, np_attention(p, x, scale=1 / math.sqrt(3))) <= TOL
 
 
 # ---------------------------------------------------------------------------------------------
@@ -227,29 +262,28 @@ def test_cross_attention():
 
 @pytest.mark.parametrize("layer_index", [0, 2])
 def test_qkv_activation_masks_applied(layer_index):
-    cfg = AttentionConfig(d_model=12, num_heads=3, qkv_keep=0.5, qkv_mask_seed=5)
-    p = dense_params(20, cfg)
+    cfg = AttentionConfig(qkv_keep=0.5, qkv_mask_seed=5)
+    p = dense_params(20, d_model=12, num_heads=3)
     x = rand(21, (2, 6, 12))
     m = qkv_activation_masks(5 + layer_index, 6, 4, 0.5)
-    ref = np_attention(p, x, heads=3, d_head=4, act_masks=(m["q"], m["k"], m["v"]))
+    ref = np_attention(p, x, scale=0.5, act_masks=(m["q"], m["k"], m["v"]))
     y = attend(p, x, cfg, layer_index=layer_index)
     assert max_err(y, ref) <= TOL
-    unmasked = np_attention(p, x, heads=3, d_head=4)
+    unmasked = np_attention(p, x, scale=0.5)
     assert max_err(y, unmasked) > 1e-3
     other = qkv_activation_masks(5 + layer_index + 1, 6, 4, 0.5)
-    ref_other = np_attention(p, x, heads=3, d_head=4, act_masks=(other["q"], other["k"],
-                                                                  other["v"]))
+    ref_other = np_attention(p, x, scale=0.5, act_masks=(other["q"], other["k"], other["v"]))
     assert max_err(y, ref_other) > 1e-3
 
 
 def test_qkv_activation_masks_in_cross_attention():
     # The q mask is drawn over q_len, the k/v masks over k_len.
-    cfg = AttentionConfig(d_model=8, num_heads=2, d_kv_in=6, qkv_keep=0.75, qkv_mask_seed=1)
-    p = dense_params(22, cfg)
+    cfg = AttentionConfig(qkv_keep=0.75, qkv_mask_seed=1)
+    p = dense_params(22, d_model=8, num_heads=2, d_kv_in=6)
     x, enc = rand(23, (2, 3, 8)), rand(24, (2, 5, 6))
     mq = qkv_activation_masks(1, 3, 4, 0.75)["q"]
     mkv = qkv_activation_masks(1, 5, 4, 0.75)
-    ref = np_attention(p, x, heads=2, d_head=4, kv=enc, act_masks=(mq, mkv["k"], mkv["v"]))
+    ref = np_attention(p, x, scale=0.5, kv=enc, act_masks=(mq, mkv["k"], mkv["v"]))
     assert max_err(attend(p, x, cfg, kv=enc), ref) <= TOL
 
 
@@ -258,9 +292,10 @@ def test_qkv_value_mask_identical_across_heads():
     # the key-average of the value mask, so every head must show the same [d_head] vector.
     heads, d_head, seq = 3, 4, 5
     d = heads * d_head
-    cfg = AttentionConfig(d_model=d, num_heads=heads, qkv_keep=0.5, qkv_mask_seed=7)
+    cfg = AttentionConfig(qkv_keep=0.5, qkv_mask_seed=7)
     eye = jnp.eye(d)
-    p = {"q": Dense(jnp.zeros((d, d))), "k": Dense(eye), "v": Dense(eye), "o": Dense(eye)}
+    p = {"qk": QueryKey(q=Dense(jnp.zeros((d, d))), k=Dense(eye), widths=(d_head,) * heads),
+         "v": Dense(eye), "o": Dense(eye), "heads": HeadLayout.uniform(heads, d_head, 0.5)}
     x = jnp.ones((1, seq, d))
     y = np.asarray(attend(p, x, cfg)).reshape(seq, heads, d_head)
     mv = np.asarray(qkv_activation_masks(7, seq, d_head, 0.5)["v"], np.float64)
@@ -270,9 +305,10 @@ def test_qkv_value_mask_identical_across_heads():
 
 
 def test_qkv_masks_not_in_params_or_gradient():
-    cfg = AttentionConfig(d_model=8, num_heads=2, qkv_keep=0.5)
-    p = dense_params(25, cfg)
-    assert set(p) == {"q", "k", "v", "o"}
+    cfg = AttentionConfig(qkv_keep=0.5)
+    p = dense_params(25, d_model=8, num_heads=2)
+    assert set(p) == {"qk", "v", "o", "heads"}
+    assert len(jax.tree_util.tree_leaves(p)) == 4  # the four weights; no mask anywhere
     x = rand(26, (2, 4, 8))
     g = jax.grad(lambda p: jnp.sum(attend(p, x, cfg) ** 2))(p)
     assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(p)
@@ -291,43 +327,264 @@ def compressed_params(seed, d, heads, d_head, bias=True):
     v = MaskedBinary(w=rand(seed + 6, (d, inner)), s=rand(seed + 7, (d, inner)), b=b(8, inner),
                      keep=0.5)
     o = LowRank(u=rand(seed + 9, (inner, 3), 0.5), v=rand(seed + 10, (3, d), 0.5), b=b(11, d))
-    return {"q": q, "k": k, "v": v, "o": o}
+    return {"qk": QueryKey.uniform(q, k, heads), "v": v, "o": o,
+            "heads": HeadLayout.uniform(heads, d_head, 1 / math.sqrt(d_head))}
 
 
 def test_compressed_leaves_equal_their_dense_materialization():
     heads, d_head, d = 3, 4, 10
-    cfg = AttentionConfig(d_model=d, num_heads=heads, d_head=d_head, use_bias=True)
     p = compressed_params(27, d, heads, d_head)
-    p_dense = {n: densify(leaf) for n, leaf in p.items()}
+    p_dense = densify(p)
+    assert isinstance(p_dense["qk"], QueryKey) and isinstance(p_dense["qk"].q, Dense)
     x = rand(31, (2, 5, d))
     mask = causal_mask(5)
-    y = attend(p, x, cfg, mask=mask)
-    y_dense = attend(p_dense, x, cfg, mask=mask)
+    y = attend(p, x, CFG, mask=mask)
+    y_dense = attend(p_dense, x, CFG, mask=mask)
     assert max_err(y, y_dense) <= TOL
-    ref = np_attention(p_dense, x, heads=heads, d_head=d_head, mask=np.asarray(mask))
+    ref = np_attention(p_dense, x, scale=0.5, mask=np.asarray(mask))
     assert max_err(y, ref) <= TOL
 
 
 def test_init_attention_shapes_and_leaves():
-    cfg = AttentionConfig(d_model=8, num_heads=2, d_kv_in=12, use_bias=True)
-    p = init_attention(jax.random.PRNGKey(0), cfg)
-    assert set(p) == {"q", "k", "v", "o"}
-    assert p["q"].shape == (8, 8) and p["k"].shape == (12, 8) and p["v"].shape == (12, 8)
+    cfg = AttentionConfig(use_bias=True)
+    p = init_attention(jax.random.PRNGKey(0), cfg, d_model=8, num_heads=2, d_kv_in=12)
+    assert set(p) == {"qk", "v", "o", "heads"}
+    qk = p["qk"]
+    assert isinstance(qk, QueryKey) and qk.widths == (4, 4)
+    assert qk.q.shape == (8, 8) and qk.k.shape == (12, 8) and p["v"].shape == (12, 8)
     assert p["o"].shape == (8, 8)
-    for leaf in p.values():
+    for leaf in (qk.q, qk.k, p["v"], p["o"]):
         assert isinstance(leaf, Dense) and leaf.b is not None
         assert float(jnp.abs(leaf.b).max()) == 0.0
-    assert not np.array_equal(np.asarray(p["k"].w), np.asarray(p["v"].w))
-    shapes = jax.eval_shape(lambda k: init_attention(k, dataclasses.replace(cfg, use_bias=False)),
-                            jax.random.PRNGKey(0))
-    assert all(isinstance(leaf, Dense) and leaf.b is None for leaf in shapes.values())
+    assert not np.array_equal(np.asarray(qk.k.w), np.asarray(p["v"].w))
+    heads = p["heads"]
+    assert heads.ids == (0, 1) and heads.v == (4, 4) and heads.scale == pytest.approx(0.5)
+    shapes = jax.eval_shape(
+        lambda k: init_attention(k, AttentionConfig(scaled=False), d_model=8, num_heads=2,
+                                 d_head=3, d_v=5, d_out=6), jax.random.PRNGKey(0))
+    leaves = (shapes["qk"].q, shapes["qk"].k, shapes["v"], shapes["o"])
+    assert all(isinstance(leaf, Dense) and leaf.b is None for leaf in leaves)
+    assert shapes["heads"].scale == 1.0 and shapes["heads"].v == (5, 5)
+    assert shapes["v"].shape == (8, 10) and shapes["o"].shape == (10, 6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Irregular per-head widths, heads and channels removed physically.
+
+D, D_KV, D_OUT = 10, 6, 7
+ORIG_HEADS, ORIG_DH, ORIG_DV = 8, 5, 4  # the original block the irregular one is cut from
+IDS, QK_W, V_W = (0, 2, 5, 6), (3, 0, 5, 2), (4, 2, 0, 3)
+
+
+def irregular_block(seed):
+    """Dense weights of 4 heads (q/k width 5, v width 4), cut to per-head widths QK_W and V_W
+    (each head keeps its first columns), with biases; plus the uncut NumPy arrays."""
+    full = {
+        "wq": rand(seed, (D, 4 * ORIG_DH), 0.4), "bq": rand(seed + 1, (4 * ORIG_DH,), 0.5),
+        "wk": rand(seed + 2, (D_KV, 4 * ORIG_DH), 0.4), "bk": rand(seed + 3, (4 * ORIG_DH,), 0.5),
+        "wv": rand(seed + 4, (D_KV, 4 * ORIG_DV), 0.4), "bv": rand(seed + 5, (4 * ORIG_DV,), 0.5),
+        "wo": rand(seed + 6, (4 * ORIG_DV, D_OUT), 0.4), "bo": rand(seed + 7, (D_OUT,), 0.5),
+    }
+    qc = np.concatenate([h * ORIG_DH + np.arange(w) for h, w in enumerate(QK_W)])
+    vc = np.concatenate([h * ORIG_DV + np.arange(w) for h, w in enumerate(V_W)])
+    p = {
+        "qk": QueryKey(q=Dense(full["wq"][:, qc], full["bq"][qc]),
+                       k=Dense(full["wk"][:, qc], full["bk"][qc]), widths=QK_W),
+        "v": Dense(full["wv"][:, vc], full["bv"][vc]),
+        "o": Dense(full["wo"][vc], full["bo"]),
+        "heads": HeadLayout(ids=IDS, v=V_W, scale=1 / math.sqrt(ORIG_DH)),
+    }
+    return p, {k: np.asarray(v, np.float64) for k, v in full.items()}
+
+
+def np_irregular(full, x, kv, bias, mask, act_masks=None):
+    """Independent loop over the 4 heads, slicing the uncut weights: head h uses the first
+    QK_W[h] query/key and V_W[h] value columns of its block, and column IDS[h] of the
+    original-head bias and mask. A head of query/key width 0 has logits = bias only; a head of
+    value width 0 contributes nothing."""
+    out = []
+    for b in range(x.shape[0]):
+        heads_out = []
+        for h in range(4):
+            qs = slice(h * ORIG_DH, h * ORIG_DH + QK_W[h])
+            vs = slice(h * ORIG_DV, h * ORIG_DV + V_W[h])
+            q = x[b] @ full["wq"][:, qs] + full["bq"][qs]
+            k = kv[b] @ full["wk"][:, qs] + full["bk"][qs]
+            v = kv[b] @ full["wv"][:, vs] + full["bv"][vs]
+            if act_masks is not None:
+                q = q * act_masks[0][:, :QK_W[h]]
+                k = k * act_masks[1][:, :QK_W[h]]
+                v = v * act_masks[2][:, :V_W[h]]
+            s = q @ k.T / math.sqrt(ORIG_DH) + bias[0, IDS[h]]
+            s = np.where(mask[b, IDS[h]], s, F32_MIN)
+            heads_out.append(np_softmax(s) @ v)  # [q_len, V_W[h]]
+        vcols = np.concatenate(heads_out, axis=-1)  # [q_len, sum(V_W)]
+        wo_rows = np.concatenate([np.arange(h * ORIG_DV, h * ORIG_DV + w)
+                                  for h, w in enumerate(V_W)])
+        out.append(vcols @ full["wo"][wo_rows] + full["bo"])
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("qkv_keep", [None, 0.5])
+def test_irregular_head_widths_match_per_head_reference(qkv_keep):
+    p, full = irregular_block(70)
+    x, kv = rand(71, (2, 4, D)), rand(72, (2, 5, D_KV))
+    rcfg = RelativeBiasConfig(num_buckets=8, max_distance=12)
+    table = rand(73, (8, ORIG_HEADS))  # over the original 8 heads
+    bias = relative_bias(table, 4, 5, rcfg)  # [1, 8, 4, 5]
+    mask = np.random.default_rng(74).random((2, ORIG_HEADS, 4, 5)) < 0.7
+    mask[..., 0] = True
+    cfg = AttentionConfig(qkv_keep=qkv_keep, qkv_mask_seed=3)
+    y = attend(p, x, cfg, kv=kv, bias=bias, mask=jnp.asarray(mask), layer_index=1)
+    assert y.shape == (2, 4, D_OUT)
+    act = None
+    if qkv_keep is not None:  # drawn over the widest head: 5 for q/k, 4 for v
+        mq = qkv_activation_masks(4, 4, max(QK_W), qkv_keep)["q"]
+        mkv = qkv_activation_masks(4, 5, max(QK_W), qkv_keep)
+        act = (mq, mkv["k"], qkv_activation_masks(4, 5, max(V_W), qkv_keep)["v"])
+    ref = np_irregular(full, np.asarray(x, np.float64), np.asarray(kv, np.float64),
+                       np.asarray(bias, np.float64), mask, act)
+    assert max_err(y, ref) <= TOL
+    # The generic reference (reading widths and ids from the block) agrees.
+    assert max_err(y, np_attention(p, x, scale=1 / math.sqrt(ORIG_DH), kv=kv, bias=bias,
+                                   mask=mask, act_masks=act)) <= TOL
+    # Head 2 has value width 0: its queries (columns 3..7 of q) cannot change the output.
+    wq = np.asarray(p["qk"].q.w).copy()
+    wq[:, 3:8] += 5.0
+    p2 = dict(p, qk=QueryKey(Dense(jnp.asarray(wq), p["qk"].q.b), p["qk"].k, QK_W))
+    y2 = attend(p2, x, cfg, kv=kv, bias=bias, mask=jnp.asarray(mask), layer_index=1)
+    assert max_err(y, y2) <= TOL
+
+
+def test_width_zero_query_key_head_attends_uniformly():
+    # Only head 1 (q/k width 0) reads value columns: zero the other heads' o rows.
+    p, _ = irregular_block(75)
+    p = dict(p)
+    wo = np.zeros((sum(V_W), D_OUT), np.float32)
+    wo[4:6] = np.random.default_rng(76).standard_normal((2, D_OUT))  # head 1's value rows
+    p["o"] = Dense(jnp.asarray(wo))
+    x, kv = rand(77, (1, 3, D)), rand(78, (1, 5, D_KV))
+    y = attend(p, x, CFG, kv=kv)
+    v1 = np_linear(p["v"], np.asarray(kv[0], np.float64))[:, 4:6].mean(0)  # uniform average
+    assert max_err(y[0], np.broadcast_to(v1 @ wo[4:6], (3, D_OUT))) <= TOL
+
+
+def zero_heads(p, heads_removed, d_head, d_v):
+    """The same block with the removed heads' q/k/v columns, biases and o rows zeroed."""
+    def zero_cols(leaf, cols):
+        w = np.asarray(leaf.w).copy()
+        w[:, cols] = 0
+        b = None if leaf.b is None else np.asarray(leaf.b).copy()
+        if b is not None:
+            b[cols] = 0
+        return Dense(jnp.asarray(w), None if b is None else jnp.asarray(b))
+
+    qc = np.concatenate([h * d_head + np.arange(d_head) for h in heads_removed])
+    vc = np.concatenate([h * d_v + np.arange(d_v) for h in heads_removed])
+    wo = np.asarray(p["o"].w).copy()
+    wo[vc] = 0
+    qk = p["qk"]
+    return dict(p, qk=QueryKey(zero_cols(qk.q, qc), zero_cols(qk.k, qc), qk.widths),
+                v=zero_cols(p["v"], vc), o=Dense(jnp.asarray(wo), p["o"].b))
+
+
+def test_physical_head_removal_equals_masking():
+    h, dh, dv = 4, 3, 2
+    p = dense_params(80, d_model=12, num_heads=h, d_head=dh, d_v=dv, use_bias=True)
+    keep = np.array([0, 2])
+    vcols = np.concatenate([i * dv + np.arange(dv) for i in keep])
+    pruned = {"qk": p["qk"].keep_heads(keep), "v": keep_outputs(p["v"], vcols),
+              "o": keep_inputs(p["o"], vcols), "heads": p["heads"].keep(keep)}
+    assert pruned["qk"].widths == (3, 3) and pruned["heads"].ids == (0, 2)
+    assert pruned["v"].shape == (12, 4) and pruned["o"].shape == (4, 12)
+    assert pruned["heads"].scale == pytest.approx(1 / math.sqrt(dh))  # the original scale
+    masked = zero_heads(p, [1, 3], dh, dv)
+    x = rand(81, (2, 5, 12))
+    bias = rand(82, (1, h, 5, 5))  # per original head: the pruned block takes columns 0 and 2
+    mask = causal_mask(5)
+    y_pruned = attend(pruned, x, CFG, bias=bias, mask=mask)
+    y_masked = attend(masked, x, CFG, bias=bias, mask=mask)
+    assert max_err(y_pruned, y_masked) <= TOL
+    ref = np_attention(pruned, x, scale=1 / math.sqrt(dh), bias=bias, mask=np.asarray(mask))
+    assert max_err(y_pruned, ref) <= TOL
+    # The removed heads mattered: the unpruned block differs.
+    assert max_err(attend(p, x, CFG, bias=bias, mask=mask), y_pruned) > 1e-3
+    assert attention_score_flops(pruned, 5, 5) == 5 * 5 * 2 * (dh + dv)
+
+
+def test_channel_removal_equals_zeroed_channels_and_keeps_scale():
+    h, dh = 3, 4
+    p = dense_params(83, d_model=12, num_heads=h, d_head=dh, use_bias=True)
+    qk_keep = np.array([0, 1, 2, 4, 9, 10, 11])  # widths (3, 1, 3)
+    v_keep = np.array([0, 5, 6, 7, 8])  # v widths (1, 3, 1)
+    pruned = {"qk": p["qk"].keep_channels(qk_keep), "v": keep_outputs(p["v"], v_keep),
+              "o": keep_inputs(p["o"], v_keep),
+              "heads": HeadLayout(ids=p["heads"].ids, v=(1, 3, 1), scale=p["heads"].scale)}
+    assert pruned["qk"].widths == (3, 1, 3)
+    # Zeroing a query column (and its bias) removes that channel from every logit; zeroing a
+    # value column removes it from the output. The scale stays 1/sqrt(4).
+    zq = np.setdiff1d(np.arange(12), qk_keep)
+    zv = np.setdiff1d(np.arange(12), v_keep)
+    wq, bq = np.asarray(p["qk"].q.w).copy(), np.asarray(p["qk"].q.b).copy()
+    wq[:, zq], bq[zq] = 0, 0
+    wo = np.asarray(p["o"].w).copy()
+    wo[zv] = 0
+    zeroed = dict(p, qk=QueryKey(Dense(jnp.asarray(wq), jnp.asarray(bq)), p["qk"].k, (4, 4, 4)),
+                  o=Dense(jnp.asarray(wo), p["o"].b))
+    x = rand(84, (2, 5, 12))
+    y = attend(pruned, x, CFG)
+    assert max_err(y, attend(zeroed, x, CFG)) <= TOL
+    assert max_err(y, np_attention(zeroed, x, scale=0.5)) <= TOL
+    assert max_err(y, np_attention(pruned, x, scale=0.5)) <= TOL
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "library bug: the fixed Q/K/V activation masks are drawn over the block's current widths "
+    "and applied by position within each head, so after channels are removed a kept channel "
+    "meets another channel's mask (nn/attention.py, apply_attention, qkv_keep branch)"))
+def test_channel_removal_with_activation_masks_equals_zeroed_channels():
+    """With fixed Q/K/V activation masks (qkv_keep), removing value channel 0 of head 0 must
+    still equal zeroing it: the kept channels 1..3 must keep the masks they had."""
+    cfg = AttentionConfig(qkv_keep=0.5, qkv_mask_seed=2)
+    p = dense_params(90, d_model=12, num_heads=3, d_head=4, use_bias=True)
+    v_keep = np.array([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11])
+    pruned = dict(p, v=keep_outputs(p["v"], v_keep), o=keep_inputs(p["o"], v_keep),
+                  heads=HeadLayout(ids=p["heads"].ids, v=(3, 4, 4), scale=p["heads"].scale))
+    wo = np.asarray(p["o"].w).copy()
+    wo[0] = 0
+    zeroed = dict(p, o=Dense(jnp.asarray(wo), p["o"].b))
+    x = rand(91, (2, 5, 12))
+    # The zeroed block against the reference with the masks of the original widths.
+    m = qkv_activation_masks(2, 5, 4, 0.5)
+    y_zeroed = attend(zeroed, x, cfg)
+    assert max_err(y_zeroed, np_attention(zeroed, x, scale=0.5,
+                                          act_masks=(m["q"], m["k"], m["v"]))) <= TOL
+    assert max_err(attend(pruned, x, cfg), y_zeroed) <= TOL
+
+
+def test_attention_score_flops():
+    p = dense_params(85, d_model=8, num_heads=4, d_head=3, d_v=2)
+    assert attention_score_flops(p, 5, 7) == 5 * 7 * 4 * 3 + 5 * 7 * 4 * 2
+    assert attention_score_flops(p, 5, 7) == p["qk"].score_flops(5, 7) + 5 * 7 * 4 * 2
+    irregular, _ = irregular_block(86)
+    # As executed: every head padded to the widest (q/k 5, v 4).
+    assert attention_score_flops(irregular, 3, 2) == 3 * 2 * 4 * 5 + 3 * 2 * 4 * 4
+
+
+def test_per_head_bias_must_cover_original_heads():
+    p, _ = irregular_block(87)
+    x, kv = rand(88, (1, 2, D)), rand(89, (1, 3, D_KV))
+    with pytest.raises(ShapeError, match="original heads"):
+        apply_attention(p, x, CFG, kv=kv, bias=jnp.zeros((1, 4, 2, 3)))  # ids go up to 6
+    with pytest.raises(ShapeError, match="original heads"):
+        apply_attention(p, x, CFG, kv=kv, mask=jnp.ones((1, 5, 2, 3), bool))
 
 
 # ---------------------------------------------------------------------------------------------
 # jit, grad, retracing.
 
 def test_jit_matches_eager_and_grad_structure():
-    cfg = AttentionConfig(d_model=8, num_heads=2, qkv_keep=0.5)
+    cfg = AttentionConfig(qkv_keep=0.5)
     p = compressed_params(32, 8, 2, 4, bias=False)
     x = rand(33, (2, 4, 8))
     bias = rand(34, (1, 2, 4, 4))
@@ -335,12 +592,12 @@ def test_jit_matches_eager_and_grad_structure():
     assert max_err(jax.jit(f)(p, x), f(p, x)) <= TOL
     g = jax.jit(jax.grad(lambda p: jnp.sum(f(p, x) ** 2)))(p)
     assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(p)
-    assert float(jnp.abs(g["q"].u).sum()) > 0
+    assert float(jnp.abs(g["qk"].q.u).sum()) > 0
 
 
 def test_no_retrace_on_second_call():
-    cfg = AttentionConfig(d_model=8, num_heads=2, qkv_keep=0.5)
-    p = dense_params(35, cfg)
+    cfg = AttentionConfig(qkv_keep=0.5)
+    p = dense_params(35, d_model=8, num_heads=2)
 
     @jax.jit
     @chex.assert_max_traces(n=1)
@@ -353,9 +610,9 @@ def test_no_retrace_on_second_call():
 
 
 def test_config_is_hashable_static_arg():
-    cfg = AttentionConfig(d_model=8, num_heads=2)
-    assert hash(cfg) == hash(AttentionConfig(d_model=8, num_heads=2))
-    p = dense_params(38, cfg)
+    cfg = AttentionConfig(use_bias=True)
+    assert hash(cfg) == hash(AttentionConfig(use_bias=True))
+    p = dense_params(38, d_model=8, num_heads=2)
     f = jax.jit(apply_attention, static_argnames=("cfg",))
     x = rand(39, (1, 3, 8))
     assert max_err(f(p, x, cfg=cfg), apply_attention(p, x, cfg)) <= TOL
@@ -365,47 +622,76 @@ def test_config_is_hashable_static_arg():
 # Errors.
 
 def test_heads_not_dividing_d_model_raises():
-    with pytest.raises(ValueError, match=r"num_heads=3 does not divide d_model=16"):
-        AttentionConfig(d_model=16, num_heads=3)
-    assert AttentionConfig(d_model=16, num_heads=3, d_head=5).inner_dim == 15
+    with pytest.raises(ConfigError, match=r"num_heads=3 does not divide d_model=16"):
+        init_attention(jax.random.PRNGKey(0), CFG, d_model=16, num_heads=3)
+    shapes = jax.eval_shape(lambda k: init_attention(k, CFG, d_model=16, num_heads=3, d_head=5),
+                            jax.random.PRNGKey(0))
+    assert shapes["qk"].q.shape == (16, 15)
 
 
-@pytest.mark.parametrize("kwargs,field", [
+@pytest.mark.parametrize("sizes,field", [
     ({"d_model": 0, "num_heads": 1}, "d_model"),
     ({"d_model": 8, "num_heads": 0}, "num_heads"),
     ({"d_model": 8, "num_heads": 2, "d_head": 0}, "d_head"),
-    ({"d_model": 8, "num_heads": 2, "qkv_keep": 1.5}, "qkv_keep"),
-    ({"d_model": 8, "num_heads": 2, "qkv_keep": 0.0}, "qkv_keep"),
+    ({"d_model": 8, "num_heads": 2, "d_v": -1}, "d_v"),
+    ({"d_model": 8, "num_heads": True}, "num_heads"),
+])
+def test_bad_init_sizes_raise(sizes, field):
+    with pytest.raises(ConfigError, match=field):
+        init_attention(jax.random.PRNGKey(0), CFG, **sizes)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"qkv_keep": 1.5}, "qkv_keep"),
+    ({"qkv_keep": 0.0}, "qkv_keep"),
+    ({"use_bias": 1}, "use_bias"),
+    ({"scaled": "yes"}, "scaled"),
+    ({"qkv_mask_seed": 1.0}, "qkv_mask_seed"),
 ])
 def test_bad_config_raises(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=field):
         AttentionConfig(**kwargs)
 
 
 def test_bad_mask_and_bias_raise():
-    cfg = AttentionConfig(d_model=8, num_heads=2)
-    p = dense_params(40, cfg)
+    p = dense_params(40, d_model=8, num_heads=2)
     x = rand(41, (2, 4, 8))
-    with pytest.raises(ValueError, match="mask must be 4-D"):
-        apply_attention(p, x, cfg, mask=jnp.ones((4, 4), bool))
-    with pytest.raises(ValueError, match="mask must be 4-D"):
-        apply_attention(p, x, cfg, mask=jnp.ones((2, 3, 4, 4), bool))  # 3 heads, not 2
-    with pytest.raises(ValueError, match="mask must be boolean"):
-        apply_attention(p, x, cfg, mask=jnp.ones((1, 1, 4, 4)))
-    with pytest.raises(ValueError, match="bias must be 4-D"):
-        apply_attention(p, x, cfg, bias=jnp.ones((1, 2, 4, 5)))
-    with pytest.raises(ValueError, match="x must be"):
-        apply_attention(p, rand(42, (2, 4, 6)), cfg)
-    with pytest.raises(ValueError, match="kv must be"):
-        apply_attention(p, x, cfg, kv=rand(43, (2, 5, 6)))
+    with pytest.raises(ShapeError, match="mask must be 4-D"):
+        apply_attention(p, x, CFG, mask=jnp.ones((4, 4), bool))
+    # A per-head mask is indexed by original head: 3 heads on a block keeping heads (0, 1) is
+    # read at columns 0 and 1 (the block may be what is left of a 3-head layer). Only a mask
+    # that does not cover the kept ids is an error (test_per_head_bias_must_cover_...).
+    m3 = np.random.default_rng(49).random((2, 3, 4, 4)) < 0.6
+    m3[..., 0] = True
+    assert max_err(attend(p, x, CFG, mask=jnp.asarray(m3)),
+                   attend(p, x, CFG, mask=jnp.asarray(m3[:, :2]))) == 0.0
+    with pytest.raises(ShapeError, match="mask must be boolean"):
+        apply_attention(p, x, CFG, mask=jnp.ones((1, 1, 4, 4)))
+    with pytest.raises(ShapeError, match="bias must be 4-D"):
+        apply_attention(p, x, CFG, bias=jnp.ones((1, 2, 4, 5)))
+    with pytest.raises(ShapeError, match="x must be"):
+        apply_attention(p, rand(42, (2, 4, 6)), CFG)
+    with pytest.raises(ShapeError, match="kv must be"):
+        apply_attention(p, x, CFG, kv=rand(43, (2, 5, 6)))
 
 
-def test_projection_width_mismatch_raises():
-    cfg = AttentionConfig(d_model=8, num_heads=2)
-    p = dense_params(44, cfg)
-    p["k"] = Dense(w=rand(45, (8, 6)))
-    with pytest.raises(ValueError, match="projection 'k' must output"):
-        apply_attention(p, rand(46, (1, 3, 8)), cfg)
+def test_mismatched_parameters_raise():
+    p = dense_params(44, d_model=8, num_heads=2)
+    x = rand(46, (1, 3, 8))
+    with pytest.raises(ShapeError, match=r"'k' has 6 outputs"):
+        QueryKey(q=p["qk"].q, k=Dense(rand(45, (8, 6))), widths=(4, 4))
+    with pytest.raises(ShapeError, match=r"value widths \(4, 4\) sum to 8, but 'v' has 6"):
+        apply_attention(dict(p, v=Dense(rand(47, (8, 6)))), x, CFG)
+    with pytest.raises(ShapeError, match="'o' 6 inputs"):
+        apply_attention(dict(p, o=Dense(rand(48, (6, 8)))), x, CFG)
+    with pytest.raises(ShapeError, match="2 heads but the head layout has 3"):
+        apply_attention(dict(p, heads=HeadLayout((0, 1, 2), (4, 2, 2))), x, CFG)
+    with pytest.raises(ShapeError, match="'qk', 'v', 'o' and 'heads'"):
+        apply_attention({"q": p["qk"].q, "k": p["qk"].k, "v": p["v"], "o": p["o"]}, x, CFG)
+    with pytest.raises(ShapeError, match="'heads' must be a HeadLayout"):
+        apply_attention(dict(p, heads=(0, 1)), x, CFG)
+    with pytest.raises(ShapeError, match="query-key object"):
+        apply_attention(dict(p, qk=p["qk"].q), x, CFG)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -485,15 +771,14 @@ def test_relative_bias_values(bidirectional):
 
 
 def test_relative_bias_in_attention_and_jit():
-    cfg = AttentionConfig(d_model=8, num_heads=2, scaled=False)
+    cfg = AttentionConfig(scaled=False)
     rcfg = RelativeBiasConfig()
-    p = dense_params(48, cfg)
+    p = dense_params(48, d_model=8, num_heads=2, scaled=False)
     table = rand(49, (rcfg.num_buckets, 2))
     x = rand(50, (2, 5, 8))
     f = lambda p, table, x: apply_attention(p, x, cfg, bias=relative_bias(table, 5, 5, rcfg))
     y = jax.jit(f)(p, table, x)
-    ref = np_attention(p, x, heads=2, d_head=4, scaled=False,
-                       bias=np.asarray(relative_bias(table, 5, 5, rcfg)))
+    ref = np_attention(p, x, scale=1.0, bias=np.asarray(relative_bias(table, 5, 5, rcfg)))
     assert max_err(y, ref) <= TOL
     g = jax.jit(jax.grad(lambda t: jnp.sum(f(p, t, x) ** 2)))(table)
     assert g.shape == table.shape
@@ -503,10 +788,10 @@ def test_relative_bias_in_attention_and_jit():
                                           ({"num_buckets": 32, "max_distance": 16},
                                            "max_distance")])
 def test_relative_bias_config_validation(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=field):
         RelativeBiasConfig(**kwargs)
 
 
 def test_relative_bias_table_shape_checked():
-    with pytest.raises(ValueError, match="table must be"):
+    with pytest.raises(ShapeError, match="table must be"):
         relative_bias(jnp.zeros((16, 2)), 3, 3, RelativeBiasConfig())

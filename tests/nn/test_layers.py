@@ -9,12 +9,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import (
     Dense,
     HeadLowRank,
     LowRank,
     MaskedBinary,
+    QueryKey,
     is_leaf,
+    keep_inputs,
+    keep_outputs,
     materialize,
     param_count,
 )
@@ -24,6 +28,7 @@ from lowrank_jax.nn import (
     DecoderLayerConfig,
     EncoderConfig,
     EncoderLayerConfig,
+    LayerSizes,
     MLPConfig,
     NormConfig,
     RelativeBiasConfig,
@@ -31,10 +36,12 @@ from lowrank_jax.nn import (
     apply_decoder_layer,
     apply_encoder,
     apply_encoder_layer,
+    init_attention,
     init_decoder,
     init_decoder_layer,
     init_encoder,
     init_encoder_layer,
+    init_mlp,
     padding_mask,
     qkv_activation_masks,
 )
@@ -87,35 +94,44 @@ def np_mlp(p, x, cfg):
 
 
 def np_attention(p, x, cfg, *, kv=None, mask=None, bias=None, layer_index=0):
+    """Loop over batch and heads. Sizes come from the parameters (each layer may have its own);
+    the scale is ``1/sqrt(d_head)`` of the block's widest (original) head when ``cfg.scaled``.
+    A per-head mask or bias (head axis > 1) is read at the head's original id."""
     kvx = x if kv is None else kv
     batch, q_len, _ = x.shape
     k_len = kvx.shape[1]
-    heads, dh = cfg.num_heads, cfg.head_dim
-    full = (batch, heads, q_len, k_len)
-    mask = None if mask is None else np.broadcast_to(np.asarray(mask), full)
-    bias = None if bias is None else np.broadcast_to(np.asarray(bias, np.float64), full)
+    widths, v_widths, ids = p["qk"].widths, p["heads"].v, p["heads"].ids
+    oq = np.concatenate([[0], np.cumsum(widths)]).astype(int)
+    ov = np.concatenate([[0], np.cumsum(v_widths)]).astype(int)
+    dh = max(widths)
+    scale = 1.0 / math.sqrt(dh) if cfg.scaled else 1.0
+
+    def per_head(arr, b, h, dtype):
+        arr = np.asarray(arr, dtype)
+        return np.broadcast_to(arr[b if arr.shape[0] > 1 else 0,
+                                   ids[h] if arr.shape[1] > 1 else 0], (q_len, k_len))
+
     if cfg.qkv_keep is not None:
         seed = cfg.qkv_mask_seed + layer_index
         mq = np.asarray(qkv_activation_masks(seed, q_len, dh, cfg.qkv_keep)["q"], np.float64)
-        mkv = qkv_activation_masks(seed, k_len, dh, cfg.qkv_keep)
-        mk, mv = (np.asarray(mkv[n], np.float64) for n in "kv")
-    out = np.zeros((batch, q_len, heads * dh))
+        mk = np.asarray(qkv_activation_masks(seed, k_len, dh, cfg.qkv_keep)["k"], np.float64)
+        mv = np.asarray(qkv_activation_masks(seed, k_len, max(v_widths), cfg.qkv_keep)["v"],
+                        np.float64)
+    out = np.zeros((batch, q_len, sum(v_widths)))
     for b in range(batch):
-        q_all, k_all, v_all = (np_linear(p["q"], x[b]), np_linear(p["k"], kvx[b]),
+        q_all, k_all, v_all = (np_linear(p["qk"].q, x[b]), np_linear(p["qk"].k, kvx[b]),
                                np_linear(p["v"], kvx[b]))
-        for h in range(heads):
-            cols = slice(h * dh, (h + 1) * dh)
-            q, k, v = q_all[:, cols], k_all[:, cols], v_all[:, cols]
+        for h in range(len(widths)):
+            q, k = q_all[:, oq[h]:oq[h + 1]], k_all[:, oq[h]:oq[h + 1]]
+            v = v_all[:, ov[h]:ov[h + 1]]
             if cfg.qkv_keep is not None:
-                q, k, v = q * mq, k * mk, v * mv
-            s = q @ k.T
-            if cfg.scaled:
-                s = s / math.sqrt(dh)
+                q, k, v = q * mq[:, :widths[h]], k * mk[:, :widths[h]], v * mv[:, :v_widths[h]]
+            s = q @ k.T * scale
             if bias is not None:
-                s = s + bias[b, h]
+                s = s + per_head(bias, b, h, np.float64)
             if mask is not None:
-                s = np.where(mask[b, h], s, F32_MIN)
-            out[b, :, cols] = np_softmax(s) @ v
+                s = np.where(per_head(mask, b, h, bool), s, F32_MIN)
+            out[b, :, ov[h]:ov[h + 1]] = np_softmax(s) @ v
     return np_linear(p["o"], out)
 
 
@@ -218,13 +234,13 @@ def rand(seed, shape, scale=1.0):
     return jnp.asarray(z.astype(np.float32))
 
 
-def random_params(init_fn, cfg, seed):
-    """Params with ``init_fn``'s exact tree structure, drawn with NumPy (no compile).
+def random_params(init_fn, seed):
+    """Params with ``init_fn(key)``'s exact tree structure, drawn with NumPy (no compile).
 
     Weights ~ N(0, 1/d_in); norm scales ~ 1 + N(0, 0.2^2); biases ~ N(0, 0.2^2); relative-bias
     tables ~ N(0, 1), so every parameter visibly matters.
     """
-    shapes = jax.eval_shape(lambda k: init_fn(k, cfg), jax.random.PRNGKey(0))
+    shapes = jax.eval_shape(init_fn, jax.random.PRNGKey(0))
     rng = np.random.default_rng(seed)
 
     def draw(path, s):
@@ -244,9 +260,9 @@ def random_params(init_fn, cfg, seed):
 
 
 def densify(tree):
-    """Every weight leaf -> Dense(materialize(leaf), leaf.b)."""
+    """Every weight leaf -> Dense(materialize(leaf), leaf.bias); containers are kept."""
     return jax.tree_util.tree_map(
-        lambda n: Dense(w=materialize(n), b=n.b) if is_leaf(n) else n, tree, is_leaf=is_leaf)
+        lambda n: Dense(w=materialize(n), b=n.bias) if is_leaf(n) else n, tree, is_leaf=is_leaf)
 
 
 def max_err(a, b):
@@ -255,27 +271,50 @@ def max_err(a, b):
 
 T5_NORM = NormConfig("rms", eps=1e-6)
 BERT_NORM = NormConfig("layer", eps=1e-12, use_bias=True)
+D = 8  # residual width of every test model
+T5_SIZES = LayerSizes(num_heads=2, d_head=3, d_ff=12)  # num_heads * d_head != d_model (T5)
+BERT_SIZES = LayerSizes(num_heads=2, d_head=4, d_ff=12)
 
 
-def t5_layer(d=8, heads=2, d_head=3, d_ff=12, **attn_kw):
-    attn = AttentionConfig(d_model=d, num_heads=heads, d_head=d_head, scaled=False, **attn_kw)
-    mlp = MLPConfig(d_model=d, d_ff=d_ff, activation="gelu_tanh", gated=True)
+def t5_layer(**attn_kw):
+    attn = AttentionConfig(scaled=False, **attn_kw)
+    mlp = MLPConfig(activation="gelu_tanh", gated=True)
     return EncoderLayerConfig(attention=attn, mlp=mlp, norm=T5_NORM, prenorm=True)
 
 
-def bert_layer(d=8, heads=2, d_ff=12):
-    attn = AttentionConfig(d_model=d, num_heads=heads, use_bias=True)
-    mlp = MLPConfig(d_model=d, d_ff=d_ff, activation="gelu", use_bias=True)
+def bert_layer():
+    attn = AttentionConfig(use_bias=True)
+    mlp = MLPConfig(activation="gelu", use_bias=True)
     return EncoderLayerConfig(attention=attn, mlp=mlp, norm=BERT_NORM, prenorm=False)
 
 
-def t5_decoder_layer(d=8, heads=2, d_head=3, d_enc=6, prenorm=True, norm=T5_NORM):
-    self_attn = AttentionConfig(d_model=d, num_heads=heads, d_head=d_head, scaled=False)
-    cross = AttentionConfig(d_model=d, num_heads=heads, d_head=d_head, scaled=False,
-                            d_kv_in=d_enc)
-    mlp = MLPConfig(d_model=d, d_ff=12, activation="relu")
+def t5_decoder_layer(prenorm=True, norm=T5_NORM):
+    self_attn = AttentionConfig(scaled=False)
+    cross = AttentionConfig(scaled=False)
+    mlp = MLPConfig(activation="relu")
     return DecoderLayerConfig(self_attention=self_attn, cross_attention=cross, mlp=mlp,
                               norm=norm, prenorm=prenorm)
+
+
+def enc_layer_params(cfg, seed, sizes=T5_SIZES):
+    return random_params(lambda k: init_encoder_layer(k, cfg, d_model=D, sizes=sizes), seed)
+
+
+def dec_layer_params(cfg, seed, d_enc=6):
+    return random_params(lambda k: init_decoder_layer(k, cfg, d_model=D, sizes=T5_SIZES,
+                                                      d_enc=d_enc), seed)
+
+
+def encoder_params(cfg, seed, num_layers, sizes=T5_SIZES):
+    return random_params(lambda k: init_encoder(k, cfg, d_model=D,
+                                                layers=(sizes,) * num_layers), seed)
+
+
+def decoder_params(cfg, seed, num_layers, d_enc=6):
+    return random_params(lambda k: init_decoder(k, cfg, d_model=D,
+                                                layers=LayerSizes.uniform(
+                                                    num_layers, num_heads=2, d_head=3, d_ff=12),
+                                                d_enc=d_enc), seed)
 
 
 enc_layer = jax.jit(apply_encoder_layer, static_argnames=("cfg", "layer_index"))
@@ -289,9 +328,10 @@ decoder = jax.jit(apply_decoder, static_argnames=("cfg", "return_hidden"))
 
 def test_prenorm_encoder_layer_t5():
     cfg = t5_layer()
-    p = random_params(init_encoder_layer, cfg, 1)
+    p = enc_layer_params(cfg, 1)
     assert set(p) == {"attn", "attn_norm", "mlp", "mlp_norm"}
     assert set(p["attn_norm"]) == {"scale"}  # RMSNorm: no bias
+    assert p["attn"]["qk"].widths == (3, 3) and p["attn"]["heads"].scale == 1.0  # T5: unscaled
     x = rand(2, (2, 5, 8))
     bias = rand(3, (1, 2, 5, 5))
     y = enc_layer(p, x, cfg, bias=bias)
@@ -301,8 +341,9 @@ def test_prenorm_encoder_layer_t5():
 
 def test_postnorm_encoder_layer_bert():
     cfg = bert_layer()
-    p = random_params(init_encoder_layer, cfg, 4)
+    p = enc_layer_params(cfg, 4, BERT_SIZES)
     assert set(p["mlp_norm"]) == {"scale", "bias"}
+    assert p["attn"]["heads"].scale == 0.5  # scaled: 1/sqrt(d_head=4)
     x = rand(5, (2, 5, 8))
     mask = padding_mask(np.array([[1, 1, 1, 1, 1], [1, 1, 0, 0, 0]], bool))
     y = enc_layer(p, x, cfg, mask=mask)
@@ -317,7 +358,7 @@ def test_postnorm_encoder_layer_bert():
 
 def test_prenorm_and_postnorm_differ():
     cfg = bert_layer()
-    p = random_params(init_encoder_layer, cfg, 6)
+    p = enc_layer_params(cfg, 6, BERT_SIZES)
     x = rand(7, (1, 4, 8))
     y_post = enc_layer(p, x, cfg)
     y_pre = enc_layer(p, x, dataclasses.replace(cfg, prenorm=True))
@@ -330,15 +371,16 @@ def test_prenorm_and_postnorm_differ():
 @pytest.mark.parametrize("prenorm,norm", [(True, T5_NORM), (False, BERT_NORM)])
 def test_decoder_layer(prenorm, norm):
     cfg = t5_decoder_layer(prenorm=prenorm, norm=norm)
-    p = random_params(init_decoder_layer, cfg, 8)
+    p = dec_layer_params(cfg, 8)
     assert set(p) == {"self_attn", "self_attn_norm", "cross_attn", "cross_attn_norm", "mlp",
                       "mlp_norm"}
-    assert p["cross_attn"]["k"].shape == (6, 6)  # d_enc=6 -> heads*d_head=6
+    assert p["cross_attn"]["qk"].k.shape == (6, 6)  # d_enc=6 -> heads*d_head=6
+    assert p["cross_attn"]["v"].shape == (6, 6) and p["self_attn"]["qk"].k.shape == (8, 6)
     x, enc = rand(9, (2, 4, 8)), rand(10, (2, 7, 6))
     cross_mask = padding_mask(np.array([[1] * 7, [1] * 5 + [0] * 2], bool))
     self_mask = padding_mask(np.array([[1, 1, 1, 1], [1, 1, 1, 0]], bool))
     self_bias = rand(11, (1, 2, 4, 4))
-    y = dec_layer(p, x, enc, cfg, self_mask=self_mask, cross_mask=cross_mask,
+    y = dec_layer(p, x, cfg, enc=enc, self_mask=self_mask, cross_mask=cross_mask,
                   self_bias=self_bias)
     ref = np_decoder_layer(p, np.asarray(x, np.float64), np.asarray(enc, np.float64), cfg,
                            self_mask=np.asarray(self_mask), cross_mask=np.asarray(cross_mask),
@@ -349,21 +391,37 @@ def test_decoder_layer(prenorm, norm):
 def test_decoder_layer_is_causal():
     # Changing a later decoder token never changes earlier outputs.
     cfg = t5_decoder_layer()
-    p = random_params(init_decoder_layer, cfg, 12)
+    p = dec_layer_params(cfg, 12)
     x, enc = rand(13, (1, 5, 8)), rand(14, (1, 3, 6))
-    y1 = dec_layer(p, x, enc, cfg)
-    y2 = dec_layer(p, x.at[0, 3:].add(5.0), enc, cfg)
+    y1 = dec_layer(p, x, cfg, enc=enc)
+    y2 = dec_layer(p, x.at[0, 3:].add(5.0), cfg, enc=enc)
     assert max_err(y1[0, :3], y2[0, :3]) <= TOL
     assert max_err(y1[0, 3:], y2[0, 3:]) > 1e-3
 
 
 def test_encoder_layer_qkv_masks_use_layer_index():
     cfg = t5_layer(qkv_keep=0.5, qkv_mask_seed=3)
-    p = random_params(init_encoder_layer, cfg, 15)
+    p = enc_layer_params(cfg, 15)
     x = rand(16, (2, 5, 8))
     for li in (0, 4):
         ref = np_encoder_layer(p, np.asarray(x, np.float64), cfg, layer_index=li)
         assert max_err(enc_layer(p, x, cfg, layer_index=li), ref) <= TOL
+
+
+def test_layer_sizes_set_every_width():
+    # d_v differs from d_head; every size is an init argument, none is in the config.
+    sizes = LayerSizes(num_heads=3, d_head=2, d_ff=5, d_v=4)
+    cfg = bert_layer()
+    p = enc_layer_params(cfg, 42, sizes)
+    attn = p["attn"]
+    assert attn["qk"].widths == (2, 2, 2) and attn["heads"].v == (4, 4, 4)
+    assert attn["v"].shape == (8, 12) and attn["o"].shape == (12, 8)
+    assert attn["heads"].scale == pytest.approx(1 / math.sqrt(2))
+    assert p["mlp"]["wi"].shape == (8, 5) and p["mlp"]["wo"].shape == (5, 8)
+    x = rand(43, (2, 4, 8))
+    assert max_err(enc_layer(p, x, cfg), np_encoder_layer(p, np.asarray(x, np.float64),
+                                                          cfg)) <= TOL
+    assert LayerSizes.uniform(2, num_heads=3, d_head=2, d_ff=5, d_v=4) == (sizes, sizes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,8 +429,8 @@ def test_encoder_layer_qkv_masks_use_layer_index():
 
 def test_encoder_stack_shared_relative_bias_and_hidden():
     rb = RelativeBiasConfig(num_buckets=8, max_distance=12)
-    cfg = EncoderConfig(layer=t5_layer(), num_layers=3, final_norm=True, relative_bias=rb)
-    p = random_params(init_encoder, cfg, 17)
+    cfg = EncoderConfig(layer=t5_layer(), final_norm=True, relative_bias=rb)
+    p = encoder_params(cfg, 17, 3)
     assert set(p) == {"layers", "rel_bias", "final_norm"}
     assert isinstance(p["layers"], list) and len(p["layers"]) == 3
     assert p["rel_bias"].shape == (8, 2)
@@ -391,8 +449,8 @@ def test_encoder_stack_shared_relative_bias_and_hidden():
 
 
 def test_encoder_stack_no_final_norm_postnorm():
-    cfg = EncoderConfig(layer=bert_layer(), num_layers=2, final_norm=False)
-    p = random_params(init_encoder, cfg, 21)
+    cfg = EncoderConfig(layer=bert_layer(), final_norm=False)
+    p = encoder_params(cfg, 21, 2, BERT_SIZES)
     assert set(p) == {"layers"}
     x = rand(22, (2, 4, 8))
     ref, _ = np_encoder(p, x, cfg)
@@ -401,13 +459,14 @@ def test_encoder_stack_no_final_norm_postnorm():
 
 def test_encoder_stack_flow_of_ranks_leaves_equal_dense():
     # Layers with different leaf types and ranks in one list (not stackable, hence no scan).
-    cfg = EncoderConfig(layer=t5_layer(qkv_keep=0.75), num_layers=2,
+    cfg = EncoderConfig(layer=t5_layer(qkv_keep=0.75),
                         relative_bias=RelativeBiasConfig(num_buckets=8, max_distance=12))
-    p = random_params(init_encoder, cfg, 23)
+    p = encoder_params(cfg, 23, 2)
     d, inner = 8, 6
     for i, r in enumerate((3, 1)):
         lp = p["layers"][i]
-        lp["attn"]["q"] = HeadLowRank(u=rand(30 + i, (d, 2, r)), v=rand(40 + i, (2, r, 3)))
+        q = HeadLowRank(u=rand(30 + i, (d, 2, r)), v=rand(40 + i, (2, r, 3)))
+        lp["attn"]["qk"] = QueryKey(q=q, k=lp["attn"]["qk"].k, widths=(3, 3))
         lp["attn"]["o"] = LowRank(u=rand(50 + i, (inner, r)), v=rand(60 + i, (r, d)))
         lp["mlp"]["wi_1"] = MaskedBinary(w=rand(70 + i, (d, 12)), s=rand(80 + i, (d, 12)),
                                          keep=0.25 * (i + 1))
@@ -421,60 +480,108 @@ def test_encoder_stack_flow_of_ranks_leaves_equal_dense():
     assert max_err(y, ref) <= TOL
 
 
+def test_encoder_stack_per_layer_sizes():
+    # Layers of different head counts and widths; the shared table covers the most heads.
+    sizes = (LayerSizes(num_heads=4, d_head=2, d_ff=12), LayerSizes(num_heads=2, d_head=3,
+                                                                     d_ff=6, d_v=5))
+    cfg = EncoderConfig(layer=bert_layer(),
+                        relative_bias=RelativeBiasConfig(num_buckets=8, max_distance=12))
+    p = random_params(lambda k: init_encoder(k, cfg, d_model=D, layers=sizes), 90)
+    assert p["rel_bias"].shape == (8, 4)
+    l0, l1 = (lp["attn"] for lp in p["layers"])
+    assert l0["qk"].widths == (2,) * 4 and l1["qk"].widths == (3, 3) and l1["heads"].v == (5, 5)
+    assert l1["heads"].ids == (0, 1) and p["layers"][1]["mlp"]["wi"].shape == (8, 6)
+    x = rand(91, (2, 6, 8))
+    ref, _ = np_encoder(p, x, cfg)
+    assert max_err(encoder(p, x, cfg), ref) <= TOL
+
+
+def test_encoder_stack_with_pruned_heads_reads_shared_table_by_id():
+    """Layer 1 keeps original heads (1, 3) of 4: its relative bias is columns 1 and 3 of the
+    shared table, and the stack equals the unpruned one with heads 0 and 2 of layer 1 silenced
+    (their value columns zeroed)."""
+    sizes = LayerSizes(num_heads=4, d_head=2, d_ff=12)
+    cfg = EncoderConfig(layer=t5_layer(),
+                        relative_bias=RelativeBiasConfig(num_buckets=8, max_distance=12))
+    p = encoder_params(cfg, 92, 2, sizes)
+    attn = p["layers"][1]["attn"]
+    keep = np.array([1, 3])
+    vcols = np.array([2, 3, 6, 7])
+    pruned = dict(p, layers=[p["layers"][0], dict(p["layers"][1], attn={
+        "qk": attn["qk"].keep_heads(keep), "v": keep_outputs(attn["v"], vcols),
+        "o": keep_inputs(attn["o"], vcols), "heads": attn["heads"].keep(keep)})])
+    assert pruned["layers"][1]["attn"]["heads"].ids == (1, 3)
+    wv = np.asarray(attn["v"].w).copy()
+    wv[:, [0, 1, 4, 5]] = 0
+    silenced = dict(p, layers=[p["layers"][0], dict(p["layers"][1], attn=dict(
+        attn, v=Dense(jnp.asarray(wv))))])
+    x = rand(93, (2, 6, 8))
+    y = encoder(pruned, x, cfg)
+    assert max_err(y, encoder(silenced, x, cfg)) <= TOL
+    ref, _ = np_encoder(pruned, x, cfg)
+    assert max_err(y, ref) <= TOL
+    assert max_err(y, encoder(p, x, cfg)) > 1e-3
+
+
 def test_decoder_stack_causal_relative_bias():
     # bidirectional=True in the config: decoders still use causal buckets (HF is_decoder).
     rb = RelativeBiasConfig(num_buckets=8, max_distance=12, bidirectional=True)
-    cfg = DecoderConfig(layer=t5_decoder_layer(), num_layers=2, relative_bias=rb)
-    p = random_params(init_decoder, cfg, 25)
+    cfg = DecoderConfig(layer=t5_decoder_layer(), relative_bias=rb)
+    p = decoder_params(cfg, 25, 2)
     assert set(p) == {"layers", "rel_bias", "final_norm"} and len(p["layers"]) == 2
     x, enc = rand(26, (2, 13, 8)), rand(27, (2, 5, 6))
     cross_mask = padding_mask(np.array([[1] * 5, [1] * 3 + [0] * 2], bool))
-    y, hidden = decoder(p, x, enc, cfg, cross_mask=cross_mask, return_hidden=True)
+    y, hidden = decoder(p, x, cfg, enc=enc, cross_mask=cross_mask, return_hidden=True)
     ref, ref_hidden = np_decoder(p, x, enc, cfg, cross_mask=np.asarray(cross_mask))
     assert max_err(y, ref) <= TOL
     assert len(hidden) == 2 and max_err(hidden[1], ref_hidden[1]) <= TOL
     # Causal: later decoder positions never influence earlier outputs.
-    y2 = decoder(p, x.at[:, 7:].add(3.0), enc, cfg, cross_mask=cross_mask)
+    y2 = decoder(p, x.at[:, 7:].add(3.0), cfg, enc=enc, cross_mask=cross_mask)
     assert max_err(y[:, :7], y2[:, :7]) <= TOL
 
 
 def test_decoder_stack_self_mask_no_bias():
-    cfg = DecoderConfig(layer=t5_decoder_layer(prenorm=False, norm=BERT_NORM), num_layers=2,
-                        final_norm=False)
-    p = random_params(init_decoder, cfg, 28)
+    cfg = DecoderConfig(layer=t5_decoder_layer(prenorm=False, norm=BERT_NORM), final_norm=False)
+    p = decoder_params(cfg, 28, 2)
     assert set(p) == {"layers"}
     x, enc = rand(29, (2, 4, 8)), rand(30, (2, 3, 6))
     self_mask = padding_mask(np.array([[1, 1, 1, 1], [1, 1, 0, 0]], bool))
-    y = decoder(p, x, enc, cfg, self_mask=self_mask)
+    y = decoder(p, x, cfg, enc=enc, self_mask=self_mask)
     ref, _ = np_decoder(p, x, enc, cfg, self_mask=np.asarray(self_mask))
     assert max_err(y, ref) <= TOL
 
 
 def test_init_stacks():
-    layer = EncoderLayerConfig(attention=AttentionConfig(d_model=8, num_heads=2),
-                               mlp=MLPConfig(d_model=8, d_ff=12), norm=T5_NORM)
-    cfg = EncoderConfig(layer=layer, num_layers=2,
+    layer = EncoderLayerConfig(attention=AttentionConfig(), mlp=MLPConfig(), norm=T5_NORM)
+    cfg = EncoderConfig(layer=layer,
                         relative_bias=RelativeBiasConfig(num_buckets=8, max_distance=12))
-    p = init_encoder(jax.random.PRNGKey(0), cfg)
+    p = init_encoder(jax.random.PRNGKey(0), cfg, d_model=8,
+                     layers=LayerSizes.uniform(2, num_heads=2, d_head=4, d_ff=12))
     assert set(p) == {"layers", "rel_bias", "final_norm"} and len(p["layers"]) == 2
-    w0, w1 = (np.asarray(lp["attn"]["q"].w) for lp in p["layers"])
+    w0, w1 = (np.asarray(lp["attn"]["qk"].q.w) for lp in p["layers"])
     assert w0.shape == (8, 8) and not np.array_equal(w0, w1)  # distinct keys per layer
     np.testing.assert_array_equal(np.asarray(p["final_norm"]["scale"]), np.ones(8))
     assert p["rel_bias"].shape == (8, 2) and float(jnp.abs(p["rel_bias"]).max()) > 0
-    dcfg = DecoderConfig(layer=t5_decoder_layer(), num_layers=3, final_norm=False)
-    shapes = jax.eval_shape(lambda k: init_decoder(k, dcfg), jax.random.PRNGKey(0))
+    dcfg = DecoderConfig(layer=t5_decoder_layer(), final_norm=False)
+    shapes = jax.eval_shape(
+        lambda k: init_decoder(k, dcfg, d_model=8, d_enc=6,
+                               layers=LayerSizes.uniform(3, num_heads=2, d_head=3, d_ff=12)),
+        jax.random.PRNGKey(0))
     assert set(shapes) == {"layers"} and len(shapes["layers"]) == 3
-    assert shapes["layers"][2]["cross_attn"]["k"].shape == (6, 6)
+    assert shapes["layers"][2]["cross_attn"]["qk"].k.shape == (6, 6)
 
 
 # ---------------------------------------------------------------------------------------------
 # jit / eager / grad / retracing.
 
 def test_encoder_jit_eager_grad_no_retrace():
-    cfg = EncoderConfig(layer=t5_layer(), num_layers=2,
+    cfg = EncoderConfig(layer=t5_layer(),
                         relative_bias=RelativeBiasConfig(num_buckets=8, max_distance=12))
-    p = random_params(init_encoder, cfg, 31)
-    p["layers"][1]["attn"]["k"] = LowRank(u=rand(32, (8, 2)), v=rand(33, (2, 6)))
+    p = encoder_params(cfg, 31, 2)
+    qk = p["layers"][1]["attn"]["qk"]
+    p["layers"][1]["attn"]["qk"] = QueryKey(q=qk.q, k=LowRank(u=rand(32, (8, 2)),
+                                                              v=rand(33, (2, 6))),
+                                            widths=qk.widths)
     x = rand(34, (1, 4, 8))
     assert max_err(apply_encoder(p, x, cfg), encoder(p, x, cfg)) <= TOL
 
@@ -491,47 +598,84 @@ def test_encoder_jit_eager_grad_no_retrace():
 
 
 def test_decoder_grad_structure():
-    cfg = DecoderConfig(layer=t5_decoder_layer(), num_layers=1,
+    cfg = DecoderConfig(layer=t5_decoder_layer(),
                         relative_bias=RelativeBiasConfig(num_buckets=8, max_distance=12))
-    p = random_params(init_decoder, cfg, 35)
+    p = decoder_params(cfg, 35, 1)
     x, enc = rand(36, (1, 4, 8)), rand(37, (1, 3, 6))
-    g = jax.jit(jax.grad(lambda p: jnp.sum(apply_decoder(p, x, enc, cfg) ** 2)))(p)
+    g = jax.jit(jax.grad(lambda p: jnp.sum(apply_decoder(p, x, cfg, enc=enc) ** 2)))(p)
     assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(p)
 
 
 # ---------------------------------------------------------------------------------------------
 # Errors.
 
-def test_layer_config_mismatch_raises():
-    attn = AttentionConfig(d_model=8, num_heads=2)
-    with pytest.raises(ValueError, match="mlp.d_model must equal"):
-        EncoderLayerConfig(attention=attn, mlp=MLPConfig(d_model=6, d_ff=4), norm=T5_NORM)
-    with pytest.raises(ValueError, match="d_kv_in"):
-        EncoderLayerConfig(attention=dataclasses.replace(attn, d_kv_in=6),
-                           mlp=MLPConfig(d_model=8, d_ff=4), norm=T5_NORM)
-    with pytest.raises(ValueError, match="cross_attention.d_model"):
-        DecoderLayerConfig(self_attention=attn,
-                           cross_attention=AttentionConfig(d_model=6, num_heads=2),
-                           mlp=MLPConfig(d_model=8, d_ff=4), norm=T5_NORM)
-    with pytest.raises(ValueError, match="norm must be a NormConfig"):
-        EncoderLayerConfig(attention=attn, mlp=MLPConfig(d_model=8, d_ff=4), norm="rms")
+def test_layer_parameter_mismatch_raises():
+    # Configs no longer carry widths: a mismatch shows up in the parameters, as a ShapeError
+    # that names the problem (raised while tracing, before anything runs).
+    cfg = t5_layer()
+    p = enc_layer_params(cfg, 44)
+    x = rand(45, (1, 3, 8))
+    narrow_mlp = random_params(lambda k: init_mlp(k, cfg.mlp, d_model=6, d_ff=4), 1)
+    with pytest.raises(ShapeError, match="d_in=6"):
+        enc_layer(dict(p, mlp=narrow_mlp), x, cfg)
+    cross_like = random_params(lambda k: init_attention(k, cfg.attention, d_model=8,
+                                                        num_heads=2, d_kv_in=6), 2)
+    with pytest.raises(ShapeError, match="kv must be"):  # keys expect 6 features
+        enc_layer(dict(p, attn=cross_like), x, cfg)
+    dcfg = t5_decoder_layer()
+    dp = dec_layer_params(dcfg, 46)
+    narrow_cross = random_params(lambda k: init_attention(k, dcfg.cross_attention, d_model=6,
+                                                          num_heads=2, d_kv_in=6), 3)
+    with pytest.raises(ShapeError, match="x must be"):
+        dec_layer(dict(dp, cross_attn=narrow_cross), x, dcfg, enc=rand(47, (1, 2, 6)))
+    with pytest.raises(ConfigError, match="norm must be a NormConfig"):
+        EncoderLayerConfig(attention=AttentionConfig(), mlp=MLPConfig(), norm="rms")
+    with pytest.raises(ConfigError, match="cross_attention must be a AttentionConfig"):
+        DecoderLayerConfig(self_attention=AttentionConfig(), cross_attention=None,
+                           mlp=MLPConfig(), norm=T5_NORM)
+    with pytest.raises(ConfigError, match="sizes must be a LayerSizes"):
+        init_encoder_layer(jax.random.PRNGKey(0), cfg, d_model=8, sizes=(2, 3, 12))
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"num_heads": 0, "d_head": 2, "d_ff": 4}, "num_heads"),
+    ({"num_heads": 2, "d_head": -1, "d_ff": 4}, "d_head"),
+    ({"num_heads": 2, "d_head": 2, "d_ff": 1.5}, "d_ff"),
+    ({"num_heads": 2, "d_head": 2, "d_ff": 4, "d_v": 0}, "d_v"),
+])
+def test_bad_layer_sizes_raise(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        LayerSizes(**kwargs)
 
 
 def test_stack_config_and_params_mismatch_raise():
-    with pytest.raises(ValueError, match="num_layers"):
-        EncoderConfig(layer=t5_layer(), num_layers=0)
-    with pytest.raises(ValueError, match="layer must be a DecoderLayerConfig"):
-        DecoderConfig(layer=t5_layer(), num_layers=1)
-    with pytest.raises(ValueError, match="relative_bias must be a RelativeBiasConfig"):
-        EncoderConfig(layer=t5_layer(), num_layers=1, relative_bias=32)
-    cfg = EncoderConfig(layer=t5_layer(), num_layers=2, final_norm=False)
-    p = random_params(init_encoder, cfg, 38)
-    with pytest.raises(ValueError, match="params hold 1 layers"):
-        apply_encoder({"layers": p["layers"][:1]}, rand(39, (1, 3, 8)), cfg)
+    with pytest.raises(ConfigError, match="num_layers"):
+        LayerSizes.uniform(0, num_heads=2, d_head=3, d_ff=12)
+    with pytest.raises(ConfigError, match="non-empty sequence of LayerSizes"):
+        init_encoder(jax.random.PRNGKey(0), EncoderConfig(layer=t5_layer()), d_model=8,
+                     layers=[])
+    with pytest.raises(ConfigError, match="non-empty sequence of LayerSizes"):
+        init_encoder(jax.random.PRNGKey(0), EncoderConfig(layer=t5_layer()), d_model=8,
+                     layers=T5_SIZES)
+    with pytest.raises(ConfigError, match="layer must be a DecoderLayerConfig"):
+        DecoderConfig(layer=t5_layer())
+    with pytest.raises(ConfigError, match="relative_bias must be a RelativeBiasConfig"):
+        EncoderConfig(layer=t5_layer(), relative_bias=32)
+    with pytest.raises(ConfigError, match="final_norm must be a bool"):
+        EncoderConfig(layer=t5_layer(), final_norm=1)
+    cfg = EncoderConfig(layer=t5_layer(), final_norm=False)
+    p = encoder_params(cfg, 38, 2)
+    with pytest.raises(ShapeError, match="non-empty list under 'layers'"):
+        apply_encoder({"layers": []}, rand(39, (1, 3, 8)), cfg)
+    # The stack runs as many layers as its parameters hold.
+    x = rand(39, (1, 3, 8))
+    one = {"layers": p["layers"][:1]}
+    ref, _ = np_encoder(one, x, cfg)
+    assert max_err(encoder(one, x, cfg), ref) <= TOL
 
 
 def test_encoder_mask_of_wrong_rank_raises():
-    cfg = EncoderConfig(layer=t5_layer(), num_layers=1, final_norm=False)
-    p = random_params(init_encoder, cfg, 40)
-    with pytest.raises(ValueError, match="mask must be 4-D"):
+    cfg = EncoderConfig(layer=t5_layer(), final_norm=False)
+    p = encoder_params(cfg, 40, 1)
+    with pytest.raises(ShapeError, match="mask must be 4-D"):
         apply_encoder(p, rand(41, (2, 3, 8)), cfg, mask=jnp.ones((2, 3), bool))

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowrank_jax.leaves import Dense, LowRank, MaskedBinary, materialize
+from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.leaves import Dense, LowRank, MaskedBinary, keep_inputs, keep_outputs, materialize
 from lowrank_jax.nn import MLPConfig, apply_mlp, init_mlp
 
 TOL = 1e-5
@@ -44,14 +45,16 @@ def np_mlp(p, x, activation, gated):
     return np_linear(p["wo"], h)
 
 
-def dense_params(seed, cfg):
+def dense_params(seed, cfg, d_model=8, d_ff=12, d_out=None):
+    """Random Dense weights with init_mlp's names; random biases when cfg.use_bias."""
+    d_out = d_model if d_out is None else d_out
     names = ["wi_0", "wi_1"] if cfg.gated else ["wi"]
     p = {}
     for i, n in enumerate(names):
-        b = rand(seed + 10 + i, (cfg.d_ff,), 0.5) if cfg.use_bias else None
-        p[n] = Dense(w=rand(seed + i, (cfg.d_model, cfg.d_ff), 1.5 / math.sqrt(cfg.d_model)), b=b)
-    b = rand(seed + 20, (cfg.d_model,), 0.5) if cfg.use_bias else None
-    p["wo"] = Dense(w=rand(seed + 5, (cfg.d_ff, cfg.d_model), 1.0 / math.sqrt(cfg.d_ff)), b=b)
+        b = rand(seed + 10 + i, (d_ff,), 0.5) if cfg.use_bias else None
+        p[n] = Dense(w=rand(seed + i, (d_model, d_ff), 1.5 / math.sqrt(d_model)), b=b)
+    b = rand(seed + 20, (d_out,), 0.5) if cfg.use_bias else None
+    p["wo"] = Dense(w=rand(seed + 5, (d_ff, d_out), 1.0 / math.sqrt(d_ff)), b=b)
     return p
 
 
@@ -66,7 +69,7 @@ mlp = jax.jit(apply_mlp, static_argnames=("cfg",))
 @pytest.mark.parametrize("gated", [False, True])
 @pytest.mark.parametrize("use_bias", [False, True])
 def test_mlp_matches_reference(activation, gated, use_bias):
-    cfg = MLPConfig(d_model=8, d_ff=12, activation=activation, gated=gated, use_bias=use_bias)
+    cfg = MLPConfig(activation=activation, gated=gated, use_bias=use_bias)
     p = dense_params(1, cfg)
     x = rand(2, (2, 5, 8))
     assert max_err(mlp(p, x, cfg=cfg), np_mlp(p, x, activation, gated)) <= TOL
@@ -76,27 +79,63 @@ def test_gelu_variants_differ():
     # Exact erf gelu and tanh gelu must not be confused (T5 v1.1 uses the tanh form).
     x = np.linspace(-4, 4, 101)
     assert np.max(np.abs(NP_ACT["gelu"](x) - NP_ACT["gelu_tanh"](x))) > 1e-4
-    cfg = MLPConfig(d_model=8, d_ff=12, activation="gelu")
+    cfg = MLPConfig(activation="gelu")
     p = dense_params(3, cfg)
     xx = rand(4, (1, 6, 8), 2.0)
     y_exact = mlp(p, xx, cfg=cfg)
-    y_tanh = mlp(p, xx, cfg=MLPConfig(d_model=8, d_ff=12, activation="gelu_tanh"))
+    y_tanh = mlp(p, xx, cfg=MLPConfig(activation="gelu_tanh"))
     assert max_err(y_exact, y_tanh) > 1e-5
     assert max_err(y_exact, np_mlp(p, xx, "gelu", False)) <= TOL
 
 
 def test_init_mlp_shapes():
-    p = init_mlp(jax.random.PRNGKey(0), MLPConfig(d_model=8, d_ff=12, use_bias=True))
+    p = init_mlp(jax.random.PRNGKey(0), MLPConfig(use_bias=True), d_model=8, d_ff=12)
     assert set(p) == {"wi", "wo"}
     assert p["wi"].shape == (8, 12) and p["wo"].shape == (12, 8) and p["wi"].b is not None
-    g = init_mlp(jax.random.PRNGKey(0), MLPConfig(d_model=8, d_ff=12, gated=True))
+    g = init_mlp(jax.random.PRNGKey(0), MLPConfig(gated=True), d_model=8, d_ff=12)
     assert set(g) == {"wi_0", "wi_1", "wo"} and g["wi_1"].shape == (8, 12) and g["wo"].b is None
     assert not np.array_equal(np.asarray(g["wi_0"].w), np.asarray(g["wi_1"].w))
+    o = init_mlp(jax.random.PRNGKey(0), MLPConfig(), d_model=8, d_ff=12, d_out=5)
+    assert o["wo"].shape == (12, 5)
+
+
+def test_output_width_differs_from_input():
+    cfg = MLPConfig(activation="relu", use_bias=True)
+    p = dense_params(6, cfg, d_out=5)
+    x = rand(7, (2, 3, 8))
+    y = mlp(p, x, cfg=cfg)
+    assert y.shape == (2, 3, 5)
+    assert max_err(y, np_mlp(p, x, "relu", False)) <= TOL
+
+
+@pytest.mark.parametrize("activation,gated", [("gelu", False), ("silu", True)])
+def test_pruned_hidden_units_equal_zeroed_units(activation, gated):
+    """Physically removing hidden units (keep_outputs on the input projections, keep_inputs on
+    wo) equals zeroing their columns and biases: act(0) = 0 (and 0 * gate = 0)."""
+    cfg = MLPConfig(activation=activation, gated=gated, use_bias=True)
+    p = dense_params(8, cfg)
+    keep = np.array([0, 3, 4, 7, 11])
+    drop = np.setdiff1d(np.arange(12), keep)
+    pruned, zeroed = {}, {}
+    for n, leaf in p.items():
+        if n == "wo":
+            pruned[n] = keep_inputs(leaf, keep)
+            zeroed[n] = leaf
+        else:
+            pruned[n] = keep_outputs(leaf, keep)
+            w, b = np.asarray(leaf.w).copy(), np.asarray(leaf.b).copy()
+            w[:, drop], b[drop] = 0, 0
+            zeroed[n] = Dense(jnp.asarray(w), jnp.asarray(b))
+    assert pruned["wo"].shape == (5, 8)
+    x = rand(9, (2, 3, 8))
+    y = mlp(pruned, x, cfg=cfg)
+    assert max_err(y, np_mlp(zeroed, x, activation, gated)) <= TOL
+    assert max_err(y, np_mlp(p, x, activation, gated)) > 1e-3
 
 
 @pytest.mark.parametrize("gated", [False, True])
 def test_compressed_leaves_equal_dense_materialization(gated):
-    cfg = MLPConfig(d_model=8, d_ff=12, activation="gelu_tanh", gated=gated, use_bias=True)
+    cfg = MLPConfig(activation="gelu_tanh", gated=gated, use_bias=True)
     p = {}
     names = ["wi_0", "wi_1"] if gated else ["wi"]
     for i, n in enumerate(names):
@@ -114,7 +153,7 @@ def test_compressed_leaves_equal_dense_materialization(gated):
 
 
 def test_jit_eager_grad_and_no_retrace():
-    cfg = MLPConfig(d_model=8, d_ff=12, activation="silu", gated=True)
+    cfg = MLPConfig(activation="silu", gated=True)
     p = dense_params(20, cfg)
     p["wi_1"] = LowRank(u=rand(21, (8, 2)), v=rand(22, (2, 12)))
     x = rand(23, (2, 3, 8))
@@ -132,17 +171,32 @@ def test_jit_eager_grad_and_no_retrace():
     chex.clear_trace_counter()
 
 
-@pytest.mark.parametrize("kwargs,field", [
+@pytest.mark.parametrize("sizes,field", [
     ({"d_model": 0, "d_ff": 4}, "d_model"),
     ({"d_model": 4, "d_ff": -1}, "d_ff"),
-    ({"d_model": 4, "d_ff": 4, "activation": "tanh"}, "activation"),
+    ({"d_model": 4, "d_ff": 4, "d_out": 0}, "d_out"),
+    ({"d_model": 4, "d_ff": 2.0}, "d_ff"),
+])
+def test_bad_init_sizes_raise(sizes, field):
+    with pytest.raises(ConfigError, match=field):
+        init_mlp(jax.random.PRNGKey(0), MLPConfig(), **sizes)
+
+
+@pytest.mark.parametrize("kwargs,field", [
+    ({"activation": "tanh"}, "activation"),
+    ({"gated": 1}, "gated"),
+    ({"use_bias": "no"}, "use_bias"),
 ])
 def test_bad_config_raises(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=field):
         MLPConfig(**kwargs)
 
 
 def test_wrong_input_width_raises():
-    cfg = MLPConfig(d_model=8, d_ff=12)
-    with pytest.raises(ValueError, match="d_in=8"):
+    cfg = MLPConfig()
+    with pytest.raises(ShapeError, match="d_in=8"):
         apply_mlp(dense_params(30, cfg), jnp.ones((2, 6)), cfg)
+    # Mismatched parameters: a wo whose inputs do not match the hidden width.
+    p = dense_params(31, cfg)
+    with pytest.raises(ShapeError, match="d_in=10"):
+        apply_mlp(dict(p, wo=Dense(rand(32, (10, 8)))), jnp.ones((2, 8)), cfg)

@@ -1,11 +1,20 @@
-"""LayerNorm and T5 RMSNorm against plain float64 NumPy."""
+"""LayerNorm and T5 RMSNorm against plain float64 NumPy; BatchNorm against PyTorch's
+``BatchNorm1d``."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lowrank_jax.nn import NormConfig, apply_norm, init_norm
+from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.nn import (
+    BatchNormConfig,
+    NormConfig,
+    apply_batch_norm,
+    apply_norm,
+    init_batch_norm,
+    init_norm,
+)
 
 TOL = 1e-5
 
@@ -103,10 +112,99 @@ def test_jit_eager_and_grad():
 @pytest.mark.parametrize("kwargs,field", [({"kind": "batch"}, "kind"), ({"eps": 0.0}, "eps"),
                                           ({"eps": -1.0}, "eps")])
 def test_bad_config_raises(kwargs, field):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(ConfigError, match=field):
         NormConfig(**kwargs)
 
 
 def test_scale_shape_mismatch_raises():
-    with pytest.raises(ValueError, match="'scale' must have shape"):
+    with pytest.raises(ShapeError, match="'scale' must have shape"):
         apply_norm({"scale": jnp.ones(5)}, jnp.ones((2, 6)), NormConfig("rms"))
+
+
+# ---------------------------------------------------------------------------------------------
+# BatchNorm: PyTorch BatchNorm1d on [batch, features, time] is the reference.
+
+bn = jax.jit(apply_batch_norm, static_argnames=("cfg", "train"))
+
+
+@pytest.mark.parametrize("momentum,eps", [(0.1, 1e-5), (0.3, 1e-3)])
+def test_batch_norm_matches_torch_train_then_eval(momentum, eps):
+    import torch  # the reference; imported here so the other tests do not pay for it
+    d = 6
+    cfg = BatchNormConfig(eps=eps, momentum=momentum)
+    params, state = init_batch_norm(d)
+    params = {"scale": rand(20, (d,), 0.5, 1.0), "bias": rand(21, (d,))}
+    ref = torch.nn.BatchNorm1d(d, eps=eps, momentum=momentum)
+    with torch.no_grad():
+        ref.weight.copy_(torch.tensor(np.array(params["scale"])))
+        ref.bias.copy_(torch.tensor(np.array(params["bias"])))
+    ref.train()
+    for step in range(2):  # two training steps: running statistics follow PyTorch's update
+        x = rand(22 + step, (4, d, 5), 2.0, 1.5)  # [batch, features, time] as torch wants it
+        with torch.no_grad():
+            y_ref = ref(torch.tensor(np.array(x))).numpy()
+        y, state = bn(params, jnp.transpose(x, (0, 2, 1)), cfg=cfg, state=state, train=True)
+        assert max_err(jnp.transpose(y, (0, 2, 1)), y_ref) <= TOL
+        assert max_err(state["mean"], ref.running_mean.numpy()) <= TOL
+        assert max_err(state["var"], ref.running_var.numpy()) <= TOL
+    ref.eval()
+    x = rand(30, (3, d, 7), 2.0, -1.0)
+    with torch.no_grad():
+        y_ref = ref(torch.tensor(np.array(x))).numpy()
+    y, new_state = bn(params, jnp.transpose(x, (0, 2, 1)), cfg=cfg, state=state, train=False)
+    assert max_err(jnp.transpose(y, (0, 2, 1)), y_ref) <= TOL
+    for k in ("mean", "var"):  # evaluation leaves the running statistics unchanged
+        np.testing.assert_array_equal(np.asarray(new_state[k]), np.asarray(state[k]))
+
+
+def test_batch_norm_train_and_eval_against_numpy():
+    # Independent of torch: statistics over every axis but the last, biased variance to
+    # normalize, unbiased variance in the running average.
+    d, cfg = 3, BatchNormConfig(eps=1e-5, momentum=0.25)
+    params = {"scale": rand(40, (d,), 0.5, 1.0), "bias": rand(41, (d,))}
+    state = {"mean": rand(42, (d,)), "var": rand(43, (d,), 0.1, 1.0)}
+    x = rand(44, (2, 3, 4, d), 1.5, 0.5)  # any number of leading axes
+    xn = np.asarray(x, np.float64).reshape(-1, d)
+    mean, var = xn.mean(0), xn.var(0)
+    scale, bias = np.asarray(params["scale"], np.float64), np.asarray(params["bias"], np.float64)
+    y, new = bn(params, x, cfg=cfg, state=state, train=True)
+    ref = (np.asarray(x, np.float64) - mean) / np.sqrt(var + 1e-5) * scale + bias
+    assert max_err(y, ref) <= TOL
+    n = xn.shape[0]
+    assert max_err(new["mean"], 0.75 * np.asarray(state["mean"]) + 0.25 * mean) <= TOL
+    assert max_err(new["var"], 0.75 * np.asarray(state["var"]) + 0.25 * var * n / (n - 1)) <= TOL
+    y_eval, _ = bn(params, x, cfg=cfg, state=state, train=False)
+    rm, rv = np.asarray(state["mean"], np.float64), np.asarray(state["var"], np.float64)
+    assert max_err(y_eval, (np.asarray(x, np.float64) - rm) / np.sqrt(rv + 1e-5) * scale
+                   + bias) <= TOL
+
+
+def test_init_batch_norm_and_errors():
+    params, state = init_batch_norm(4)
+    np.testing.assert_array_equal(np.asarray(params["scale"]), np.ones(4))
+    np.testing.assert_array_equal(np.asarray(params["bias"]), np.zeros(4))
+    np.testing.assert_array_equal(np.asarray(state["mean"]), np.zeros(4))
+    np.testing.assert_array_equal(np.asarray(state["var"]), np.ones(4))
+    with pytest.raises(ConfigError, match="d must be a positive int"):
+        init_batch_norm(0)
+    with pytest.raises(ShapeError, match="'scale' must have shape"):
+        apply_batch_norm(params, jnp.ones((2, 5)), BatchNormConfig(), state=state, train=True)
+    for kwargs, field in (({"eps": 0.0}, "eps"), ({"momentum": 1.5}, "momentum")):
+        with pytest.raises(ConfigError, match=field):
+            BatchNormConfig(**kwargs)
+
+
+def test_batch_norm_grad_reaches_params_not_state():
+    cfg = BatchNormConfig()
+    params, state = init_batch_norm(3)
+    x = rand(50, (4, 5, 3))
+
+    def loss(p):
+        y, _ = apply_batch_norm(p, x, cfg, state=state, train=True)
+        return jnp.sum(y * rand(51, (4, 5, 3)))
+
+    g = jax.grad(loss)(params)
+    assert jax.tree_util.tree_structure(g) == jax.tree_util.tree_structure(params)
+    # d/d bias of sum(y * r) is sum(r) over the batch axes.
+    np.testing.assert_allclose(np.asarray(g["bias"]),
+                               np.asarray(rand(51, (4, 5, 3)), np.float64).sum((0, 1)), atol=TOL)
