@@ -28,6 +28,10 @@ from lowrank_jax.leaves import flops, param_count
 from lowrank_jax.models import apply as model_apply
 from lowrank_jax.models import family_of, primary_output
 
+#: ``models.apply`` jitted once per (config, tree structure): repeated comparisons of one model
+#: reuse the compiled forward.
+_forward = jax.jit(model_apply, static_argnums=(2,))
+
 
 def sample_inputs(config: Any, *, batch: int = 8, seed: int = 0) -> dict:
     """Representative inputs for ``config``'s model family (its ``sample_inputs``; real series
@@ -83,7 +87,9 @@ def compare_models(config: Any, params: Any, new_params: Any, *, inputs: dict | 
     """
     family = family_of(config)
     inputs = sample_inputs(config) if inputs is None else inputs
-    fwd = jax.jit(lambda p, inp: model_apply(p, inp, config))
+    def fwd(p, inp):
+        return _forward(p, inp, config)
+
     ref = fwd(params, inputs)
     new = fwd(new_params, inputs)
     key = primary_output(family, ref)

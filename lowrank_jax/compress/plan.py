@@ -74,8 +74,8 @@ class Step:
       settings: the method's settings (JSON values; lists are stored as tuples).
 
     Raises:
-      PlanError: a malformed rule or an invalid regular expression (naming the rule), settings
-        that are not a dict of JSON values.
+      PlanError: no rules, a malformed rule or an invalid regular expression (naming the
+        rule), settings that are not a dict of JSON values.
     """
 
     method: str
@@ -88,6 +88,10 @@ class Step:
                             where="method", expected="a method name", actual=self.method)
         where = f"step ({self.method})"
         compiled = normalize_rules(self.rules, where=where)
+        if not compiled:
+            raise PlanError(f"{where}: no rules: give at least one path rule (for example "
+                            "ATTENTION_QKVO, the attention projections)", where="rules",
+                            expected="at least one rule", actual=[])
         object.__setattr__(self, "rules", tuple(
             (r.pattern, None if r.action is None else _freeze(r.action, f"{where}: rule "
                                                               f"{r.pattern!r}"))

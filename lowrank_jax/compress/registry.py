@@ -15,8 +15,11 @@ A method is ``fn(params, selection, settings, ctx) -> (new_params, rows)``:
 
 Adding a method is a module with the function and one :func:`register_method` call::
 
-    from lowrank_jax import Dense, materialize, replace_paths
+    import jax.numpy as jnp
+
+    from lowrank_jax import Dense, materialize
     from lowrank_jax.compress import Row, register_method
+    from lowrank_jax.leaves import replace_paths
 
     def round_weights(params, selection, settings, ctx):
         new, rows = {}, []
@@ -28,7 +31,8 @@ Adding a method is a module with the function and one :func:`register_method` ca
 
     register_method("round", round_weights, settings=("decimals",))
 
-after which ``Step("round", ["mlp/"], {"decimals": 1})`` works in any plan and in JSON.
+after which ``Step("round", ["mlp/"], {"decimals": 1})`` works in any plan and in JSON. (Dense
+drops the bias here; a real method keeps it with :func:`lowrank_jax.bias_of`.)
 """
 
 from __future__ import annotations

@@ -122,6 +122,8 @@ def test_step_validation():
         Step("svd", ["attn/v$"], {"eps": float("nan")})
     with pytest.raises(PlanError, match="method must be a non-empty string"):
         Step("", ["attn/v$"])
+    with pytest.raises(PlanError, match=r"step \(svd\): no rules"):
+        Plan.from_json('{"steps": [{"method": "svd", "settings": {"eps": 0.1}}]}')
 
 
 @pytest.mark.parametrize("plan, needles", [
