@@ -1,4 +1,5 @@
-"""Rank schedules vs the formulas of seed 000 sec. 5 and App. K, computed here."""
+"""Rank schedules vs the formulas of "Understanding Transformers for Time Series" (sec. 5 and
+App. K), computed here."""
 
 import math
 from fractions import Fraction
@@ -23,7 +24,7 @@ def test_power_schedule_formula(d0, alpha, D):
 
 
 def test_power_schedule_alpha_zero_is_constant():
-    assert power_schedule(64, 0.0, 6) == [64] * 6  # the baseline row of seed 000 Table 3
+    assert power_schedule(64, 0.0, 6) == [64] * 6  # the baseline row of Table 3
     assert power_schedule(2.5, 0, 3) == [3, 3, 3]
 
 

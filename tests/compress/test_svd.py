@@ -203,7 +203,8 @@ def test_head_truncated_svd_per_head_equals_numpy():
     for i in range(h):
         ref = np_truncate(w[:, i * d_h:(i + 1) * d_h], 2)
         np.testing.assert_allclose(dense[:, i * d_h:(i + 1) * d_h], ref, atol=1e-5)
-    # per-head sketches beat one shared sketch of the same per-head rank (seed 000 Thm. 6)
+    # per-head sketches beat one shared sketch of the same per-head rank ("Understanding
+    # Transformers for Time Series", Thm. 6)
     shared = np_truncate(w, 2)
     assert spec_norm(w - dense) < spec_norm(w - shared)
 
