@@ -67,7 +67,8 @@ class CheckpointError(LowrankJaxError, ValueError):
 
     def __init__(self, source: str, *, missing: dict | None = None,
                  unexpected: dict | None = None, mismatched: dict | None = None,
-                 note: str | None = None, message: str | None = None):
+                 note: str | None = None, message: str | None = None, expected=None,
+                 actual=None):
         self.source = source
         self.missing = dict(missing or {})
         self.unexpected = dict(unexpected or {})
@@ -84,7 +85,7 @@ class CheckpointError(LowrankJaxError, ValueError):
             lines.append(f"  wrong shape for {k!r}: expected {_shape(e)}, got {_shape(a)}")
         if note:
             lines.append(note)
-        super().__init__("\n".join(lines), where=source)
+        super().__init__("\n".join(lines), where=source, expected=expected, actual=actual)
 
 
 class DataError(LowrankJaxError, ValueError):
@@ -92,7 +93,8 @@ class DataError(LowrankJaxError, ValueError):
 
 
 class LeafTypeError(LowrankJaxError, TypeError):
-    """An operation does not support a leaf type (for example truncating a binary leaf)."""
+    """A value's type is not supported: by an operation (for example truncating a binary leaf)
+    or for saving."""
 
 
 class MissingFileError(LowrankJaxError, FileNotFoundError):

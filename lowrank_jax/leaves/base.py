@@ -199,7 +199,7 @@ class Leaf(abc.ABC):
         ``'rank'`` (a factorization's inner dimension), ``'heads'``, ``'head_dim'``,
         ``'machine'`` (partitioned leaves). ``None`` marks a dimension with no name.
         :func:`lowrank_jax.leaves.mesh_shardings` maps names to mesh axes; FSDP shards any
-        dimension by size. Children that are ``None`` are omitted.
+        dimension by size. Entries for children that are ``None`` are ignored.
         """
 
     # -- training ---------------------------------------------------------------------------

@@ -142,7 +142,8 @@ class MaskedBinary(Leaf):
         m = self.mask()
         sign = jnp.where(self.w >= 0, 1, -1).astype(jnp.int8)
         signs = (sign * m.astype(jnp.int8)).astype(jnp.int8)
-        return FrozenBinary(signs=signs, alpha=jnp.asarray(self.alpha(), self.w.dtype), b=self.b)
+        return FrozenBinary(signs=signs, alpha=jnp.asarray(self.alpha(), self.w.dtype), b=self.b,
+                            n_keep=self.n_keep)
 
     def keep_inputs(self, idx):
         return self.freeze().keep_inputs(idx)
@@ -164,6 +165,7 @@ class FrozenBinary(Leaf):
       signs: ``int8 [d_in, d_out]`` in ``{-1, 0, +1}`` (0 = pruned by the mask).
       alpha: float scalar gain (frozen).
       b: optional float bias ``[d_out]`` (trainable).
+      n_keep: static number of non-zero signs (computed from ``signs`` when they are concrete).
 
     What a trained :class:`MaskedBinary` becomes for inference or surgery
     (:meth:`MaskedBinary.freeze`). Counts follow the same accounting: one bit per non-zero
@@ -173,6 +175,7 @@ class FrozenBinary(Leaf):
     signs: Array
     alpha: Array
     b: Array | None = None
+    n_keep: int | None = None
 
     def __post_init__(self):
         if isinstance(self.signs, CONCRETE):
@@ -180,14 +183,15 @@ class FrozenBinary(Leaf):
                 raise ShapeError(f"FrozenBinary: signs must be 2-D, got "
                                  f"{tuple(self.signs.shape)}")
             check_bias("FrozenBinary", self.b, self.signs.shape[1])
+            if self.n_keep is None:  # static, so counts work on abstract and traced trees too
+                object.__setattr__(self, "n_keep", int(np.count_nonzero(np.asarray(self.signs))))
+        if self.n_keep is None:
+            raise ShapeError("FrozenBinary: n_keep (the number of non-zero signs) must be given "
+                             "when signs is not a concrete array", where="n_keep")
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.signs.shape)
-
-    @property
-    def n_keep(self) -> int:
-        return int(np.count_nonzero(np.asarray(self.signs)))
 
     def to_dense(self) -> Array:
         return self.alpha * self.signs.astype(jnp.asarray(self.alpha).dtype)
@@ -226,7 +230,7 @@ class FrozenBinary(Leaf):
         return {"signs": ("in", "out"), "alpha": (), "b": ("out",)}
 
 
-FrozenBinary = leaf_dataclass(FrozenBinary)
+FrozenBinary = leaf_dataclass(FrozenBinary, meta=("n_keep",))
 
 
 def init_masked_binary(key: Array, d_in: int, d_out: int, keep: float, *, bias: bool = False,

@@ -65,8 +65,9 @@ class QK(abc.ABC):
 
     @abc.abstractmethod
     def score_flops(self, q_len: int, k_len: int) -> int:
-        """Multiply-adds of the logits beyond the projections (per batch element, as
-        executed): ``sum_h q_len * k_len * width_h`` for query-key pairs, plus any fusion."""
+        """Multiply-adds of the logits beyond the projections (per batch element), as executed:
+        for :class:`QueryKey`, ``q_len * k_len * heads * max(widths)`` (irregular widths run
+        zero-padded to the widest head); factorizations add their head-fusion cost."""
 
     @abc.abstractmethod
     def joint(self) -> Array:

@@ -132,7 +132,7 @@ def flops(tree: Any, n_tokens: int) -> int:
 
     These are the projections' counts. Attention score products (``q k^T`` and the weighted
     sum of values, which grow with the square of the sequence length) are counted by
-    :func:`lowrank_jax.nn.attention_flops`.
+    :func:`lowrank_jax.nn.attention_score_flops`.
     """
     n = check_tokens(n_tokens, "flops")
     return sum(node.flops(n) for _, node in named_leaves(tree) if isinstance(node, Leaf))

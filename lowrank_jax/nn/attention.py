@@ -178,7 +178,10 @@ class AttentionConfig:
         channels are removed later.
       qkv_keep: keep fraction of the fixed Q/K/V activation masks ("Sparse Binary Transformers
         for Multivariate Time Series Modeling", sec. 3.3.1); ``None`` disables them. They need a
-        query-key object with per-head query and key activations (:class:`QueryKey`).
+        query-key object with per-head query and key activations (:class:`QueryKey`). The
+        masks are drawn over the block's *current* widest head: removing channels inside heads
+        changes which mask entries the kept channels meet, so channel pruning and fixed
+        activation masks do not compose yet (removing whole heads of equal width does).
       qkv_mask_seed: base seed of those masks; layer ``l`` uses ``qkv_mask_seed + l``.
     """
 
@@ -299,7 +302,8 @@ def attention_params(params: dict, where: str = "attention") -> tuple[QK, object
         raise ShapeError(
             f"{where}: attention parameters must be a dict with 'qk', 'v', 'o' and 'heads' "
             f"(from init_attention), got {got}. Parameter trees of lowrank_jax 0.1 ('q', 'k', "
-            "'v', 'o') are upgraded by lowrank_jax.io.load_model",
+            "'v', 'o') are upgraded by lowrank_jax.io.load_model (model checkpoints) or "
+            "lowrank_jax.io.upgrade_attention (bare parameter trees)",
             where=where, expected=["heads", "o", "qk", "v"], actual=got)
     qk, v, o, heads = params["qk"], params["v"], params["o"], params["heads"]
     if not isinstance(qk, QK):
