@@ -1,13 +1,24 @@
 """lowrank_jax: a functional JAX library for compressed transformers.
 
 Parameter trees hold *leaves* (:class:`Dense`, :class:`LowRank`, :class:`HeadLowRank`,
-:class:`MaskedBinary`); every block computes ``x @ W`` through :func:`linear`. See the README's
-architecture section for the layers of the package: ``leaves``, ``nn``, ``models``,
-``analysis``, ``compress``, ``io``, ``convert``, ``cli``.
+:class:`MaskedBinary`, ...); every block computes ``x @ W`` through :func:`linear` and attention
+logits through :func:`attention_logits` on a query-key object (:class:`QueryKey`, ...).
+Surgery is a :class:`Plan` applied with :func:`apply_plan` (the ``lowrank_jax.compress``
+package holds the methods and the convenience ``compress.compress`` for truncated SVD). See the
+README's architecture section for the layers of the package: ``errors``, ``leaves``, ``nn``,
+``models``, ``analysis``, ``compress``, ``io``, ``train``, ``convert``, ``cli``.
 """
 
 from lowrank_jax.analysis import analyze, eps_rank
-from lowrank_jax.compress import compress, head_truncated_svd, project_inputs, truncated_svd
+from lowrank_jax.compress import (
+    Plan,
+    Step,
+    apply_plan,
+    factorize_init,
+    head_truncated_svd,
+    project_inputs,
+    truncated_svd,
+)
 from lowrank_jax.leaves import (
     QK,
     Dense,
@@ -45,7 +56,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
-    "MaskedBinary", "QueryKey", "analyze", "attention_logits", "combine", "compress", "eps_rank",
+    "MaskedBinary", "Plan", "QueryKey", "Step", "analyze", "apply_plan", "attention_logits",
+    "combine", "eps_rank", "factorize_init",
     "flops", "head_truncated_svd", "init_dense", "init_head_lowrank", "init_lowrank",
     "init_masked_binary", "is_leaf", "keep_inputs", "keep_outputs", "leaf_dataclass", "linear",
     "map_with_path", "materialize", "materialize_host", "named_leaves", "param_count",

@@ -67,7 +67,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     series, source = builtin_series()
     context = 128
     x = windows(series, context, 64 if quick else 256)
-    apply = jax.jit(lambda p, s: pe.apply(p, s, cfg, return_hidden=True))
+    apply = jax.jit(lambda p, s: pe.encode(p, s, cfg, return_hidden=True))
     y, hidden = apply(params, x)
     patches = pe.patchify(x, cfg)
     emb = pe.embed(params, patches, cfg)
@@ -87,8 +87,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
         params["encoder"],
         eps=(0.01, 0.05, 0.1),
         hidden=hidden,
-        num_heads=cfg.num_heads,
-        pattern=r"attn/(q|k|v|o)$",
+        pattern=r"attn/(qk/q|qk/k|v|o)$",
     )
     print("\nflow-of-ranks: eps-rank of the hidden states entering each layer")
     for h in report.hidden:
@@ -109,11 +108,15 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     inputs = {}
     for i, h in enumerate(hidden):
         xin = apply_norm(layers[i]["attn_norm"], h, norm_cfg)
-        for name in ("q", "k", "v"):
+        for name in ("qk/q", "qk/k", "v"):
             inputs[f"layers/{i}/attn/{name}"] = np.asarray(xin).reshape(-1, cfg.d_model)
-    rules = (r"attn/(q|k|v)$",)
+    rules = (r"attn/(qk/q|qk/k|v)$",)
     rows = []
-    full = param_count([layers[i]["attn"][n] for i in range(cfg.num_layers) for n in "qkv"])
+
+    def qkv_size(layers) -> int:
+        return param_count([(lp["attn"]["qk"], lp["attn"]["v"]) for lp in layers])
+
+    full = qkv_size(layers)
     print("\ncompressing attention q/k/v (no fine-tuning): final-state error on the windows")
     print(f"  {'method':<26} {'rank':>5} {'size ratio':>11} {'rel. error':>11}")
     for rank in (4, 8, 16, 32):
@@ -130,10 +133,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
                 **extra,
             )
             y_c, _ = apply({**params, "encoder": new_enc}, x)
-            new_layers = new_enc["layers"]
-            size = param_count(
-                [new_layers[i]["attn"][n] for i in range(cfg.num_layers) for n in "qkv"]
-            )
+            size = qkv_size(new_enc["layers"])
             row = {
                 "method": method,
                 "rank": rank,
@@ -159,8 +159,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
             keep_dense_if_larger=False,
         )
         y_c, _ = apply({**params, "encoder": new_enc}, x)
-        new_layers = new_enc["layers"]
-        size = param_count([new_layers[i]["attn"][n] for i in range(cfg.num_layers) for n in "qkv"])
+        size = qkv_size(new_enc["layers"])
         row = {
             "method": f"{label} {ranks}",
             "rank": ranks,

@@ -38,52 +38,41 @@ def _parse_rules(rules: list[str] | None):
     return tuple(out)
 
 
-def _model_dims(config) -> dict:
-    """num_heads / num_layers of a model config, for per-head analysis and schedules."""
-    if config is None:
-        return {}
-    for cfg in (config, getattr(config, "t5", None)):
-        if cfg is None:
-            continue
-        heads = getattr(cfg, "num_heads", None) or getattr(cfg, "num_attention_heads", None)
-        layers = getattr(cfg, "num_layers", None) or getattr(cfg, "num_hidden_layers", None)
-        if heads or layers:
-            return {"num_heads": heads, "num_layers": layers}
-    return {}
+def _num_layers(params) -> int | None:
+    """The deepest stack's layer count (for --schedule), read from the parameters."""
+    from lowrank_jax.leaves import layer_index, named_leaves
+
+    idx = [layer_index(p) for p, _ in named_leaves(params)]
+    idx = [i for i in idx if i is not None]
+    return max(idx) + 1 if idx else None
 
 
 def _load(path):
-    """``(config or None, params, metadata)`` of a params or model checkpoint."""
-    from lowrank_jax.io import config_from_dict, load_metadata, load_params
+    """``(config or None, params, metadata)`` of a params or model checkpoint (0.1 model
+    checkpoints are upgraded to the current attention layout)."""
+    from lowrank_jax.io import load_metadata, load_model, load_params
 
     meta = load_metadata(path)
-    config = config_from_dict(meta["config"], source=str(path)) if "config" in meta else None
-    meta = {**_model_dims(config), **{k: v for k, v in meta.items() if v is not None}}
-    return config, load_params(path), meta
+    config, params = load_model(path) if "config" in meta else (None, load_params(path))
+    return config, params, {k: v for k, v in meta.items() if v is not None}
 
 
 def cmd_analyze(args) -> int:
     from lowrank_jax.analysis import analyze
 
     config, params, meta = _load(args.params)
-    num_heads = args.heads or meta.get("num_heads")
-    report = analyze(
-        params,
-        eps=args.eps,
-        num_heads=num_heads,
-        pattern=args.pattern,
-        progress=not args.no_progress,
-    )
+    report = analyze(params, eps=args.eps, pattern=args.pattern, progress=not args.no_progress)
     print(report.format_table())
     out = report.to_dict()
     if args.sweep or args.sweep_heads:
-        out["sweep"] = _analyze_sweep(args, config, params, num_heads)
+        out["sweep"] = _analyze_sweep(args, config, params)
     _write_json(args.json, out)
     return 0
 
 
-def _analyze_sweep(args, config, params, num_heads) -> dict:
-    """``analyze --sweep``: the ratio -> error curve (seed 000 Table 2) and per-head sweeps."""
+def _analyze_sweep(args, config, params) -> dict:
+    """``analyze --sweep``: the ratio -> error curve (Table 2 of "Understanding Transformers for
+    Time Series") and per-head sweeps."""
     from lowrank_jax.compress import eps_sweep
 
     result: dict = {}
@@ -104,47 +93,28 @@ def _analyze_sweep(args, config, params, num_heads) -> dict:
             line += f"  {r['rel_error']:>14.3e}" if config is not None else ""
             print(line)
     if args.sweep_heads:
-        result["heads"] = _head_sweeps(args, config, params, num_heads)
+        result["heads"] = _head_sweeps(args, params)
     return result
 
 
-def _head_sweeps(args, config, params, num_heads) -> list[dict]:
-    """head_rank_sweep on every attention block, on synthetic N(0, 1) inputs."""
+def _head_sweeps(args, params) -> list[dict]:
+    """head_rank_sweep on every attention block, on synthetic N(0, 1) inputs. Head counts,
+    widths and the logit scale come from each block's parameters."""
     import numpy as np
 
-    from lowrank_jax.compress import head_rank_sweep
-    from lowrank_jax.leaves import materialize, named_leaves
-    from lowrank_jax.models import T5Config
-    from lowrank_jax.nn import AttentionConfig
+    from lowrank_jax.compress import attention_blocks, head_rank_sweep
 
-    if not num_heads:
-        raise ValueError("--sweep-heads needs --heads (or num_heads in the checkpoint metadata)")
-    blocks: dict = {}
-    for path, node in named_leaves(params):
-        prefix, _, name = path.rpartition("/")
-        if prefix.endswith("attn") and name in ("q", "k", "v", "o"):
-            blocks.setdefault(prefix, {})[name] = node
-    # T5-family attention is unscaled (T5 folds 1/sqrt(d_head) into its init).
-    unscaled = isinstance(config, T5Config) or isinstance(getattr(config, "t5", None), T5Config)
     rng = np.random.default_rng(0)
     out = []
-    for prefix, attn in blocks.items():
-        if set(attn) != {"q", "k", "v", "o"}:
-            continue
-        d_model, inner = np.shape(materialize(attn["q"]))
-        d_kv = np.shape(materialize(attn["k"]))[0]
-        if inner % num_heads:
-            raise ValueError(f"--sweep-heads: {prefix}: {num_heads} heads do not divide {inner}")
-        cfg = AttentionConfig(d_model=int(d_model), num_heads=int(num_heads),
-                              d_head=int(inner // num_heads), d_kv_in=int(d_kv),
-                              scaled=not unscaled)
-        k = min(cfg.head_dim, cfg.d_model, cfg.kv_dim)
+    for prefix, block in attention_blocks(params):
+        qk = block["qk"]
+        k = min(qk.d_q_in, max(qk.widths))
         ranks = sorted({r for r in (args.sweep_ranks or []) if 0 <= r <= k}) or sorted(
             {min(2 ** i, k) for i in range(int(np.log2(k)) + 1)} | {k})
-        x = rng.normal(size=(2, 32, cfg.d_model)).astype(np.float32)
-        kv = None if "cross" not in prefix and d_kv == d_model else rng.normal(
-            size=(2, 32, cfg.kv_dim)).astype(np.float32)
-        err = np.asarray(head_rank_sweep(attn, x, cfg, ranks, kv=kv))
+        x = rng.normal(size=(2, 32, qk.d_q_in)).astype(np.float32)
+        kv = None if qk.d_k_in == qk.d_q_in and "cross" not in prefix else rng.normal(
+            size=(2, 32, qk.d_k_in)).astype(np.float32)
+        err = np.asarray(head_rank_sweep(block, x, None, ranks, kv=kv))
         out.append({"block": prefix, "ranks": ranks, "rel_error": err.tolist()})
     print(f"\nper-head rank sweep (q/k/v of one head truncated, synthetic N(0, 1) inputs, "
           f"relative output error; {len(out)} attention blocks)")
@@ -156,45 +126,49 @@ def _head_sweeps(args, config, params, num_heads) -> list[dict]:
 
 
 def cmd_compress(args) -> int:
-    from lowrank_jax.compress import compress
+    import jax
+
+    from lowrank_jax.compress import Plan, Step, apply_plan
     from lowrank_jax.io import save_model, save_params
 
     config, params, meta = _load(args.params)
-    num_heads = args.heads or meta.get("num_heads")
-    schedule = None
-    if args.schedule:
-        from lowrank_jax.compress import interpolation_schedule, power_schedule
+    if args.plan:
+        if any(v is not None for v in (args.eps, args.rank, args.ratio, args.schedule)):
+            raise SystemExit("--plan replaces --eps/--rank/--ratio/--schedule; give one or the "
+                             "other")
+        plan = Plan.from_file(args.plan)
+    else:
+        settings: dict = {"per_head": args.per_head, "allocation": args.allocation}
+        if args.schedule:
+            from lowrank_jax.compress import interpolation_schedule, power_schedule
 
-        kind, *vals = args.schedule.split(":")
-        n_layers = args.num_layers or meta.get("num_layers")
-        if not n_layers:
-            raise SystemExit(
-                "--schedule needs --num-layers (or num_layers in the checkpoint metadata)"
-            )
-        nums = [float(v) for v in vals]
-        if kind == "power" and len(nums) == 2:
-            schedule = power_schedule(nums[0], nums[1], int(n_layers))
-        elif kind == "interp" and len(nums) == 3:
-            schedule = interpolation_schedule(int(nums[0]), int(nums[1]), nums[2], int(n_layers))
+            kind, *vals = args.schedule.split(":")
+            n_layers = args.num_layers or _num_layers(params)
+            if not n_layers:
+                raise SystemExit("--schedule needs --num-layers (no 'layers/<i>/' in the paths)")
+            nums = [float(v) for v in vals]
+            if kind == "power" and len(nums) == 2:
+                settings["schedule"] = power_schedule(nums[0], nums[1], int(n_layers))
+            elif kind == "interp" and len(nums) == 3:
+                settings["schedule"] = interpolation_schedule(int(nums[0]), int(nums[1]), nums[2],
+                                                              int(n_layers))
+            else:
+                raise SystemExit("--schedule: expected 'power:D0:ALPHA' or 'interp:R1:RD:ALPHA', "
+                                 f"got {args.schedule!r}")
+        elif args.eps is not None:
+            settings["eps"] = args.eps
+        elif args.rank is not None:
+            settings["rank"] = args.rank
+        elif args.ratio is not None:
+            settings["ratio"] = args.ratio
         else:
-            raise SystemExit(
-                "--schedule: expected 'power:D0:ALPHA' or 'interp:R1:RD:ALPHA', "
-                f"got {args.schedule!r}"
-            )
-    new_params, report = compress(
-        params,
-        rules=_parse_rules(args.rule),
-        eps=args.eps,
-        rank=args.rank,
-        ratio=args.ratio,
-        schedule=schedule,
-        per_head=args.per_head,
-        num_heads=num_heads,
-        allocation=args.allocation,
-        progress=not args.no_progress,
-    )
+            raise SystemExit("compress: give --plan, or one of --eps/--rank/--ratio/--schedule")
+        plan = Plan((Step("svd", _parse_rules(args.rule), settings),))
+    new_params, report = apply_plan(params, plan, key=jax.random.PRNGKey(args.seed),
+                                    config=config, progress=not args.no_progress)
     print(report.format_table())
     out = report.to_dict()
+    out["plan"] = plan.to_dict()
     if config is not None and not args.no_eval:
         from lowrank_jax.compress import compare_models
 
@@ -210,6 +184,7 @@ def cmd_compress(args) -> int:
     if args.out:
         meta_out = {k: v for k, v in meta.items() if k != "config"}
         meta_out["compression"] = out["totals"]
+        meta_out["plan"] = plan.to_dict()
         if config is not None:
             save_model(args.out, config, new_params, metadata=meta_out, overwrite=args.overwrite)
         else:
@@ -225,13 +200,8 @@ def cmd_convert(args) -> int:
     from lowrank_jax.leaves import param_count
 
     config, params = load_pretrained(args.src, family=args.family)
-    save_model(
-        args.out,
-        config,
-        params,
-        metadata={"source": os.path.abspath(args.src), **_model_dims(config)},
-        overwrite=args.overwrite,
-    )
+    save_model(args.out, config, params, metadata={"source": os.path.abspath(args.src)},
+               overwrite=args.overwrite)
     print(
         f"converted {args.src} ({type(config).__name__}, {param_count(params):,} parameters) "
         f"to {args.out}"
@@ -268,14 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     a = sub.add_parser("analyze", help="eps-ranks of every weight of a saved parameter tree")
     a.add_argument("params", help="directory written by lowrank_jax.io.save_params")
     a.add_argument("--eps", type=float, nargs="+", default=[0.01, 0.05, 0.1])
-    a.add_argument("--heads", type=int, help="number of heads (per-head ranks of q/k/v)")
     a.add_argument("--pattern", help="only weights whose path matches this regular expression")
     a.add_argument("--json", help="write the report as JSON to this path")
     a.add_argument("--no-progress", action="store_true")
     a.add_argument(
         "--sweep",
         action="store_true",
-        help="compression ratio -> output error curve over --sweep-eps (seed 000 Table 2), "
+        help="compression ratio -> output error curve over --sweep-eps, "
         "compiled once; model checkpoints only get the output error",
     )
     a.add_argument("--sweep-eps", type=float, nargs="+",
@@ -283,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument(
         "--sweep-heads",
         action="store_true",
-        help="per-head rank sweep of every attention block (synthetic N(0, 1) inputs)",
+        help="per-head rank sweep of every attention block (synthetic N(0, 1) inputs; head "
+        "counts and widths come from the parameters)",
     )
     a.add_argument("--sweep-ranks", type=int, nargs="+",
                    help="ranks for --sweep-heads (default: powers of 2 up to d_head)")
@@ -291,7 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("compress", help="truncated-SVD compression of a saved parameter tree")
     c.add_argument("params", help="directory written by lowrank_jax.io.save_params")
-    g = c.add_mutually_exclusive_group(required=True)
+    g = c.add_mutually_exclusive_group()
+    g.add_argument("--plan", help="a JSON compression plan: {'steps': [{'method', 'rules', "
+                   "'settings'}]} (see lowrank_jax.compress.Plan)")
     g.add_argument("--eps", type=float, help="truncate every selected matrix at this eps")
     g.add_argument("--rank", type=int, help="truncate every selected matrix to this rank")
     g.add_argument("--ratio", type=float, help="target parameter ratio of the selected weights")
@@ -302,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="path regex selecting weights (first match wins; '!regex' skips); "
         "default: attention q/k/v/o",
     )
-    c.add_argument("--per-head", action="store_true", help="per-head sketching (seed 000 eq. 20)")
-    c.add_argument("--heads", type=int, help="number of heads (for --per-head)")
+    c.add_argument("--per-head", action="store_true",
+                   help="per-head sketching of q/k/v (head widths come from the parameters)")
+    c.add_argument("--seed", type=int, default=0, help="PRNG seed of methods that draw numbers")
     c.add_argument("--num-layers", type=int, help="number of layers (for --schedule)")
     c.add_argument(
         "--allocation",

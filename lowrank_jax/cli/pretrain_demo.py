@@ -15,16 +15,15 @@ import jax
 import numpy as np
 
 from lowrank_jax.analysis import eps_rank_from_sv, singular_values
-from lowrank_jax.compress import ATTENTION_QKVO, compress, power_schedule
+from lowrank_jax.compress import ATTENTION_QKVO, compress, factorize_init, power_schedule
 from lowrank_jax.datasets import builtin_datasets
-from lowrank_jax.leaves import Leaf, layer_index, named_leaves, param_count
+from lowrank_jax.leaves import Leaf, bias_of, layer_index, named_leaves, param_count
 from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.train.data import WindowConfig, WindowSampler
 from lowrank_jax.train.loop import bolt_loss_fn, evaluate_forecaster, fit
 from lowrank_jax.losses import geometric_mean_relative
-from lowrank_jax.train.pretrain import factorize_init
 
 QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -54,7 +53,7 @@ def demo_config() -> ChronosBoltConfig:
 
 def _attention_params(params) -> int:
     return sum(
-        param_count(leaf) - (0 if leaf.b is None else leaf.b.size)
+        param_count(leaf) - (0 if bias_of(leaf) is None else int(np.size(bias_of(leaf))))
         for path, leaf in named_leaves(params)
         if isinstance(leaf, Leaf) and _is_attention(path)
     )
@@ -67,7 +66,7 @@ def _is_attention(path: str) -> bool:
 
 
 def _time_ratios(cfg, variants: dict, context, runs: int) -> dict:
-    fwd = jax.jit(lambda p, c: chronos_bolt.apply(p, cfg, context=c)["quantile_preds"])
+    fwd = jax.jit(lambda p, c: chronos_bolt.forecast(p, c, cfg))
     times = {name: [] for name in variants}
     for p in variants.values():
         jax.block_until_ready(fwd(p, context))  # compile
@@ -82,8 +81,8 @@ def _time_ratios(cfg, variants: dict, context, runs: int) -> dict:
 
 def _uniform_rank_for_budget(params, schedule_report) -> int:
     """The uniform rank whose factorized size is closest to the schedule's."""
-    dims = [r.shape for r in schedule_report.rows]
-    target = schedule_report.params_factorized
+    dims = [r.details["shape"] for r in schedule_report.rows]
+    target = schedule_report.params_after
     best = min(range(1, 65), key=lambda r: abs(sum(r * (a + b) for a, b in dims) - target))
     return best
 
@@ -234,7 +233,7 @@ def _layer_ranks(params) -> dict:
 
 
 def _plots(plots_dir: str, ranks: dict, rows: list[dict]) -> list[str]:
-    from lowrank_jax.analysis.plots import _pyplot, plot_layer_ranks, plot_spectra
+    from lowrank_jax.analysis.plots import plot_layer_ranks, plot_spectra, pyplot
 
     os.makedirs(plots_dir, exist_ok=True)
     paths = [
@@ -251,7 +250,7 @@ def _plots(plots_dir: str, ranks: dict, rows: list[dict]) -> list[str]:
             title="flow-of-ranks: mean eps-rank of attention weights per layer",
         ),
     ]
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     markers = "os^vD<>p*h"
     for i, r in enumerate(rows):
