@@ -1,19 +1,22 @@
-"""Training: train states, jit / sharded / pmap train steps, losses and metrics.
+"""Training: train states, jit / sharded / pmap train steps, data windows, checkpoints, a loop.
 
 Public API:
 
 * :class:`TrainState`, :func:`init_train_state`, :func:`full_params` -- trainable / frozen
-  split (:func:`lowrank_jax.partition`) plus optimizer state, step, key and data position.
-* :func:`make_train_step` -- jit-compiled donated step, data parallel / FSDP over a mesh,
-  optional bf16 compute; :func:`make_pmap_train_step` -- the same under ``pmap``.
+  split (:func:`lowrank_jax.leaves.partition`) plus optimizer state, model state, step, key
+  and data position.
+* :func:`make_train_step` -> :class:`TrainStep` -- jit-compiled donated step; over a mesh the
+  leaves decide the placement (data parallel, FSDP, tensor parallel through ``axis_rules``);
+  optional bf16 compute; ``stateful=True`` for models with state (BatchNorm).
+  :func:`make_pmap_train_step` -> :class:`PmapTrainStep` -- the same under ``pmap``.
 * :func:`default_optimizer` -- AdamW with warmup-cosine; :func:`shard_batch`,
   :func:`replicate`, :func:`replicate_for_pmap`, :func:`unreplicate` -- placement helpers.
-* :func:`quantile_loss`, :func:`token_cross_entropy`, :func:`mse` -- losses;
-  :func:`wql`, :func:`mase`, :func:`geometric_mean_relative` -- Chronos' metrics.
-* Data windows (``data.py``) and checkpoints (``checkpoint.py``) when those modules exist.
+* :class:`WindowConfig`, :class:`WindowSampler`, :func:`load_ett_csv`, :func:`default_series`,
+  :func:`prefetch_to_device` -- data windows.
+* :class:`Checkpointer` -- orbax train-state checkpoints with exact resume.
+* :func:`fit`, :func:`evaluate_forecaster` -- a small training loop and forecast evaluation.
+* The losses and metrics of :mod:`lowrank_jax.losses` (re-exported).
 """
-
-import importlib
 
 from lowrank_jax.losses import (
     IGNORE_INDEX,
@@ -24,9 +27,30 @@ from lowrank_jax.losses import (
     token_cross_entropy,
     wql,
 )
-from lowrank_jax.train.state import TrainState, full_params, init_train_state, split_params
+from lowrank_jax.train.checkpoint import (
+    Checkpointer,
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+)
+from lowrank_jax.train.data import (
+    WindowConfig,
+    WindowSampler,
+    default_series,
+    load_ett_csv,
+    prefetch_to_device,
+    split_bounds,
+)
+from lowrank_jax.train.loop import evaluate_forecaster, fit, window_batch
+from lowrank_jax.train.state import (
+    TrainState,
+    check_optimizer,
+    full_params,
+    init_train_state,
+    split_params,
+)
 from lowrank_jax.train.step import (
-    Replicated,
+    PmapTrainStep,
+    TrainStep,
     default_optimizer,
     make_pmap_train_step,
     make_train_step,
@@ -37,26 +61,11 @@ from lowrank_jax.train.step import (
 )
 
 __all__ = [
-    "IGNORE_INDEX", "Replicated", "TrainState", "default_optimizer", "full_params", "geometric_mean_relative",
-    "init_train_state", "make_pmap_train_step", "make_train_step", "mase", "mse",
-    "quantile_loss", "replicate", "replicate_for_pmap", "shard_batch", "split_params",
-    "token_cross_entropy", "unreplicate", "wql",
+    "IGNORE_INDEX", "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError",
+    "PmapTrainStep", "TrainState", "TrainStep", "WindowConfig", "WindowSampler",
+    "check_optimizer", "default_optimizer", "default_series", "evaluate_forecaster", "fit",
+    "full_params", "geometric_mean_relative", "init_train_state", "load_ett_csv",
+    "make_pmap_train_step", "make_train_step", "mase", "mse", "prefetch_to_device",
+    "quantile_loss", "replicate", "replicate_for_pmap", "shard_batch", "split_bounds",
+    "split_params", "token_cross_entropy", "unreplicate", "window_batch", "wql",
 ]
-
-# data.py and checkpoint.py are written separately: export what they define, when they exist,
-# so this package imports (and its steps work) without them.
-_OPTIONAL = {
-    "data": ("WindowConfig", "WindowSampler", "default_series", "load_ett_csv",
-             "prefetch_to_device"),
-    "checkpoint": ("Checkpointer",),
-}
-for _module, _names in _OPTIONAL.items():
-    try:
-        _mod = importlib.import_module(f"lowrank_jax.train.{_module}")
-    except ImportError:
-        continue
-    for _name in _names:
-        if hasattr(_mod, _name):
-            globals()[_name] = getattr(_mod, _name)
-            __all__.append(_name)
-del _OPTIONAL, _module, _names

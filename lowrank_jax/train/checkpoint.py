@@ -2,7 +2,7 @@
 
 A :class:`Checkpointer` saves a whole train state (any pytree: a
 :class:`~lowrank_jax.train.state.TrainState` with parameters of any leaf type, optimizer state,
-step, RNG key and data position) as one orbax step directory with two items::
+model state, step, RNG key and data position) as one orbax step directory with two items::
 
     directory/
       <step>/
@@ -33,6 +33,10 @@ of every array is checked against the one recorded at save time (``verify=True``
 truncated, deleted or bit-flipped file gives :class:`CorruptCheckpointError` naming the step
 directory, and older steps remain restorable (``restore(step=...)``, or ``restore(
 fallback=True)`` to take the newest good step with a warning).
+
+Versions: this module writes format version 2 (``TrainState`` has a ``model_state`` field) and
+reads version 1 (the first release, whose ``TrainState`` had no ``model_state``) into a
+``like`` whose ``model_state`` is ``None``.
 """
 
 from __future__ import annotations
@@ -49,15 +53,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from lowrank_jax.leaves.base import path_str
+from lowrank_jax.errors import (
+    CheckpointError,
+    ConfigError,
+    LeafTypeError,
+    MissingFileError,
+    OutputExistsError,
+)
+from lowrank_jax.leaves import path_str
+from lowrank_jax.train.state import TrainState
 
 FORMAT = "lowrank_jax.train_state"
-VERSION = 1
+#: Format version written. Version 1 (lowrank_jax 0.1: a ``TrainState`` without
+#: ``model_state``) is still read.
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 _STATE, _META = "state", "meta"
-
-
-class CheckpointError(ValueError):
-    """A checkpoint cannot be restored."""
 
 
 class _AbandonedReadFilter(logging.Filter):
@@ -87,11 +98,31 @@ def _quiet_abandoned_reads() -> None:
 
 
 class CorruptCheckpointError(CheckpointError):
-    """Files of a checkpoint step are missing, truncated or altered."""
+    """Files of a checkpoint step are missing, truncated or altered.
+
+    Args:
+      message: the full message (it names the step directory).
+      where: the step directory.
+      expected, actual: what ``like`` has and what the checkpoint holds, where one value
+        differs.
+    """
+
+    def __init__(self, message: str, *, where: str, expected: Any = None, actual: Any = None):
+        super().__init__(where, message=message, expected=expected, actual=actual)
 
 
 class IncompatibleCheckpointError(CheckpointError):
-    """A checkpoint is intact but does not match ``like`` (paths, shapes, dtypes, structure)."""
+    """A checkpoint is intact but does not match ``like`` (paths, shapes, dtypes, structure).
+
+    Args:
+      message: the full message (it names the step directory).
+      where: the step directory.
+      expected, actual: what ``like`` has and what the checkpoint holds, where one value
+        differs.
+    """
+
+    def __init__(self, message: str, *, where: str, expected: Any = None, actual: Any = None):
+        super().__init__(where, message=message, expected=expected, actual=actual)
 
 
 def _ocp():
@@ -105,8 +136,21 @@ def _treedef_str(treedef) -> str:
     return re.sub(r" at 0x[0-9a-fA-F]+", "", str(treedef))
 
 
+_ARRAYS = (jax.Array, jax.ShapeDtypeStruct, np.ndarray, np.generic)
+
+
+def _dtype(x: Any) -> Any:
+    """The dtype of an array, abstract array or Python scalar (``None`` for other objects)."""
+    if isinstance(x, _ARRAYS):
+        return x.dtype
+    if isinstance(x, (bool, int, float)):
+        return np.asarray(x).dtype
+    return None
+
+
 def _is_key(x: Any) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    dt = _dtype(x)
+    return dt is not None and jax.dtypes.issubdtype(dt, jax.dtypes.prng_key)
 
 
 def _crc(x: Any) -> int | None:
@@ -130,10 +174,11 @@ def _config_json(config: Any) -> Any:
 
         try:
             return config_to_dict(config)
-        except TypeError:
+        except (TypeError, ConfigError):  # a config class io cannot rebuild: store its fields
             return dataclasses.asdict(config)
-    raise TypeError(f"Checkpointer.save: config must be a dict or a config dataclass, got "
-                    f"{type(config).__name__}")
+    raise ConfigError(f"Checkpointer.save: config must be a dict or a config dataclass, got "
+                      f"{type(config).__name__}", where="config",
+                      expected="dict or config dataclass", actual=type(config).__name__)
 
 
 class Checkpointer:
@@ -151,8 +196,9 @@ class Checkpointer:
                  verify: bool = True, async_save: bool = False):
         ocp = _ocp()
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
-            raise ValueError(f"Checkpointer: max_to_keep must be an int >= 1 or None, got "
-                             f"{max_to_keep!r}")
+            raise ConfigError(f"Checkpointer: max_to_keep must be an int >= 1 or None, got "
+                              f"{max_to_keep!r}", where="max_to_keep", expected="int >= 1 or None",
+                              actual=max_to_keep)
         self.directory = os.path.abspath(os.fspath(directory))
         self.verify = verify
         self._manager = ocp.CheckpointManager(
@@ -175,12 +221,22 @@ class Checkpointer:
         return steps[-1] if steps else None
 
     def step_dir(self, step: int) -> str:
+        """The directory of a step.
+
+        Args:
+          step: the step number.
+
+        Returns:
+          ``directory/<step>`` (whether or not it exists).
+        """
         return os.path.join(self.directory, str(int(step)))
 
     def wait_until_finished(self) -> None:
+        """Block until an asynchronous save has been written."""
         self._manager.wait_until_finished()
 
     def close(self) -> None:
+        """Finish pending saves and release orbax's resources."""
         self._manager.close()
 
     def __enter__(self) -> "Checkpointer":
@@ -207,23 +263,30 @@ class Checkpointer:
           The step saved.
 
         Raises:
-          ValueError: the step already exists, or no step was given.
-          TypeError: a node of ``state`` or ``metadata`` cannot be saved (nothing is written).
+          OutputExistsError: the step already exists (nothing is written).
+          ConfigError: no step was given for a state without a ``step`` field, or ``metadata``
+            or ``config`` cannot be stored.
+          LeafTypeError: a node of ``state`` cannot be saved (nothing is written).
         """
         ocp = _ocp()
+        is_train_state = isinstance(state, TrainState)
         if step is None:
-            if not hasattr(state, "step"):
-                raise ValueError("Checkpointer.save: state has no 'step' field; pass step=")
+            if not is_train_state:
+                raise ConfigError("Checkpointer.save: state has no 'step' field; pass step=",
+                                  where="step", expected="an int", actual=None)
             step = int(np.asarray(state.step))
         step = int(step)
         if step < 0:
-            raise ValueError(f"Checkpointer.save: step must be >= 0, got {step}")
+            raise ConfigError(f"Checkpointer.save: step must be >= 0, got {step}", where="step",
+                              expected=">= 0", actual=step)
         if metadata is not None and not isinstance(metadata, dict):
-            raise TypeError(f"Checkpointer.save: metadata must be a dict, got "
-                            f"{type(metadata).__name__}")
+            raise ConfigError(f"Checkpointer.save: metadata must be a dict, got "
+                              f"{type(metadata).__name__}", where="metadata", expected="dict",
+                              actual=type(metadata).__name__)
         if step in self.all_steps():
-            raise ValueError(f"Checkpointer.save: step {step} already exists at "
-                             f"{self.step_dir(step)}; delete it or save under another step")
+            raise OutputExistsError(
+                f"Checkpointer.save: step {step} already exists at {self.step_dir(step)}; delete "
+                "it or save under another step", where=self.step_dir(step))
 
         flat, treedef = jax.tree_util.tree_flatten_with_path(state)
         arrays, entries = {}, []
@@ -242,10 +305,11 @@ class Checkpointer:
             elif isinstance(x, (bool, int, float)):
                 kind, x = type(x).__name__, np.asarray(x)
             else:
-                raise TypeError(
+                raise LeafTypeError(
                     f"Checkpointer.save: state node '{path}' has type {type(x).__name__}; a "
-                    "state holds arrays, Python scalars and None in pytree containers"
-                )
+                    "state holds arrays, Python scalars and None in pytree containers",
+                    where=path, expected="array, Python scalar or None",
+                    actual=type(x).__name__)
             key = f"arr_{i:06d}"
             entry = {"path": path, "kind": kind, "shape": list(x.shape),
                      "dtype": np.dtype(x.dtype).name, "impl": impl, "key": None, "crc32": None}
@@ -255,18 +319,15 @@ class Checkpointer:
                 arrays[key] = x
             entries.append(entry)
 
-        def scalar(name):
-            v = getattr(state, name, None)
-            return None if v is None else int(np.asarray(v))
-
+        position = int(np.asarray(state.data_position)) if is_train_state else None
         meta = {"format": FORMAT, "version": VERSION, "step": step,
-                "data_position": scalar("data_position"), "treedef": _treedef_str(treedef),
+                "data_position": position, "treedef": _treedef_str(treedef),
                 "leaves": entries, "metadata": metadata or {}, "config": _config_json(config)}
         try:
             json.dumps(meta)
         except (TypeError, ValueError) as e:
-            raise TypeError(f"Checkpointer.save: metadata or config is not JSON-serializable: "
-                            f"{e}") from e
+            raise ConfigError(f"Checkpointer.save: metadata or config is not JSON-serializable: "
+                              f"{e}", where="metadata") from e
         self._manager.save(step, args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}),
             force=True)
@@ -276,20 +337,29 @@ class Checkpointer:
     # Restore.
 
     def metadata(self, step: int | None = None) -> dict:
-        """What was saved besides the arrays: ``{"step", "data_position", "metadata",
-        "config", "leaves" (path/shape/dtype of each array), ...}``. No array is read."""
+        """What was saved besides the arrays (no array is read).
+
+        Args:
+          step: the step (default: the newest).
+
+        Returns:
+          ``{"format", "version", "step", "data_position", "metadata", "config", "treedef",
+          "leaves"}``; ``"leaves"`` lists the path, shape, dtype and checksum of each array.
+        """
         step = self._resolve(step)
         return self._read_meta(step)
 
     def _resolve(self, step: int | None) -> int:
         steps = self.all_steps()
         if not steps:
-            raise FileNotFoundError(f"Checkpointer: no checkpoint in {self.directory}")
+            raise MissingFileError(f"Checkpointer: no checkpoint in {self.directory}",
+                                   where=self.directory)
         if step is None:
             return steps[-1]
         if int(step) not in steps:
-            raise FileNotFoundError(
-                f"Checkpointer: no step {step} in {self.directory}; available steps: {steps}")
+            raise MissingFileError(
+                f"Checkpointer: no step {step} in {self.directory}; available steps: {steps}",
+                where=self.step_dir(step), expected=steps, actual=step)
         return int(step)
 
     def _read_meta(self, step: int) -> dict:
@@ -303,17 +373,19 @@ class Checkpointer:
             raise CorruptCheckpointError(
                 f"Checkpointer: cannot read the metadata of checkpoint {where} "
                 f"({type(e).__name__}: {_short(e)}); restore an earlier step "
-                f"(restore(step=...) or restore(fallback=True))") from e
+                f"(restore(step=...) or restore(fallback=True))", where=where) from e
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptCheckpointError(
                 f"Checkpointer: {where}/{_META} is not a lowrank_jax train-state checkpoint "
-                f"(format {meta.get('format') if isinstance(meta, dict) else None!r})")
-        if meta.get("version") != VERSION:
+                f"(format {meta.get('format') if isinstance(meta, dict) else None!r})",
+                where=where)
+        if meta.get("version") not in READABLE_VERSIONS:
             raise IncompatibleCheckpointError(
                 f"Checkpointer: {where} has format version {meta.get('version')!r}; this "
-                f"lowrank_jax reads version {VERSION}")
+                f"lowrank_jax reads versions {READABLE_VERSIONS}", where=where)
         if not isinstance(meta.get("leaves"), list):
-            raise CorruptCheckpointError(f"Checkpointer: {where}/{_META} has no 'leaves' list")
+            raise CorruptCheckpointError(f"Checkpointer: {where}/{_META} has no 'leaves' list",
+                                         where=where)
         return meta
 
     def restore(self, step: int | None = None, *, like: Any, mesh: Any = None,
@@ -333,7 +405,7 @@ class Checkpointer:
           The state, with ``like``'s treedef.
 
         Raises:
-          FileNotFoundError: no checkpoint, or no such step.
+          MissingFileError: no checkpoint, or no such step (a ``FileNotFoundError``).
           IncompatibleCheckpointError: paths, shapes, dtypes or structure differ from ``like``.
           CorruptCheckpointError: files of the step are unreadable or fail their checksums.
         """
@@ -341,7 +413,8 @@ class Checkpointer:
             return self._restore(self._resolve(step), like, mesh)
         steps = self.all_steps()
         if not steps:
-            raise FileNotFoundError(f"Checkpointer: no checkpoint in {self.directory}")
+            raise MissingFileError(f"Checkpointer: no checkpoint in {self.directory}",
+                                   where=self.directory)
         errors = []
         for s in reversed(steps):
             try:
@@ -356,7 +429,7 @@ class Checkpointer:
             return out
         raise CorruptCheckpointError(
             f"Checkpointer: every checkpoint in {self.directory} is corrupt:\n  "
-            + "\n  ".join(errors))
+            + "\n  ".join(errors), where=self.directory)
 
     def _restore(self, step: int, like: Any, mesh: Any) -> Any:
         ocp = _ocp()
@@ -374,37 +447,41 @@ class Checkpointer:
                 f"{len(stored_paths)} arrays, `like` {len(paths)}; in `like` but not saved: "
                 f"{missing[:5]}{' ...' if len(missing) > 5 else ''}; saved but not in `like`: "
                 f"{extra[:5]}{' ...' if len(extra) > 5 else ''}"
-                + ("" if missing or extra else " (same paths in another order)"))
+                + ("" if missing or extra else " (same paths in another order)"), where=where)
         mine = _treedef_str(treedef)
+        if meta["version"] == 1:
+            mine = _as_version_1(like, mine)
         if meta.get("treedef") != mine:
             raise IncompatibleCheckpointError(
                 f"Checkpointer: checkpoint {where} has the same array paths as `like` but "
                 "another tree structure (container types or static leaf fields such as ranks "
-                f"or keep differ): saved vs like: {_first_diff(meta.get('treedef', ''), mine)}")
+                f"or keep differ): saved vs like: {_first_diff(meta.get('treedef', ''), mine)}",
+                where=where)
 
         targets, abstract = [], {}
         for (_, x), e, path in zip(flat, entries, paths, strict=True):
             shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
-            like_shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
-            like_dtype = getattr(x, "dtype", None)
-            if isinstance(x, (bool, int, float)):
-                like_dtype = np.asarray(x).dtype
+            like_shape = tuple(np.shape(x))
+            like_dtype = _dtype(x)
             if e["kind"] == "key":
                 if not _is_key(x):
                     raise IncompatibleCheckpointError(
                         f"Checkpointer: checkpoint {where}: '{path}' is a PRNG key "
-                        f"({e['impl']}) but `like` has {like_dtype}")
+                        f"({e['impl']}) but `like` has {like_dtype}", where=where)
                 want = shape[:len(like_shape)]
             else:
                 want = shape
                 if like_dtype is None or _is_key(x) or np.dtype(like_dtype) != dtype:
                     raise IncompatibleCheckpointError(
                         f"Checkpointer: checkpoint {where}: '{path}' is "
-                        f"{dtype.name}{list(shape)} but `like` has {like_dtype}{list(like_shape)}")
+                        f"{dtype.name}{list(shape)} but `like` has {like_dtype}{list(like_shape)}",
+                        where=where, expected=f"{like_dtype}{list(like_shape)}",
+                        actual=f"{dtype.name}{list(shape)}")
             if tuple(want) != like_shape:
                 raise IncompatibleCheckpointError(
                     f"Checkpointer: checkpoint {where}: '{path}' has shape {list(want)} but "
-                    f"`like` has {list(like_shape)}")
+                    f"`like` has {list(like_shape)}", where=where, expected=list(like_shape),
+                    actual=list(want))
             sharding = None
             if e["kind"] in ("jax", "key"):
                 sharding = _target_sharding(x, mesh, len(shape), e["kind"] == "key")
@@ -426,7 +503,7 @@ class Checkpointer:
                 raise CorruptCheckpointError(
                     f"Checkpointer: cannot read the arrays of checkpoint {where} "
                     f"({type(e).__name__}: {_short(e)}); restore an earlier step "
-                    f"(restore(step=...) or restore(fallback=True))") from e
+                    f"(restore(step=...) or restore(fallback=True))", where=where) from e
         leaves = []
         for e, sharding in zip(entries, targets, strict=True):
             shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
@@ -438,7 +515,7 @@ class Checkpointer:
                 if a is None:
                     raise CorruptCheckpointError(
                         f"Checkpointer: checkpoint {where}: array '{e['path']}' ({e['key']}) is "
-                        f"missing from {_STATE}/")
+                        f"missing from {_STATE}/", where=where)
                 if self.verify and e.get("crc32") is not None:
                     crc = _crc(a)
                     if crc is not None and crc != e["crc32"]:
@@ -446,7 +523,7 @@ class Checkpointer:
                             f"Checkpointer: checkpoint {where}: array '{e['path']}' fails its "
                             f"checksum (crc32 {crc:#010x}, saved {e['crc32']:#010x}): the files "
                             "are damaged; restore an earlier step (restore(step=...) or "
-                            "restore(fallback=True))")
+                            "restore(fallback=True))", where=where)
             kind = e["kind"]
             if kind == "key":
                 a = jax.random.wrap_key_data(a, impl=e["impl"])
@@ -469,9 +546,7 @@ def _target_sharding(x: Any, mesh: Any, ndim: int, is_key: bool):
     """Where a restored array goes: see the module docstring."""
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-    s = getattr(x, "sharding", None)
-    if isinstance(x, np.ndarray) or isinstance(x, np.generic):
-        s = None
+    s = x.sharding if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
     if mesh is not None:
         if isinstance(s, NamedSharding) and s.mesh == mesh:
             pass
@@ -490,8 +565,23 @@ def _target_sharding(x: Any, mesh: Any, ndim: int, is_key: bool):
             return NamedSharding(jax.sharding.Mesh(devices, ("r",)), PartitionSpec())
         raise IncompatibleCheckpointError(
             f"Checkpointer: cannot place a PRNG key with sharding {s}; give `like` a "
-            "NamedSharding for it")
+            "NamedSharding for it", where="like")
     return s
+
+
+_V2_TAIL = ", None]))"
+
+
+def _as_version_1(like: Any, treedef: str) -> str:
+    """The treedef string a version-1 checkpoint holds for ``like``.
+
+    Version 1 wrote ``TrainState`` without its last field, ``model_state``; a ``like`` whose
+    ``model_state`` is ``None`` (an empty subtree, the last child of the node) has the same
+    arrays, and its treedef string without that child is what version 1 wrote.
+    """
+    if isinstance(like, TrainState) and like.model_state is None and treedef.endswith(_V2_TAIL):
+        return treedef[: -len(_V2_TAIL)] + "]))"
+    return treedef
 
 
 __all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError",

@@ -40,6 +40,8 @@ from typing import Any, Iterable, Iterator, Sequence
 import jax
 import numpy as np
 
+from lowrank_jax.errors import ConfigError, DataError, MissingFileError
+
 SPLITS = ("train", "val", "test")
 SCALINGS = ("mean", "standard", None)
 
@@ -66,25 +68,37 @@ class WindowConfig:
         for name in ("context_length", "horizon", "stride"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1:
-                raise ValueError(f"WindowConfig: {name} must be an int >= 1, got {v!r}")
+                raise ConfigError(f"WindowConfig: {name} must be an int >= 1, got {v!r}",
+                                  where=name, expected="int >= 1", actual=v)
         splits = tuple(float(f) for f in self.splits)
         if len(splits) != 3 or any(not np.isfinite(f) or f < 0 for f in splits):
-            raise ValueError(
+            raise ConfigError(
                 f"WindowConfig: splits must be three non-negative fractions (train, val, test), "
-                f"got {self.splits!r}"
+                f"got {self.splits!r}", where="splits"
             )
         if abs(sum(splits) - 1.0) > 1e-6:
-            raise ValueError(f"WindowConfig: splits must sum to 1, got {self.splits!r} "
-                             f"(sum {sum(splits):.6g})")
+            raise ConfigError(f"WindowConfig: splits must sum to 1, got {self.splits!r} "
+                              f"(sum {sum(splits):.6g})", where="splits", expected=1.0,
+                              actual=sum(splits))
         object.__setattr__(self, "splits", splits)
         if self.scaling not in SCALINGS:
-            raise ValueError(
-                f"WindowConfig: scaling must be one of {SCALINGS}, got {self.scaling!r}"
+            raise ConfigError(
+                f"WindowConfig: scaling must be one of {SCALINGS}, got {self.scaling!r}",
+                where="scaling", expected=SCALINGS, actual=self.scaling
             )
 
 
 def split_bounds(length: int, splits: Sequence[float]) -> dict[str, tuple[int, int]]:
-    """``{split: (start, end)}`` time ranges of a series of ``length`` values."""
+    """The time ranges of the splits of one series.
+
+    Args:
+      length: number of values of the series.
+      splits: fractions ``(train, val, test)``.
+
+    Returns:
+      ``{split: (start, end)}``, boundaries at ``round(length * train)`` and
+      ``round(length * (train + val))``.
+    """
     b1 = int(round(length * splits[0]))
     b2 = int(round(length * (splits[0] + splits[1])))
     b2 = min(max(b2, b1), length)
@@ -98,9 +112,9 @@ def _as_channels(series_list: Any, names: Sequence[str] | None
         series_list = [series_list]
     series_list = list(series_list)
     if not series_list:
-        raise ValueError("WindowSampler: series_list is empty")
+        raise DataError("WindowSampler: series_list is empty")
     if names is not None and len(names) != len(series_list):
-        raise ValueError(
+        raise DataError(
             f"WindowSampler: got {len(names)} names for {len(series_list)} series"
         )
     channels, channel_names = [], []
@@ -109,21 +123,21 @@ def _as_channels(series_list: Any, names: Sequence[str] | None
         try:
             a = np.asarray(s, dtype=np.float64)
         except (TypeError, ValueError) as e:
-            raise ValueError(f"WindowSampler: {name} is not numeric: {e}") from e
+            raise DataError(f"WindowSampler: {name} is not numeric: {e}") from e
         if a.ndim == 1:
             cols = [(name, a)]
         elif a.ndim == 2:
             cols = [(f"{name}[{j}]", a[:, j]) for j in range(a.shape[1])]
         else:
-            raise ValueError(
+            raise DataError(
                 f"WindowSampler: {name} must be [time] or [time, variates], got shape {a.shape}"
             )
         for cname, c in cols:
             bad = np.flatnonzero(~np.isfinite(c))
             if bad.size:
-                raise ValueError(
+                raise DataError(
                     f"WindowSampler: {cname} has {bad.size} non-finite values (first at time "
-                    f"index {bad[0]}); fill or drop them before sampling"
+                    f"index {bad[0]}); fill or drop them before sampling", where=cname
                 )
             channels.append(np.ascontiguousarray(c))
             channel_names.append(cname)
@@ -152,21 +166,26 @@ class WindowSampler:
       int32[b] (time index of the first target value).
 
     Raises:
-      ValueError: ``batch_size < 1``, an unknown split, non-finite values, or a channel whose
-        split cannot hold one window (its name, length, split range and the window lengths
-        are in the message).
+      ConfigError: ``batch_size < 1``, an unknown split, a ``cfg`` that is no WindowConfig.
+      DataError: non-finite values, or a channel whose split cannot hold one window (its name,
+        length, split range and the window lengths are in the message).
     """
 
     def __init__(self, series_list: Any, cfg: WindowConfig, split: str = "train",
                  batch_size: int = 32, seed: int = 0, *, names: Sequence[str] | None = None,
                  shuffle: bool | None = None, position: int = 0, skip_short: bool = False):
         if not isinstance(cfg, WindowConfig):
-            raise TypeError(f"WindowSampler: cfg must be a WindowConfig, got {type(cfg).__name__}")
+            raise ConfigError(f"WindowSampler: cfg must be a WindowConfig, got "
+                              f"{type(cfg).__name__}", where="cfg", expected="WindowConfig",
+                              actual=type(cfg).__name__)
         if split not in SPLITS:
-            raise ValueError(f"WindowSampler: split must be one of {SPLITS}, got {split!r}")
+            raise ConfigError(f"WindowSampler: split must be one of {SPLITS}, got {split!r}",
+                              where="split", expected=SPLITS, actual=split)
         if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) \
                 or batch_size < 1:
-            raise ValueError(f"WindowSampler: batch_size must be an int >= 1, got {batch_size!r}")
+            raise ConfigError(f"WindowSampler: batch_size must be an int >= 1, got "
+                              f"{batch_size!r}", where="batch_size", expected="int >= 1",
+                              actual=batch_size)
         self.cfg = cfg
         self.split = split
         self.batch_size = int(batch_size)
@@ -195,10 +214,11 @@ class WindowSampler:
             starts_per.append(np.arange(first, last + 1, stride, dtype=np.int64))
         if problems and not (skip_short and kept):
             more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-            raise ValueError(
+            raise DataError(
                 "WindowSampler: no room for a window in " + "; ".join(problems[:3]) + more
                 + f". splits={cfg.splits}; use shorter context/horizon, other splits, longer "
-                "series" + ("" if skip_short else ", or skip_short=True to drop short series")
+                "series" + ("" if skip_short else ", or skip_short=True to drop short series"),
+                where=problems[0].split(" (length")[0]
             )
         self.skipped = [p.split(" (length")[0] for p in problems]
         self.channel_names = kept_names
@@ -234,9 +254,16 @@ class WindowSampler:
         return perm
 
     def window_indices(self, position: int) -> np.ndarray:
-        """Indices (into all windows of the split) of the windows of batch ``position``."""
+        """The windows of a batch.
+
+        Args:
+          position: the batch number (``>= 0``).
+
+        Returns:
+          ``int64[batch_size]`` indices into all windows of the split.
+        """
         if position < 0:
-            raise ValueError(f"WindowSampler: position must be >= 0, got {position}")
+            raise ConfigError(f"WindowSampler: position must be >= 0, got {position}")
         n = self.num_windows
         flat = np.arange(position * self.batch_size, (position + 1) * self.batch_size,
                          dtype=np.int64)
@@ -248,7 +275,14 @@ class WindowSampler:
         return out
 
     def batch(self, position: int) -> dict[str, np.ndarray]:
-        """Batch number ``position``: a pure function of ``(seed, position)``."""
+        """A batch, as a pure function of ``(seed, position)``.
+
+        Args:
+          position: the batch number (``>= 0``).
+
+        Returns:
+          The dict of arrays described in the class docstring.
+        """
         idx = self.window_indices(int(position))
         series, starts = self._series[idx], self._starts[idx]
         ctx = self.cfg.context_length
@@ -302,8 +336,8 @@ def load_ett_csv(path: str | os.PathLike, *, return_dates: bool = False):
       ``(names, values, dates)`` where ``dates`` is ``datetime64[ns][T]``.
 
     Raises:
-      FileNotFoundError: ``path`` does not exist.
-      ValueError: the first column is not a date column, dates are not strictly increasing,
+      MissingFileError: ``path`` does not exist (a ``FileNotFoundError``).
+      DataError: the first column is not a date column, dates are not strictly increasing,
         there is no variate column, or a variate holds non-numeric or missing values (the file,
         column, row and value are named).
     """
@@ -311,20 +345,20 @@ def load_ett_csv(path: str | os.PathLike, *, return_dates: bool = False):
 
     path = os.fspath(path)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"load_ett_csv: no such file {path}")
+        raise MissingFileError(f"load_ett_csv: no such file {path}", where=path)
     try:
         df = pd.read_csv(path)
     except Exception as e:  # pandas raises several types for malformed files
-        raise ValueError(f"load_ett_csv: cannot parse {path} as CSV: {e}") from e
+        raise DataError(f"load_ett_csv: cannot parse {path} as CSV: {e}", where=path) from e
     if df.shape[1] < 2:
-        raise ValueError(
+        raise DataError(
             f"load_ett_csv: {path} has columns {list(df.columns)}; expected a date column "
             "followed by at least one numeric variate"
         )
     date_col = df.columns[0]
     raw = df[date_col]
     if pd.api.types.is_numeric_dtype(raw) or pd.api.types.is_bool_dtype(raw):
-        raise ValueError(
+        raise DataError(
             f"load_ett_csv: {path}: the first column '{date_col}' must hold dates (ETT layout: "
             f"date, variate, ...), but it holds numbers (first value {raw.iloc[0]!r}); is the "
             "date column missing?"
@@ -335,7 +369,7 @@ def load_ett_csv(path: str | os.PathLike, *, return_dates: bool = False):
     bad = np.flatnonzero(dates.isna().to_numpy())
     if bad.size:
         r = int(bad[0])
-        raise ValueError(
+        raise DataError(
             f"load_ett_csv: {path}: the first column '{date_col}' must hold dates (ETT layout: "
             f"date, variate, ...), but row {r + 2} has {raw.iloc[r]!r} ({bad.size} unparsable "
             "values)"
@@ -344,7 +378,7 @@ def load_ett_csv(path: str | os.PathLike, *, return_dates: bool = False):
     nonmono = np.flatnonzero(np.diff(d) <= np.timedelta64(0, "ns"))
     if nonmono.size:
         r = int(nonmono[0]) + 1
-        raise ValueError(
+        raise DataError(
             f"load_ett_csv: {path}: dates in column '{date_col}' must be strictly increasing; "
             f"row {r + 2} ({raw.iloc[r]!r}) does not come after row {r + 1} "
             f"({raw.iloc[r - 1]!r})"
@@ -355,7 +389,7 @@ def load_ett_csv(path: str | os.PathLike, *, return_dates: bool = False):
         bad = np.flatnonzero(~np.isfinite(values))
         if bad.size:
             r = int(bad[0])
-            raise ValueError(
+            raise DataError(
                 f"load_ett_csv: {path}: column '{col}' must be numeric, but row {r + 2} has "
                 f"{df[col].iloc[r]!r} ({bad.size} non-numeric or missing values)"
             )
@@ -453,9 +487,17 @@ def prefetch_to_device(iterator: Iterable, size: int = 2, sharding: Any = None) 
     Note that pulling from a :class:`WindowSampler` advances its ``.position`` ahead of the
     consumer by up to ``size + 1`` batches: store the position of the batch consumed (e.g.
     ``state.step``-based), not ``sampler.position``, for exact resume.
+
+    Args:
+      iterator: any iterable of batches.
+      size: number of batches placed ahead.
+      sharding: where to place them (``None``: the default device).
+
+    Returns:
+      An iterator over the placed batches, with a ``close()`` method.
     """
     if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"prefetch_to_device: size must be an int >= 1, got {size!r}")
+        raise ConfigError(f"prefetch_to_device: size must be an int >= 1, got {size!r}")
     return _Prefetcher(iterator, size, sharding)
 
 

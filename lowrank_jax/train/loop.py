@@ -1,86 +1,141 @@
-"""A small training loop and forecast evaluation for Chronos-Bolt-style models.
+"""A small training loop and forecast evaluation, for any model family.
 
-``fit`` runs a jitted train step over a :class:`~lowrank_jax.train.data.WindowSampler`, with
-optional checkpoints (exact resume: the sampler position is part of the state), a progress
-bar, periodic evaluation and metrics written as JSON lines. ``evaluate_forecaster`` computes
-WQL and MASE (Chronos' metrics) over a whole split.
+:func:`fit` runs a jitted train step (optionally sharded over a mesh) over the batches of a
+deterministic batch source such as :class:`~lowrank_jax.train.data.WindowSampler`, with
+optional checkpoints (exact resume: the source position is part of the state), a progress
+bar, periodic evaluation and metrics written as JSON lines. It knows nothing about the model:
+the loss, the batch construction and the evaluation are arguments. A model family supplies them
+(``family.loss(cfg)``, ``family.batch_from_windows``).
+
+:func:`evaluate_forecaster` computes WQL and MASE (Chronos' metrics) of any forecasting family
+(``family_of(config).forecast``) over a whole split.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.models import chronos_bolt
-from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
-from lowrank_jax.losses import mase, quantile_loss, wql
-from lowrank_jax.train.state import full_params, init_train_state
+from lowrank_jax.errors import ConfigError
+from lowrank_jax.losses import mase, wql
+from lowrank_jax.models import family_of
+from lowrank_jax.train.state import TrainState, full_params, init_train_state
 from lowrank_jax.train.step import default_optimizer, make_train_step
 
 
-def bolt_loss_fn(cfg: ChronosBoltConfig) -> Callable:
-    """``loss_fn(params, batch, key)``: Chronos-Bolt's quantile loss on the normalized scale.
+class BatchSource(Protocol):
+    """What :func:`fit` and :func:`evaluate_forecaster` read batches from.
 
-    The model instance-normalizes each context; as in the reference training code the pinball
-    loss is computed on ``(pred - loc) / scale`` against ``(target - loc) / scale``.
+    ``batch(position)`` must be a pure function of ``position`` (so a resumed run sees the same
+    batches); ``position`` is where a fresh run starts. :class:`~lowrank_jax.train.WindowSampler`
+    is one.
     """
 
-    def loss_fn(params, batch, key):
-        del key  # no dropout
-        out = chronos_bolt.apply(params, cfg, context=batch["context"])
-        loc, scale = out["loc_scale"]  # [b, 1] each
-        pred = (out["quantile_preds"] - loc[:, :, None]) / scale[:, :, None]
-        target = (batch["target"] - loc) / scale
-        return quantile_loss(pred, target, cfg.quantiles), {}
+    position: int
 
-    return loss_fn
+    def batch(self, position: int) -> Any: ...
 
 
-def evaluate_forecaster(
-    cfg: ChronosBoltConfig, params: Any, sampler, *, season: int = 1, max_batches: int | None = None
-) -> dict:
-    """WQL and MASE of ``params`` over the windows of ``sampler`` (one pass, in order).
+def window_batch(raw: Mapping[str, Any]) -> dict:
+    """The default batch of :func:`fit`: a window's ``context`` and ``target`` as arrays.
 
-    The forecast horizon is ``sampler``'s horizon (at most ``cfg.prediction_length``); MASE
-    uses the median quantile as the point forecast and each window's context for the
-    seasonal-naive scale.
+    Args:
+      raw: a :class:`~lowrank_jax.train.WindowSampler` batch.
+
+    Returns:
+      ``{'context': [b, context_length], 'target': [b, horizon]}``.
     """
-    fwd = jax.jit(lambda p, c: chronos_bolt.apply(p, cfg, context=c)["quantile_preds"])
+    return {"context": jnp.asarray(raw["context"]), "target": jnp.asarray(raw["target"])}
+
+
+def evaluate_forecaster(config: Any, params: Any, sampler, *, season: int = 1,
+                        max_batches: int | None = None) -> dict:
+    """WQL and MASE of a forecasting model over the windows of ``sampler`` (one pass, in order).
+
+    The model runs through its family's ``forecast(params, context, config) -> [batch,
+    n_levels, prediction_length]`` at the levels ``forecast_levels(config)`` (Chronos-Bolt: its
+    trained quantiles; Chronos: quantiles of sampled paths). The forecast horizon is
+    ``sampler``'s horizon (at most the model's ``prediction_length``); MASE uses the median
+    (level 0.5, else the median over levels) as the point forecast and each window's context
+    for the seasonal-naive scale.
+
+    Args:
+      config: a model config of a registered forecasting family.
+      params: the model parameters.
+      sampler: a :class:`~lowrank_jax.train.WindowSampler` (or any object with its
+        ``batch(position) -> {'context', 'target', ...}``, ``batches_per_epoch``,
+        ``num_windows`` and ``batch_size``).
+      season: MASE's seasonal period.
+      max_batches: evaluate at most this many batches.
+
+    Returns:
+      ``{'wql', 'mase', 'n_windows'}``.
+
+    Raises:
+      ConfigError: the family has no forecast, or the sampler's horizon exceeds the model's.
+    """
+    fam = family_of(config)
+    if fam.forecast is None or fam.forecast_levels is None:
+        raise ConfigError(f"evaluate_forecaster: model family {fam.name!r} is not a forecaster "
+                          "(its ModelFamily has no forecast)", where="config",
+                          expected="a forecasting family", actual=fam.name)
+    levels = tuple(float(q) for q in fam.forecast_levels(config))
+    fwd = jax.jit(lambda p, c: fam.forecast(p, c, config))
+    first = sampler.batch(0)
+    horizon = np.shape(first["target"])[1]
+    length = jax.eval_shape(fwd, params, jnp.asarray(first["context"])).shape[-1]  # no compile
+    if horizon > length:
+        raise ConfigError(
+            f"evaluate_forecaster: the sampler's horizon {horizon} exceeds the model's "
+            f"prediction_length {length}", where="sampler.horizon", expected=f"<= {length}",
+            actual=horizon)
     preds, targets, contexts = [], [], []
     n = sampler.batches_per_epoch
     if max_batches is not None:
         n = min(max_batches, n)
     for pos in range(n):
-        b = sampler.batch(pos)
-        q = fwd(params, b["context"])[:, :, : b["target"].shape[1]]
-        preds.append(np.asarray(q))
+        b = first if pos == 0 else sampler.batch(pos)
+        q = np.asarray(fwd(params, jnp.asarray(b["context"])))  # [b, levels, prediction_length]
+        preds.append(q[:, :, :horizon])
         targets.append(np.asarray(b["target"]))
         contexts.append(np.asarray(b["context"]))
     # the last batch of an epoch wraps around to the first windows: count each window once
     keep = min(sampler.num_windows, n * sampler.batch_size)
     pred, target, context = (np.concatenate(a)[:keep] for a in (preds, targets, contexts))
-    median = pred[:, list(cfg.quantiles).index(0.5)] if 0.5 in cfg.quantiles else np.median(pred, 1)
+    median = pred[:, levels.index(0.5)] if 0.5 in levels else np.median(pred, 1)
     return {
-        "wql": float(wql(pred, target, cfg.quantiles)),
+        "wql": float(wql(pred, target, levels)),
         "mase": float(mase(median, target, context, season=season)),
         "n_windows": int(pred.shape[0]),
     }
 
 
+def _check_positive(name: str, value: Any, *, zero_ok: bool = False) -> None:
+    low = 0 if zero_ok else 1
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ConfigError(f"fit: {name} must be an int >= {low}, got {value!r}", where=name,
+                          expected=f"int >= {low}", actual=value)
+
+
 def fit(
     loss_fn: Callable,
     params: Any,
-    sampler,
+    sampler: BatchSource,
     *,
     steps: int,
     key,
+    batch_fn: Callable[[Any], Any] = window_batch,
+    model_state: Any = None,
     optimizer=None,
     learning_rate: float = 1e-3,
+    mesh=None,
+    fsdp: bool = False,
+    axis_rules: Mapping[str, str | None] | None = None,
     checkpointer=None,
     checkpoint_every: int = 0,
     eval_fn: Callable | None = None,
@@ -88,35 +143,76 @@ def fit(
     log_path: str | None = None,
     progress: bool = True,
     desc: str = "train",
-) -> tuple[Any, list[dict]]:
-    """Train ``params`` for ``steps`` steps on ``sampler``'s batches.
+) -> tuple[TrainState, list[dict]]:
+    """Train ``params`` for ``steps`` steps on the batches of ``sampler``.
+
+    Step ``t`` (counting from 0) trains on ``batch_fn(sampler.batch(p))`` where ``p`` is the
+    source position stored in the state (``sampler.position`` for a fresh run, ``+1`` per
+    step), so a run resumed from a checkpoint sees exactly the batches of an uninterrupted one.
 
     Args:
-      loss_fn: ``loss_fn(params, batch, key) -> (loss, aux)``.
+      loss_fn: ``loss_fn(params, batch, key) -> (loss, aux)``, or, when ``model_state`` is
+        given, ``loss_fn(params, model_state, batch, key) -> (loss, aux, new_model_state)``
+        (e.g. ``family_of(cfg).loss(cfg)``).
       params: initial parameters (any leaves; frozen parts stay frozen).
-      sampler: a :class:`~lowrank_jax.train.data.WindowSampler` (its ``batch(position)`` is
-        deterministic, so a resumed run sees the same batches).
+      sampler: a deterministic batch source (:class:`BatchSource`, e.g. a
+        :class:`~lowrank_jax.train.data.WindowSampler`).
       steps: total number of steps (a resumed run continues up to it).
-      key: PRNG key.
+      key: PRNG key (the step key is ``fold_in(key, step)``).
+      batch_fn: turns what ``sampler.batch`` returns into the batch ``loss_fn`` takes; default
+        :func:`window_batch` (the windows' context and target). For a model family trained on
+        windows: ``lambda w: family.batch_from_windows(cfg, w['context'], w['target'])``.
+      model_state: the model's initial state (BatchNorm running statistics; for a stateful
+        family ``family.init_state(params, cfg)``); ``None`` for a stateless model. When
+        given, the step is stateful (see ``loss_fn``).
       optimizer: optax transformation (default: AdamW with warmup-cosine over ``steps``).
+      learning_rate: peak learning rate of the default optimizer.
+      mesh, fsdp, axis_rules: placement, as :func:`~lowrank_jax.train.make_train_step`.
       checkpointer: optional :class:`~lowrank_jax.train.checkpoint.Checkpointer`; when it holds
         a checkpoint, training resumes from the latest one.
       checkpoint_every: save every this many steps (and at the end) when a checkpointer is given.
-      eval_fn: ``eval_fn(params) -> dict`` run every ``eval_every`` steps and at the end.
-      log_path: append one JSON object per logged step (loss, step time, eval metrics).
+      eval_fn: run every ``eval_every`` steps and at the end: ``eval_fn(params) -> dict``, or
+        ``eval_fn(params, model_state) -> dict`` for a stateful model.
+      eval_every: evaluation period in steps (0: never).
+      log_path: append one JSON object per step (loss, step time, eval metrics).
       progress: show a tqdm progress bar.
+      desc: the progress bar's label.
 
     Returns:
-      ``(params, history)`` with one dict per logged step.
+      ``(state, history)``: the final :class:`~lowrank_jax.train.TrainState`
+      (:func:`~lowrank_jax.train.full_params` gives the parameters, ``state.model_state`` the
+      model state) and one dict per step run.
+
+    Raises:
+      ConfigError: a bad option (before anything is compiled).
     """
+    _check_positive("steps", steps)
+    _check_positive("checkpoint_every", checkpoint_every, zero_ok=True)
+    _check_positive("eval_every", eval_every, zero_ok=True)
+    if not callable(batch_fn):
+        raise ConfigError(f"fit: batch_fn must be callable, got {type(batch_fn).__name__}",
+                          where="batch_fn", expected="a callable",
+                          actual=type(batch_fn).__name__)
+    stateful = model_state is not None
     optimizer = optimizer or default_optimizer(
         learning_rate=learning_rate, total_steps=steps, warmup_steps=max(1, steps // 20)
     )
-    state = init_train_state(params, optimizer, key=key, data_position=sampler.position)
+    step_fn = make_train_step(loss_fn, optimizer, mesh=mesh, fsdp=fsdp, axis_rules=axis_rules,
+                              stateful=stateful)
+    state = init_train_state(params, optimizer, key=key, data_position=int(sampler.position),
+                             model_state=model_state)
     if checkpointer is not None and checkpointer.latest_step() is not None:
         like = jax.eval_shape(lambda: state)
+        shardings = step_fn.state_shardings(like)
+        if shardings is not None:  # restore straight onto the step's placement
+            like = jax.tree_util.tree_map(
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), like, shardings)
         state = checkpointer.restore(like=like)
-    step_fn = make_train_step(loss_fn, optimizer)
+
+    def evaluate(st: TrainState) -> dict:
+        args = (full_params(st), st.model_state) if stateful else (full_params(st),)
+        return eval_fn(*args)
+
     start = int(state.step)
     history: list[dict] = []
     log = open(log_path, "a") if log_path else None
@@ -127,19 +223,14 @@ def fit(
         bar = tqdm(total=steps, initial=start, desc=desc, unit="step", leave=False)
     try:
         for _ in range(start, steps):
-            pos = int(state.data_position)
-            batch = {
-                k: jnp.asarray(v)
-                for k, v in sampler.batch(pos).items()
-                if k in ("context", "target")
-            }
+            batch = batch_fn(sampler.batch(int(state.data_position)))
             t0 = time.perf_counter()
             state, metrics = step_fn(state, batch, None)
             state = state._replace(data_position=state.data_position + 1)
             step = int(state.step)
             row = {"step": step, "loss": float(metrics["loss"]), "step_s": time.perf_counter() - t0}
             if eval_fn is not None and eval_every and (step % eval_every == 0 or step == steps):
-                row.update({f"eval_{k}": v for k, v in eval_fn(full_params(state)).items()})
+                row.update({f"eval_{k}": v for k, v in evaluate(state).items()})
             history.append(row)
             if log:
                 log.write(json.dumps(row) + "\n")
@@ -157,4 +248,7 @@ def fit(
             bar.close()
         if log:
             log.close()
-    return full_params(state), history
+    return state, history
+
+
+__all__ = ["BatchSource", "evaluate_forecaster", "fit", "window_batch"]

@@ -1,30 +1,48 @@
 """Train steps: one pure update, compiled with ``jax.jit`` (optionally sharded) or ``jax.pmap``.
 
-A step is ``step(state, batch, key) -> (state, metrics)``:
+A step is ``step(state, batch, key=None) -> (state, metrics)``:
 
 1. ``step_key = fold_in(key, state.step)``: randomness (dropout, sampling) differs from step to
    step, is reproducible from ``(key, step)`` and is the same key under ``jit`` and ``pmap``.
    With ``key=None`` the step uses ``state.rng``.
 2. ``(loss, aux), grads = value_and_grad(loss_fn)`` over the *trainable* part of the tree only:
    the frozen part (``state.frozen``) is rejoined inside the loss, so it never reaches
-   ``jax.grad`` nor the optimizer and comes out bit-identical (design rule 5).
+   ``jax.grad`` nor the optimizer and comes out bit-identical.
 3. ``optax`` update of ``state.params`` and ``state.step + 1``.
 
-``loss_fn(params, batch, key) -> (loss, aux)`` receives the full (combined) tree; ``aux`` is a
-dict of scalars. The metrics are ``{**aux, 'loss': loss, 'grad_norm': ||grads||_2}``.
+Two loss contracts:
 
-Parallelism:
+* stateless (default): ``loss_fn(params, batch, key) -> (loss, aux)``;
+* ``stateful=True``: ``loss_fn(params, model_state, batch, key) -> (loss, aux,
+  new_model_state)``. The step stores ``new_model_state`` in ``state.model_state`` (BatchNorm
+  running statistics, ...); no gradient flows into it. It must have the structure of the state
+  it was given; its arrays are cast back to the dtypes of that state (so a ``bfloat16`` forward
+  does not change the state's dtypes).
 
-* :func:`make_train_step` with a ``mesh``: data parallel over the mesh's ``batch_axis``; the
-  global batch is split on its leading dimension (``P(batch_axis)``), the state is replicated
-  (``P()``) and XLA inserts the gradient all-reduce. ``fsdp=True`` shards every array of the
-  state with at least ``fsdp_min_size`` elements and a first dimension divisible by the axis
-  size along dim 0 (parameters, frozen arrays and the optax moments alike, so each device
-  stores ``1/n`` of them); XLA gathers them for the forward pass. Sharded and single-device
-  steps compute the same update up to float reduction order.
-* :func:`make_pmap_train_step`: the same update under ``jax.pmap`` with gradients averaged by
-  ``lax.pmean``, for code bases that still use ``pmap``. The state carries a leading device
-  axis (:func:`replicate_for_pmap`).
+``params`` is the full (combined) tree; ``aux`` is a dict of scalars. The metrics are
+``{**aux, 'loss': loss, 'grad_norm': ||grads||_2}``.
+
+Placement is decided by the leaves, not guessed from shapes here. :func:`make_train_step` with a
+``mesh`` places the state with :func:`lowrank_jax.leaves.partition_specs`: every leaf names the
+dimensions of its arrays (``'in'``, ``'out'``, ``'rank'``, ``'heads'``, ...), ``axis_rules``
+maps names to mesh axes (tensor parallelism: ``{'out': 'model'}`` splits every projection's
+output features over the ``'model'`` axis), and ``fsdp=True`` also splits every array of at
+least ``fsdp_min_size`` entries along its first unplaced dimension over the batch axis.
+Parameters, frozen arrays, the model state and the optimizer moments (optax's ``mu``/``nu``
+have the parameters' structure, leaf dataclasses included) all get their leaves' placement.
+The global batch is split on its leading dimension over ``batch_axis`` (replicated over the
+other mesh axes); XLA inserts the collectives. Sharded and single-device steps compute the same
+update up to float reduction order.
+
+:func:`make_pmap_train_step` is the same update under ``jax.pmap`` with gradients averaged by
+``lax.pmean``, for code bases that still use ``pmap``; its state carries a leading device axis
+(:func:`replicate_for_pmap`). Its model state is averaged over devices with ``pmean`` after
+every step (floating arrays; integer arrays such as counters are kept from each device, which
+must agree): each device computes, for example, BatchNorm statistics of its own shard of the
+batch, and the running statistics are the mean of the per-device updates. That equals the
+single-device update for running means of equal-sized shards, not for running variances (the
+spread between the device means is missing), as with PyTorch's ``DistributedDataParallel``
+without ``SyncBatchNorm``. The jit step computes statistics over the global batch.
 
 Mixed precision: ``compute_dtype=jnp.bfloat16`` casts every float array of the parameter tree
 (trainable and frozen) to bf16 inside the loss; the master parameters, the gradients (cast back
@@ -32,13 +50,14 @@ to float32 by the transpose of the cast) and the optimizer state stay float32. T
 cast (targets keep their precision): under JAX's type promotion a float32 input times a bf16
 weight computes in float32, so ``loss_fn`` (or the model) casts the inputs it wants in bf16.
 
-Buffers of the input state are donated (``donate_argnums=(0,)``): do not reuse a state after
-passing it to a step.
+Buffers of the input state are donated (``donate=True``): do not reuse a state after passing it
+to a step.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import dataclasses
+from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +66,12 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lowrank_jax.leaves import combine, path_str
-from lowrank_jax.train.state import TrainState
+from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.leaves import combine, partition_specs, path_str
+from lowrank_jax.train.state import TrainState, check_optimizer
 
 Array = jax.Array
-LossFn = Callable[[Any, Any, Array], tuple[Array, dict]]
+LossFn = Callable[..., tuple]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -82,17 +102,23 @@ def default_optimizer(learning_rate: float = 1e-3, total_steps: int = 1000,
 
     Returns:
       An optax gradient transformation.
+
+    Raises:
+      ConfigError: a hyperparameter is out of range.
     """
+    who = "default_optimizer"
     if not learning_rate > 0:
-        raise ValueError(f"default_optimizer: learning_rate must be > 0, got {learning_rate}")
+        raise ConfigError(f"{who}: learning_rate must be > 0, got {learning_rate}",
+                          where="learning_rate", expected="> 0", actual=learning_rate)
     if not (isinstance(total_steps, int) and isinstance(warmup_steps, int)
             and 0 <= warmup_steps < total_steps):
-        raise ValueError(
-            f"default_optimizer: need integers 0 <= warmup_steps < total_steps, got "
-            f"warmup_steps={warmup_steps!r}, total_steps={total_steps!r}"
-        )
+        raise ConfigError(
+            f"{who}: need integers 0 <= warmup_steps < total_steps, got "
+            f"warmup_steps={warmup_steps!r}, total_steps={total_steps!r}", where="warmup_steps",
+            expected="0 <= warmup_steps < total_steps", actual=(warmup_steps, total_steps))
     if weight_decay < 0:
-        raise ValueError(f"default_optimizer: weight_decay must be >= 0, got {weight_decay}")
+        raise ConfigError(f"{who}: weight_decay must be >= 0, got {weight_decay}",
+                          where="weight_decay", expected=">= 0", actual=weight_decay)
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=learning_rate, warmup_steps=warmup_steps,
         decay_steps=total_steps, end_value=0.0)
@@ -105,13 +131,14 @@ def default_optimizer(learning_rate: float = 1e-3, total_steps: int = 1000,
 
 def _check_mesh(mesh: Any, batch_axis: str, who: str) -> int:
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"{who}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ConfigError(f"{who}: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}",
+                          where="mesh", expected="jax.sharding.Mesh", actual=type(mesh).__name__)
     if batch_axis not in mesh.axis_names:
-        raise ValueError(
+        raise ConfigError(
             f"{who}: batch_axis {batch_axis!r} is not an axis of the mesh (axes "
             f"{tuple(mesh.axis_names)}); build it as Mesh(np.array(jax.devices()), "
-            f"({batch_axis!r},))"
-        )
+            f"({batch_axis!r},)) or pass batch_axis=", where="batch_axis",
+            expected=tuple(mesh.axis_names), actual=batch_axis)
     return int(mesh.shape[batch_axis])
 
 
@@ -119,32 +146,52 @@ def _check_batch(batch: Any, n_devices: int, who: str, what: str) -> int:
     """Validate the batch's leading dimension on the host, before anything is traced."""
     flat, _ = jax.tree_util.tree_flatten_with_path(batch)
     if not flat:
-        raise ValueError(f"{who}: the batch has no arrays")
+        raise ShapeError(f"{who}: the batch has no arrays", where="batch")
     sizes = {}
     for path, x in flat:
         shape = np.shape(x)
         name = path_str(path) or "<batch>"
         if len(shape) == 0:
-            raise ValueError(f"{who}: batch entry {name!r} is a scalar; every batch array "
-                             "needs a leading batch dimension")
+            raise ShapeError(f"{who}: batch entry {name!r} is a scalar; every batch array "
+                             "needs a leading batch dimension", where=name,
+                             expected="[batch, ...]", actual=())
         sizes[name] = shape[0]
     if len(set(sizes.values())) > 1:
-        raise ValueError(f"{who}: batch arrays disagree on the batch size: {sizes}")
+        raise ShapeError(f"{who}: batch arrays disagree on the batch size: {sizes}",
+                         where="batch", expected="one batch size", actual=sizes)
     size = next(iter(sizes.values()))
     if n_devices > 1 and size % n_devices:
-        raise ValueError(
+        raise ShapeError(
             f"{who}: batch size {size} is not divisible by the {n_devices} devices of {what}; "
             f"use a global batch size that is a multiple of {n_devices} (e.g. "
-            f"{max(n_devices, size - size % n_devices)})"
-        )
+            f"{max(n_devices, size - size % n_devices)})", where="batch",
+            expected=f"a multiple of {n_devices}", actual=size)
     return size
 
 
+def _put(x: Any, sharding: Any) -> Any:
+    """``device_put`` unless ``x`` already lies as ``sharding`` says: a step's outputs go
+    straight back in (their buffers are donated, not copied, and the step does not retrace)."""
+    if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
+        return x
+    return jax.device_put(x, sharding)
+
+
 def shard_batch(batch: Any, mesh: Mesh, batch_axis: str = "data") -> Any:
-    """Place a global batch on ``mesh``, split along its leading dimension over ``batch_axis``.
+    """Place a global batch on ``mesh``, split along its leading dimension over ``batch_axis``
+    (replicated over the mesh's other axes).
+
+    Args:
+      batch: a pytree of arrays ``[batch, ...]``.
+      mesh: the device mesh.
+      batch_axis: the mesh axis of the data split.
+
+    Returns:
+      The batch as ``jax.Array`` s sharded ``P(batch_axis)``.
 
     Raises:
-      ValueError: when the batch size is not divisible by the size of ``batch_axis``.
+      ShapeError: the batch size is not divisible by the size of ``batch_axis``.
+      ConfigError: ``batch_axis`` is not an axis of ``mesh``.
     """
     n = _check_mesh(mesh, batch_axis, "shard_batch")
     _check_batch(batch, n, "shard_batch", f"mesh axis {batch_axis!r}")
@@ -153,79 +200,35 @@ def shard_batch(batch: Any, mesh: Mesh, batch_axis: str = "data") -> Any:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-    """Place every array of ``tree`` on every device of ``mesh`` (``P()``)."""
+    """Place every array of ``tree`` on every device of ``mesh``.
+
+    Args:
+      tree: any pytree of arrays.
+      mesh: the device mesh.
+
+    Returns:
+      The tree with every array replicated (``P()``).
+    """
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"replicate: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+        raise ConfigError(f"replicate: mesh must be a jax.sharding.Mesh, got "
+                          f"{type(mesh).__name__}", where="mesh", actual=type(mesh).__name__)
     sharding = NamedSharding(mesh, P())
     return jax.tree_util.tree_map(lambda x: _put(x, sharding), tree)
 
 
-def _put(x: Any, sharding: NamedSharding) -> Any:
-    """``device_put`` unless ``x`` already has exactly this sharding: a step's outputs go
-    straight back in (their buffers are donated, not copied, and the step does not retrace)."""
-    if isinstance(x, jax.Array) and x.sharding == sharding:
-        return x
-    return jax.device_put(x, sharding)
-
-
-def _state_shardings(state: TrainState, mesh: Mesh, batch_axis: str, fsdp: bool,
-                     fsdp_min_size: int) -> TrainState:
-    """Replicated everywhere; with ``fsdp``, large arrays split along dim 0 over ``batch_axis``.
-
-    The rule looks at shapes only, so a parameter and its optax moments (same shape) always
-    get the same sharding. Works on concrete arrays and on tracers (shapes are static).
-    """
-    n = int(mesh.shape[batch_axis])
-    rep = NamedSharding(mesh, P())
-    split = NamedSharding(mesh, P(batch_axis))
-
-    def spec(x):
-        shape = np.shape(x)
-        if fsdp and len(shape) >= 1 and int(np.prod(shape)) >= fsdp_min_size \
-                and shape[0] % n == 0:
-            return split
-        return rep
-
-    tmap = jax.tree_util.tree_map
-    return TrainState(step=rep, params=tmap(spec, state.params), frozen=tmap(spec, state.frozen),
-                      opt_state=tmap(spec, state.opt_state), rng=rep, data_position=rep)
-
-
-class Replicated:
-    """A tree replicated for ``pmap``: its flat arrays, each with a leading device axis, and
-    its tree structure.
-
-    The arrays are kept flat because leaf dataclasses check their shapes when rebuilt, and a
-    ``Dense`` whose ``w`` is ``[n, d_in, d_out]`` is no valid leaf; inside ``pmap`` every
-    device sees the per-device shapes and the tree is rebuilt there. Build with
-    :func:`replicate_for_pmap`, read back with :func:`unreplicate`.
-    """
-
-    def __init__(self, arrays: Sequence[Array], treedef: Any):
-        self.arrays = list(arrays)
-        self.treedef = treedef
-
-    def unflatten(self) -> Any:
-        """The tree for per-device arrays (inside ``pmap``)."""
-        return jax.tree_util.tree_unflatten(self.treedef, self.arrays)
-
-    def __repr__(self) -> str:
-        return f"Replicated({len(self.arrays)} arrays, {self.treedef})"
-
-
-jax.tree_util.register_pytree_node(
-    Replicated, lambda r: (r.arrays, r.treedef), lambda treedef, arrays: Replicated(arrays, treedef))
-
-
 def _pmap_sharding(devices: Sequence[jax.Device], axis_name: str) -> NamedSharding:
-    # The layout pmap gives its outputs: one slice of the leading axis per device, on a mesh
-    # named after the pmap axis. Inputs placed the same way do not retrace the step.
+    # The layout pmap gives its outputs: one slice of the leading axis per device. Inputs
+    # placed the same way do not retrace the step.
     return NamedSharding(Mesh(np.array(devices), (axis_name,)), P(axis_name))
 
 
 def replicate_for_pmap(tree: Any, devices: Sequence[jax.Device] | None = None,
-                       axis_name: str = "batch") -> Replicated:
-    """Copy every array of ``tree`` to each device for ``pmap`` (leading axis ``len(devices)``).
+                       axis_name: str = "batch") -> Any:
+    """Copy every array of ``tree`` to each device for ``pmap``.
+
+    Leaf dataclasses are rebuilt around the stacked arrays as they are (rebuilding a node skips
+    its construction checks), so a :class:`TrainState` stays a ``TrainState`` whose arrays
+    carry a leading device axis.
 
     Args:
       tree: e.g. a :class:`TrainState`.
@@ -233,25 +236,30 @@ def replicate_for_pmap(tree: Any, devices: Sequence[jax.Device] | None = None,
       axis_name: the ``axis_name`` of the pmap step (only decides the arrays' sharding).
 
     Returns:
-      A :class:`Replicated` holding the stacked arrays and the structure of ``tree``.
+      ``tree`` with every array ``x`` replaced by ``[len(devices), *x.shape]`` copies, one per
+      device.
     """
     devices = list(jax.local_devices() if devices is None else devices)
     n = len(devices)
     sharding = _pmap_sharding(devices, axis_name)
-    arrays, treedef = jax.tree_util.tree_flatten(tree)
 
     def rep(x):
         x = jnp.asarray(x) if not isinstance(x, jax.Array) else x
         return jax.device_put(jnp.broadcast_to(x[None], (n, *x.shape)), sharding)
 
-    return Replicated([rep(x) for x in arrays], treedef)
+    return jax.tree_util.tree_map(rep, tree)
 
 
 def unreplicate(tree: Any) -> Any:
-    """The first copy of a :class:`Replicated` tree (or of every array of a plain tree whose
-    arrays have a leading device axis, such as ``pmap`` outputs)."""
-    if isinstance(tree, Replicated):
-        return jax.tree_util.tree_unflatten(tree.treedef, [x[0] for x in tree.arrays])
+    """The first copy of a tree whose arrays carry a leading device axis (``pmap`` states and
+    outputs).
+
+    Args:
+      tree: e.g. the state returned by a pmap step.
+
+    Returns:
+      ``tree`` with every array ``x`` replaced by ``x[0]``.
+    """
     return jax.tree_util.tree_map(lambda x: x[0], tree)
 
 
@@ -264,9 +272,12 @@ def _check_compute_dtype(compute_dtype: Any, who: str) -> Any:
     try:
         dt = jnp.dtype(compute_dtype)
     except TypeError as e:
-        raise TypeError(f"{who}: compute_dtype must be a float dtype, got {compute_dtype!r}") from e
+        raise ConfigError(f"{who}: compute_dtype must be a float dtype, got {compute_dtype!r}",
+                          where="compute_dtype", expected="a float dtype",
+                          actual=compute_dtype) from e
     if not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(f"{who}: compute_dtype must be a float dtype, got {dt}")
+        raise ConfigError(f"{who}: compute_dtype must be a float dtype, got {dt}",
+                          where="compute_dtype", expected="a float dtype", actual=str(dt))
     return dt
 
 
@@ -276,16 +287,30 @@ def _cast_floats(tree: Any, dtype: Any) -> Any:
     return jax.tree_util.tree_map(cast, tree)
 
 
-def _global_norm(tree: Any) -> Array:
-    """``||tree||_2`` over the arrays' leaves (not ``optax.global_norm``: its ``tree_map`` to
-    scalars rebuilds leaf dataclasses around 0-d arrays, which their shape checks reject)."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32)))
-                        for x in jax.tree_util.tree_leaves(tree)))
+def _restore_dtypes(new: Any, old: Any) -> Any:
+    """``new`` cast to the dtypes of ``old`` (same structure, else a ShapeError)."""
+    new_def, old_def = jax.tree_util.tree_structure(new), jax.tree_util.tree_structure(old)
+    if new_def != old_def:
+        raise ShapeError(
+            "stateful train step: loss_fn must return a model state with the structure of the "
+            f"one it received: got {new_def}, expected {old_def}", where="model_state",
+            expected=str(old_def), actual=str(new_def))
+    return jax.tree_util.tree_map(lambda n, o: jnp.asarray(n).astype(jnp.result_type(o)), new, old)
+
+
+def _pmean_floats(tree: Any, axis_name: str) -> Any:
+    return jax.tree_util.tree_map(
+        lambda x: jax.lax.pmean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.inexact) else x,
+        tree)
 
 
 def _make_update(loss_fn: LossFn, optimizer: optax.GradientTransformation, compute_dtype: Any,
-                 axis_name: str | None, constrain: Callable[[TrainState], TrainState] | None):
+                 axis_name: str | None, constrain: Callable[[TrainState], TrainState] | None,
+                 stateful: bool):
     """The pure ``(state, batch, key) -> (state, metrics)`` shared by the jit and pmap steps."""
+    contract = ("loss_fn(params, model_state, batch, key) must return (loss, aux, "
+                "new_model_state)" if stateful else
+                "loss_fn(params, batch, key) must return (loss, aux)")
 
     def update(state: TrainState, batch: Any, key: Array | None):
         key = state.rng if key is None else key
@@ -295,96 +320,233 @@ def _make_update(loss_fn: LossFn, optimizer: optax.GradientTransformation, compu
             params = combine(trainable, state.frozen)
             if compute_dtype is not None:
                 params = _cast_floats(params, compute_dtype)
-            out = loss_fn(params, batch, step_key)
-            if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
-                raise TypeError("train step: loss_fn(params, batch, key) must return "
-                                "(loss, aux) with aux a dict of scalars (use {} for none)")
-            loss, aux = out
+            if stateful:
+                out = loss_fn(params, state.model_state, batch, step_key)
+                ok = isinstance(out, tuple) and len(out) == 3 and isinstance(out[1], dict)
+            else:
+                out = loss_fn(params, batch, step_key)
+                ok = isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)
+            if not ok:
+                raise ConfigError(f"train step: {contract}, with aux a dict of scalars (use {{}} "
+                                  "for none)", where="loss_fn", expected=contract,
+                                  actual=type(out).__name__)
+            loss, aux = out[0], out[1]
+            # the new model state is an output, not a parameter: no gradient flows into it
+            model_state = jax.lax.stop_gradient(_restore_dtypes(out[2], state.model_state)) \
+                if stateful else state.model_state
             if jnp.shape(loss) != ():
-                raise ValueError(f"train step: loss_fn must return a scalar loss, got shape "
-                                 f"{jnp.shape(loss)}")
-            return jnp.asarray(loss, jnp.float32), aux
+                raise ShapeError(f"train step: loss_fn must return a scalar loss, got shape "
+                                 f"{jnp.shape(loss)}", where="loss", expected=(),
+                                 actual=jnp.shape(loss))
+            return jnp.asarray(loss, jnp.float32), (aux, model_state)
 
-        (loss, aux), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
+        (loss, (aux, model_state)), grads = jax.value_and_grad(objective, has_aux=True)(
+            state.params)
         if axis_name is not None:
             grads = jax.lax.pmean(grads, axis_name)
             loss, aux = jax.lax.pmean((loss, aux), axis_name)
+            if stateful:
+                model_state = _pmean_floats(model_state, axis_name)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state)
+        new_state = state._replace(step=state.step + 1, params=params, opt_state=opt_state,
+                                   model_state=model_state)
         if constrain is not None:
             new_state = constrain(new_state)
-        metrics = {**aux, "loss": loss, "grad_norm": _global_norm(grads)}
+        metrics = {**aux, "loss": loss, "grad_norm": optax.tree.norm(grads)}
         return new_state, metrics
 
     return update
 
 
-def _check_state(state: Any, who: str) -> None:
+def _check_state(state: Any, stateful: bool, who: str) -> None:
     if not isinstance(state, TrainState):
-        raise TypeError(f"{who}: state must be a TrainState (from init_train_state), got "
-                        f"{type(state).__name__}")
+        raise ConfigError(f"{who}: state must be a TrainState (from init_train_state), got "
+                          f"{type(state).__name__}", where="state", expected="TrainState",
+                          actual=type(state).__name__)
+    if stateful and state.model_state is None:
+        raise ConfigError(
+            f"{who}: the step was made with stateful=True but state.model_state is None; pass "
+            "the model's state to init_train_state(..., model_state=...)", where="model_state",
+            expected="a model state", actual=None)
+    if not stateful and state.model_state is not None:
+        raise ConfigError(
+            f"{who}: the state holds a model_state but the step was made without stateful=True, "
+            "so it would never be updated; make the step with stateful=True and a loss "
+            "loss_fn(params, model_state, batch, key) -> (loss, aux, new_model_state)",
+            where="model_state", expected=None, actual="a model state")
 
 
-def _is_train_state_def(treedef: Any) -> bool:
-    try:
-        return isinstance(treedef.unflatten([None] * treedef.num_leaves), TrainState)
-    except Exception:  # a node type that cannot be rebuilt around None
-        return False
-
-
-def _check_common(loss_fn: Any, optimizer: Any, who: str) -> None:
+def _check_common(loss_fn: Any, optimizer: Any, stateful: Any, who: str) -> None:
     if not callable(loss_fn):
-        raise TypeError(f"{who}: loss_fn must be callable (params, batch, key) -> (loss, aux)")
-    if not (hasattr(optimizer, "init") and hasattr(optimizer, "update")):
-        raise TypeError(f"{who}: optimizer must be an optax GradientTransformation, got "
-                        f"{type(optimizer).__name__}")
+        raise ConfigError(f"{who}: loss_fn must be callable", where="loss_fn",
+                          expected="a callable", actual=type(loss_fn).__name__)
+    check_optimizer(optimizer, who)
+    if not isinstance(stateful, bool):
+        raise ConfigError(f"{who}: stateful must be True or False, got {stateful!r}",
+                          where="stateful", expected="bool", actual=stateful)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TrainStep:
+    """A jit-compiled train step (built by :func:`make_train_step`).
+
+    Call it as ``step(state, batch, key=None) -> (state, metrics)``. The batch size (leading
+    dimension) is checked on the host before anything is compiled; with a mesh, the state and
+    the batch are placed before the call (arrays already placed there are passed as they are).
+
+    Attributes:
+      jitted: the underlying ``jax.jit`` function, called as
+        ``jitted(state._replace(rng=None), state.rng, batch, key)`` (the key is not donated).
+      mesh: the mesh, or ``None`` for a plain ``jax.jit`` step where the inputs live.
+      batch_axis: the mesh axis of the data split (and of FSDP).
+      fsdp: whether large arrays are also split over ``batch_axis``.
+      fsdp_min_size: the FSDP size threshold.
+      axis_rules: ``{logical axis: mesh axis}`` applied to the leaves' logical axes.
+      stateful: whether the loss takes and returns a model state.
+    """
+
+    jitted: Callable
+    mesh: Mesh | None
+    batch_axis: str
+    fsdp: bool
+    fsdp_min_size: int
+    axis_rules: Mapping[str, str | None]
+    stateful: bool
+
+    def state_shardings(self, state: TrainState) -> TrainState | None:
+        """Where the step places ``state``: a ``TrainState`` of ``NamedSharding`` s (``None``
+        without a mesh).
+
+        Args:
+          state: a train state, concrete or abstract (``jax.eval_shape``).
+
+        Returns:
+          The shardings, decided by the leaves (:func:`lowrank_jax.leaves.partition_specs`);
+          ``step``, ``rng`` and ``data_position`` are replicated.
+        """
+        if self.mesh is None:
+            return None
+        return _state_shardings(state, self.mesh, self.axis_rules,
+                                self.batch_axis if self.fsdp else None, self.fsdp_min_size)
+
+    def __call__(self, state: TrainState, batch: Any, key: Array | None = None):
+        """One update.
+
+        Args:
+          state: a :class:`TrainState` (donated).
+          batch: a pytree of arrays with a common leading batch dimension.
+          key: PRNG key of this run (default ``state.rng``); the step folds in ``state.step``.
+
+        Returns:
+          ``(new_state, metrics)``.
+        """
+        _check_state(state, self.stateful, "train step")
+        n_dev = 1 if self.mesh is None else int(self.mesh.shape[self.batch_axis])
+        _check_batch(batch, n_dev, "train step",
+                     "the mesh" if self.mesh is None else f"mesh axis {self.batch_axis!r}")
+        if self.mesh is not None:
+            state = jax.tree_util.tree_map(_put, state, self.state_shardings(state))
+            batch = shard_batch(batch, self.mesh, self.batch_axis)
+            if key is not None:
+                key = _put(key, NamedSharding(self.mesh, P()))
+        rng = state.rng
+        key = rng if key is None else key  # same signature either way: no second trace
+        new_state, metrics = self.jitted(state._replace(rng=None), rng, batch, key)
+        return new_state._replace(rng=rng), metrics
+
+
+def _canonical(spec: P) -> P:
+    """``spec`` without trailing ``None`` s: the spelling jit gives its outputs, so a step's
+    outputs and freshly placed inputs share one compiled executable."""
+    parts = tuple(spec)
+    while parts and parts[-1] is None:
+        parts = parts[:-1]
+    return P(*parts)
+
+
+def _state_shardings(state: TrainState, mesh: Mesh, rules: Mapping[str, str | None],
+                     fsdp_axis: str | None, fsdp_min_size: int) -> TrainState:
+    """The leaves' placement of every part of ``state`` (see the module docstring)."""
+
+    def shard(tree):
+        specs = partition_specs(tree, mesh, rules, fsdp_axis=fsdp_axis,
+                                fsdp_min_size=fsdp_min_size)
+        return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, _canonical(s)), specs,
+                                      is_leaf=lambda s: isinstance(s, P))
+
+    rep = NamedSharding(mesh, P())
+    return TrainState(step=rep, params=shard(state.params), frozen=shard(state.frozen),
+                      opt_state=shard(state.opt_state), rng=rep, data_position=rep,
+                      model_state=shard(state.model_state))
 
 
 def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
                     mesh: Mesh | None = None, batch_axis: str = "data", fsdp: bool = False,
-                    fsdp_min_size: int = 2**18, compute_dtype: Any = None,
-                    donate: bool = True) -> Callable:
-    """A jit-compiled train step, optionally data parallel (and FSDP) over a mesh.
+                    fsdp_min_size: int = 2**18, axis_rules: Mapping[str, str | None] | None = None,
+                    stateful: bool = False, compute_dtype: Any = None,
+                    donate: bool = True) -> TrainStep:
+    """A jit-compiled train step, optionally sharded over a mesh as the leaves say.
 
     Args:
-      loss_fn: ``loss_fn(params, batch, key) -> (loss, aux)``; ``params`` is the full tree,
-        ``aux`` a dict of scalars.
+      loss_fn: ``loss_fn(params, batch, key) -> (loss, aux)``, or with ``stateful=True``
+        ``loss_fn(params, model_state, batch, key) -> (loss, aux, new_model_state)``;
+        ``params`` is the full tree, ``aux`` a dict of scalars.
       optimizer: optax transformation, the one the state was initialized with.
       mesh: ``None``: plain ``jax.jit`` where the inputs live. A mesh: the batch is split over
-        ``batch_axis`` and the state replicated (or FSDP-sharded), placed by the step itself.
-      batch_axis: mesh axis of the data (and FSDP) split.
-      fsdp: shard arrays of at least ``fsdp_min_size`` elements whose first dimension is
-        divisible by the size of ``batch_axis`` (parameters and optimizer moments).
+        ``batch_axis`` and the state placed by :func:`lowrank_jax.leaves.partition_specs` (each
+        leaf's logical axes, ``axis_rules``, FSDP); the step places its inputs itself.
+      batch_axis: mesh axis of the data split (and of FSDP).
+      fsdp: also split every array of at least ``fsdp_min_size`` entries along its first
+        unplaced dimension divisible by the size of ``batch_axis`` (parameters, frozen arrays,
+        model state and optimizer moments alike, so each device stores ``1/n`` of them).
       fsdp_min_size: size threshold of ``fsdp``.
+      axis_rules: ``{logical axis name: mesh axis}``, e.g. ``{'out': 'model'}`` to split the
+        output features of every projection (and their optimizer moments) over a ``'model'``
+        axis (tensor parallelism). Names the leaves use: ``'in'``, ``'out'``, ``'rank'``,
+        ``'heads'``, ``'head_dim'``, ``'machine'``.
+      stateful: the loss takes and returns a model state (see the module docstring).
       compute_dtype: e.g. ``jnp.bfloat16``: the float parameters are cast to it inside the loss;
         master parameters and optimizer state stay in their dtype.
       donate: donate the input state's buffers.
 
     Returns:
-      ``step(state, batch, key=None) -> (state, metrics)``. The batch size (leading dimension)
-      is checked on the host before anything is compiled. ``step.jitted`` is the underlying
-      ``jax.jit`` function, called as ``jitted(state._replace(rng=None), state.rng, batch,
-      key)`` (the key is not donated); ``step.state_shardings(state)`` gives the placement.
+      A :class:`TrainStep`: ``step(state, batch, key=None) -> (state, metrics)``, with
+      ``step.jitted``, ``step.mesh`` and ``step.state_shardings(state)``.
+
+    Raises:
+      ConfigError: a bad option (no mesh for ``fsdp`` or ``axis_rules``, an axis the mesh does
+        not have, a non-float ``compute_dtype``, an optimizer that is not optax).
     """
     who = "make_train_step"
-    _check_common(loss_fn, optimizer, who)
+    _check_common(loss_fn, optimizer, stateful, who)
     compute_dtype = _check_compute_dtype(compute_dtype, who)
-    if not (isinstance(fsdp_min_size, int) and fsdp_min_size >= 1):
-        raise ValueError(f"{who}: fsdp_min_size must be a positive int, got {fsdp_min_size!r}")
+    if isinstance(fsdp_min_size, bool) or not isinstance(fsdp_min_size, int) or fsdp_min_size < 1:
+        raise ConfigError(f"{who}: fsdp_min_size must be a positive int, got {fsdp_min_size!r}",
+                          where="fsdp_min_size", expected="int >= 1", actual=fsdp_min_size)
+    if axis_rules is not None and not isinstance(axis_rules, Mapping):
+        raise ConfigError(f"{who}: axis_rules must be a dict {{logical axis: mesh axis}}, got "
+                          f"{type(axis_rules).__name__}", where="axis_rules",
+                          expected="dict", actual=type(axis_rules).__name__)
+    rules = dict(axis_rules or {})
     if mesh is None:
         if fsdp:
-            raise ValueError(f"{who}: fsdp=True needs a mesh to shard over")
-        n_dev = 1
+            raise ConfigError(f"{who}: fsdp=True needs a mesh to shard over", where="fsdp",
+                              expected="mesh=Mesh(...)", actual=None)
+        if rules:
+            raise ConfigError(f"{who}: axis_rules {rules} need a mesh to shard over",
+                              where="axis_rules", expected="mesh=Mesh(...)", actual=None)
         constrain = None
     else:
-        n_dev = _check_mesh(mesh, batch_axis, who)
+        _check_mesh(mesh, batch_axis, who)
+        fsdp_axis = batch_axis if fsdp else None
+        partition_specs({}, mesh, rules, fsdp_axis=fsdp_axis)  # ConfigError for unknown axes
 
         def constrain(state):
             return jax.lax.with_sharding_constraint(
-                state, _state_shardings(state, mesh, batch_axis, fsdp, fsdp_min_size))
+                state, _state_shardings(state, mesh, rules, fsdp_axis, fsdp_min_size))
 
-    update = _make_update(loss_fn, optimizer, compute_dtype, None, constrain)
+    update = _make_update(loss_fn, optimizer, compute_dtype, None, constrain, stateful)
 
     def update_kept_rng(state: TrainState, rng: Array, batch: Any, key: Array | None):
         # state.rng travels outside the donated argument: a caller may pass key=state.rng (or
@@ -394,99 +556,96 @@ def make_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
         return new_state._replace(rng=None), metrics
 
     jitted = jax.jit(update_kept_rng, donate_argnums=(0,) if donate else ())
-
-    def state_shardings(state: TrainState) -> TrainState | None:
-        if mesh is None:
-            return None
-        return _state_shardings(state, mesh, batch_axis, fsdp, fsdp_min_size)
-
-    def step(state: TrainState, batch: Any, key: Array | None = None):
-        _check_state(state, "train step")
-        _check_batch(batch, n_dev, "train step",
-                     "the mesh" if mesh is None else f"mesh axis {batch_axis!r}")
-        if mesh is not None:
-            shardings = state_shardings(state)
-            state = jax.tree_util.tree_map(_put, state, shardings)
-            batch = shard_batch(batch, mesh, batch_axis)
-            if key is not None:
-                key = _put(key, NamedSharding(mesh, P()))
-        rng = state.rng
-        key = rng if key is None else key  # same signature either way: no second trace
-        new_state, metrics = jitted(state._replace(rng=None), rng, batch, key)
-        return new_state._replace(rng=rng), metrics
-
-    step.jitted = jitted
-    step.state_shardings = state_shardings
-    step.mesh = mesh
-    return step
+    return TrainStep(jitted=jitted, mesh=mesh, batch_axis=batch_axis, fsdp=bool(fsdp),
+                     fsdp_min_size=fsdp_min_size, axis_rules=rules, stateful=stateful)
 
 
-def make_pmap_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
-                         axis_name: str = "batch", compute_dtype: Any = None,
-                         devices: Sequence[jax.Device] | None = None,
-                         donate: bool = True) -> Callable:
-    """The train step under ``jax.pmap``: the same update, gradients averaged with ``pmean``.
+@dataclasses.dataclass(frozen=True, eq=False)
+class PmapTrainStep:
+    """A ``jax.pmap`` train step (built by :func:`make_pmap_train_step`).
 
-    Each device computes ``loss_fn`` on its ``batch_size / n`` examples; the mean of the
-    per-device gradients equals the gradient of the global-batch mean when ``loss_fn`` is an
-    unweighted mean over examples (a masked mean weights devices equally instead).
+    Call it as ``step(state, batch, key=None) -> (state, metrics)`` with ``state`` from
+    :func:`replicate_for_pmap` (a :class:`TrainState` whose arrays carry a leading device axis)
+    and the *global* batch ``[batch, ...]`` (split here into ``[n, batch / n, ...]`` after the
+    divisibility check). ``metrics`` are the device-averaged scalars; :func:`unreplicate` turns
+    the returned state back into a plain one.
 
-    Args:
-      loss_fn, optimizer, compute_dtype, donate: as :func:`make_train_step`.
-      axis_name: the ``pmap`` axis name (usable in ``loss_fn`` for collectives).
-      devices: default ``jax.local_devices()``.
-
-    Returns:
-      ``step(state, batch, key=None) -> (state, metrics)`` where ``state`` is a
-      :class:`Replicated` train state (:func:`replicate_for_pmap`; :func:`unreplicate` turns it
-      back into a :class:`TrainState`), ``batch`` is the *global* batch
-      ``[batch, ...]`` (reshaped here to ``[n, batch / n, ...]`` after the divisibility check)
-      and ``metrics`` are the device-averaged scalars. ``step.pmapped`` is the pmapped function.
+    Attributes:
+      pmapped: the pmapped update ``(state, batch [n, b/n, ...], key) -> (state, metrics)``.
+      devices: the devices, in order.
+      axis_name: the pmap axis name.
+      stateful: whether the loss takes and returns a model state.
     """
-    who = "make_pmap_train_step"
-    _check_common(loss_fn, optimizer, who)
-    compute_dtype = _check_compute_dtype(compute_dtype, who)
-    devices = list(jax.local_devices() if devices is None else devices)
-    n = len(devices)
-    update = _make_update(loss_fn, optimizer, compute_dtype, axis_name, None)
 
-    def flat_update(rep: Replicated, batch: Any, key: Array | None):
-        new_state, metrics = update(rep.unflatten(), batch, key)
-        arrays, treedef = jax.tree_util.tree_flatten(new_state)
-        return Replicated(arrays, treedef), metrics
+    pmapped: Callable
+    devices: tuple
+    axis_name: str
+    stateful: bool
 
-    sharding = _pmap_sharding(devices, axis_name)
-    pmapped = jax.pmap(flat_update, axis_name=axis_name, in_axes=(0, 0, None), devices=devices,
-                       donate_argnums=(0,) if donate else ())
+    def __call__(self, state: TrainState, batch: Any, key: Array | None = None):
+        """One update on every device; see the class docstring.
 
-    def step(state: Replicated, batch: Any, key: Array | None = None):
-        if not isinstance(state, Replicated):
-            raise TypeError(f"pmap train step: state must be replicate_for_pmap(state), got "
-                            f"{type(state).__name__}")
-        if not _is_train_state_def(state.treedef):
-            raise TypeError("pmap train step: the replicated tree must be a TrainState "
-                            "(from init_train_state)")
-        lead = {np.shape(x)[:1] for x in state.arrays}
+        Args:
+          state: the replicated state (donated).
+          batch: the global batch.
+          key: PRNG key of this run (default ``state.rng``, the same on every device).
+
+        Returns:
+          ``(new_state, metrics)``: the replicated new state and unreplicated metrics.
+        """
+        who = "pmap train step"
+        _check_state(state, self.stateful, who)
+        n = len(self.devices)
+        lead = {np.shape(x)[:1] for x in jax.tree_util.tree_leaves(state)}
         if lead != {(n,)}:
-            raise ValueError(
-                f"pmap train step: the state must carry a leading axis of {n} devices (found "
-                f"leading dims {sorted(lead)}); use replicate_for_pmap(state)"
-            )
-        size = _check_batch(batch, n, "pmap train step", f"{n} local devices")
-        state = Replicated([_put(x, sharding) for x in state.arrays], state.treedef)
+            raise ShapeError(
+                f"{who}: the state must carry a leading axis of {n} devices (found leading "
+                f"dims {sorted(lead)}); use replicate_for_pmap(state)", where="state",
+                expected=(n,), actual=sorted(lead))
+        size = _check_batch(batch, n, who, f"{n} local devices")
+        sharding = _pmap_sharding(self.devices, self.axis_name)
+        state = jax.tree_util.tree_map(lambda x: _put(x, sharding), state)
 
         def split(x):
             shape = (n, size // n, *np.shape(x)[1:])
             return np.reshape(x, shape) if isinstance(x, np.ndarray) else jnp.reshape(x, shape)
 
-        new_state, metrics = pmapped(state, jax.tree_util.tree_map(split, batch), key)
+        new_state, metrics = self.pmapped(state, jax.tree_util.tree_map(split, batch), key)
         return new_state, unreplicate(metrics)
 
-    step.pmapped = pmapped
-    return step
+
+def make_pmap_train_step(loss_fn: LossFn, optimizer: optax.GradientTransformation, *,
+                         axis_name: str = "batch", stateful: bool = False,
+                         compute_dtype: Any = None, devices: Sequence[jax.Device] | None = None,
+                         donate: bool = True) -> PmapTrainStep:
+    """The train step under ``jax.pmap``: the same update, gradients averaged with ``pmean``.
+
+    Each device computes ``loss_fn`` on its ``batch_size / n`` examples; the mean of the
+    per-device gradients equals the gradient of the global-batch mean when ``loss_fn`` is an
+    unweighted mean over examples (a masked mean weights devices equally instead). With
+    ``stateful=True`` the floating arrays of the new model state are averaged over devices
+    (``pmean``; see the module docstring for what that means for BatchNorm).
+
+    Args:
+      loss_fn, optimizer, stateful, compute_dtype, donate: as :func:`make_train_step`.
+      axis_name: the ``pmap`` axis name (usable in ``loss_fn`` for collectives).
+      devices: default ``jax.local_devices()``.
+
+    Returns:
+      A :class:`PmapTrainStep`.
+    """
+    who = "make_pmap_train_step"
+    _check_common(loss_fn, optimizer, stateful, who)
+    compute_dtype = _check_compute_dtype(compute_dtype, who)
+    devices = tuple(jax.local_devices() if devices is None else devices)
+    update = _make_update(loss_fn, optimizer, compute_dtype, axis_name, None, stateful)
+    pmapped = jax.pmap(update, axis_name=axis_name, in_axes=(0, 0, None), devices=devices,
+                       donate_argnums=(0,) if donate else ())
+    return PmapTrainStep(pmapped=pmapped, devices=devices, axis_name=axis_name,
+                         stateful=stateful)
 
 
 __all__ = [
-    "Replicated", "default_optimizer", "make_pmap_train_step", "make_train_step", "replicate",
-    "replicate_for_pmap", "shard_batch", "unreplicate",
+    "PmapTrainStep", "TrainStep", "default_optimizer", "make_pmap_train_step", "make_train_step",
+    "replicate", "replicate_for_pmap", "shard_batch", "unreplicate",
 ]

@@ -1,4 +1,5 @@
-"""Train-state checkpoints: round trip, keep-N, exact resume, device counts, damaged files."""
+"""Train-state checkpoints: round trip, keep-N, exact resume (model state included), device
+counts, damaged files, and a checkpoint written by lowrank_jax 0.1 (format version 1)."""
 
 import glob
 import os
@@ -11,7 +12,14 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
-from lowrank_jax import (
+from lowrank_jax.errors import (
+    CheckpointError,
+    ConfigError,
+    LeafTypeError,
+    MissingFileError,
+    OutputExistsError,
+)
+from lowrank_jax.leaves import (
     HeadLowRank,
     combine,
     init_dense,
@@ -19,6 +27,7 @@ from lowrank_jax import (
     init_lowrank,
     init_masked_binary,
     linear,
+    path_str,
 )
 from lowrank_jax.train.checkpoint import (
     Checkpointer,
@@ -27,6 +36,8 @@ from lowrank_jax.train.checkpoint import (
 )
 from lowrank_jax.train.data import WindowConfig, WindowSampler
 from lowrank_jax.train.state import TrainState, init_train_state
+
+DATA = os.path.join(os.path.dirname(__file__), "data")
 
 CTX, H = 16, 4
 
@@ -77,7 +88,7 @@ def test_round_trip_any_leaf_types_and_metadata(tmp_path):
     meta = fresh.metadata()
     assert (meta["step"], meta["data_position"]) == (7, 42)
     assert meta["metadata"] == {"note": "x"} and meta["config"] == {"lr": 0.01}
-    with pytest.raises(ValueError, match="step 7 already exists"):
+    with pytest.raises(OutputExistsError, match="step 7 already exists"):
         ckpt.save(state)
 
 
@@ -241,8 +252,10 @@ def test_incompatible_like_is_rejected_with_the_mismatch(tmp_path):
     ckpt, _, _ = _two_steps(tmp_path)
     where = str(tmp_path / "2")
     wrong_rank = jax.eval_shape(lambda: _state(rank=2))
-    with pytest.raises(IncompatibleCheckpointError, match=rf"{where}.*params/inp/u.*\[16, 2\]"):
+    with pytest.raises(IncompatibleCheckpointError,
+                       match=rf"{where}.*params/inp/u.*\[16, 2\]") as err:
         ckpt.restore(like=wrong_rank)
+    assert (err.value.where, err.value.expected, err.value.actual) == (where, [16, 2], [16, 3])
     extra = jax.eval_shape(lambda: _state()._replace(frozen={"new": jnp.zeros(3)}))
     with pytest.raises(IncompatibleCheckpointError, match="in `like` but not saved"):
         ckpt.restore(like=extra)
@@ -253,8 +266,9 @@ def test_incompatible_like_is_rejected_with_the_mismatch(tmp_path):
         return st._replace(params=dict(st.params, heads=HeadLowRank(hl.u, hl.v, hl.b, (2, 1))))
     with pytest.raises(IncompatibleCheckpointError, match="static leaf fields"):
         ckpt.restore(like=jax.eval_shape(ranked))
-    with pytest.raises(FileNotFoundError, match="no step 5.*available steps: \\[1, 2\\]"):
+    with pytest.raises(FileNotFoundError, match="no step 5.*available steps: \\[1, 2\\]") as err:
         ckpt.restore(step=5, like=wrong_rank)
+    assert isinstance(err.value, MissingFileError)
 
 
 def test_plain_trees_numpy_scalars_and_empty_arrays(tmp_path):
@@ -262,8 +276,11 @@ def test_plain_trees_numpy_scalars_and_empty_arrays(tmp_path):
             "py": 3, "empty": jnp.zeros((0, 4)), "none": None,
             "keys": jax.random.split(jax.random.key(1), 3), "old_key": jax.random.PRNGKey(5)}
     ckpt = Checkpointer(tmp_path, async_save=True)
-    with pytest.raises(ValueError, match="no 'step' field; pass step="):
+    with pytest.raises(ConfigError, match="no 'step' field; pass step="):
         ckpt.save(tree)
+    with pytest.raises(LeafTypeError, match="state node 'obj' has type object"):
+        ckpt.save({**tree, "obj": object()}, step=3)
+    assert ckpt.all_steps() == []  # nothing was written
     ckpt.save(tree, step=3)
     ckpt.wait_until_finished()
     got = Checkpointer(tmp_path).restore(like=tree)
@@ -295,3 +312,75 @@ def test_abandoned_read_noise_filter_is_narrow():
     assert f.filter(rec("Task exception was never retrieved\nfuture: <Task finished "
                         "coro=<user_code()> exception=KeyError('x')>"))
     assert f.filter(rec("some other asyncio error"))
+
+
+def test_model_state_round_trip(tmp_path):
+    model_state = {"bn": {"mean": jnp.arange(8.0), "var": jnp.full((8,), 2.0)},
+                   "count": jnp.asarray(3, jnp.int32)}
+    key = jax.random.key(0)
+    state = init_train_state(_params(key), optax.adam(1e-2), key=key, model_state=model_state)
+    ckpt = Checkpointer(tmp_path)
+    ckpt.save(state)
+    like = jax.eval_shape(lambda: state)
+    got = Checkpointer(tmp_path).restore(like=like)
+    _assert_trees_equal(got, state)
+    assert [e["path"] for e in ckpt.metadata()["leaves"] if e["path"].startswith("model_state")] \
+        == ["model_state/bn/mean", "model_state/bn/var", "model_state/count"]
+    # a model state of another structure, or none, is named
+    other = like._replace(model_state={**like.model_state, "extra": like.step})
+    with pytest.raises(IncompatibleCheckpointError,
+                       match=r"in `like` but not saved: \['model_state/extra'\]"):
+        Checkpointer(tmp_path).restore(like=other)
+    with pytest.raises(IncompatibleCheckpointError,
+                       match=r"saved but not in `like`: \['model_state/bn/mean'"):
+        Checkpointer(tmp_path).restore(like=like._replace(model_state=None))
+
+
+def _v1_like():
+    """The state lowrank_jax 0.1 saved in tests/train/data/train_state_v1 (same structure,
+    built with today's initializers; the values come from the checkpoint)."""
+    k = jax.random.split(jax.random.key(0), 4)
+    params = {"inp": init_lowrank(k[0], 6, 4, 2, bias=True),
+              "heads": init_head_lowrank(k[1], 4, 2, 2, 2),
+              "bin": init_masked_binary(k[2], 4, 4, 0.5), "out": init_dense(k[3], 4, 3),
+              "scale": jnp.ones((4,))}
+    return init_train_state(params, optax.adam(1e-2), key=jax.random.key(1))
+
+
+def test_reads_version_1_checkpoints(tmp_path):
+    """A checkpoint written by lowrank_jax 0.1 (commit 984970a, whose TrainState had no
+    model_state) restores into today's TrainState with ``model_state=None``; the expected
+    arrays were dumped by the same 0.1 run into train_state_v1_expected.npz."""
+    directory = tmp_path / "v1"
+    shutil.copytree(os.path.join(DATA, "train_state_v1"), directory)
+    expected = np.load(os.path.join(DATA, "train_state_v1_expected.npz"))
+    ckpt = Checkpointer(directory)
+    meta = ckpt.metadata()
+    assert (meta["version"], meta["step"], meta["data_position"]) == (1, 1, 5)
+    assert meta["metadata"] == {"written_by": "lowrank_jax 0.1 (984970a)"}
+    got = ckpt.restore(like=jax.eval_shape(_v1_like))
+    assert isinstance(got, TrainState) and got.model_state is None
+    assert got.frozen["bin"].keep == 0.5 and got.params["out"].b is None
+    flat = jax.tree_util.tree_flatten_with_path(got)[0]
+    assert sorted(path_str(p) for p, _ in flat) == sorted(expected.files)
+    for p, x in flat:
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        np.testing.assert_array_equal(np.asarray(x), expected[path_str(p)], err_msg=path_str(p))
+    # the Adam moments were saved after one update: they are not all zero
+    assert np.abs(expected["opt_state/0/mu/inp/u"]).min() > 0
+    # a version-1 checkpoint has no model state to restore into a like that has one
+    with_state = jax.eval_shape(lambda: _v1_like()._replace(model_state={"m": jnp.zeros(2)}))
+    with pytest.raises(IncompatibleCheckpointError, match="in `like` but not saved"):
+        ckpt.restore(like=with_state)
+
+
+def test_checkpoint_errors_are_checkpoint_errors_naming_the_step(tmp_path):
+    ckpt, _, _ = _two_steps(tmp_path)
+    os.remove(os.path.join(str(tmp_path / "2"), "meta", "metadata"))
+    with pytest.raises(CheckpointError) as err:
+        Checkpointer(tmp_path).restore(like=jax.eval_shape(lambda: _state()))
+    assert isinstance(err.value, CorruptCheckpointError)
+    assert err.value.where == str(tmp_path / "2")
+    with pytest.raises(ConfigError, match="max_to_keep"):
+        Checkpointer(tmp_path, max_to_keep=0)

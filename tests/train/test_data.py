@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from lowrank_jax.errors import ConfigError, DataError, MissingFileError
 from lowrank_jax.train.data import (
     WindowConfig,
     WindowSampler,
@@ -129,21 +130,23 @@ def test_batches_deterministic_in_position_and_resume():
 
 def test_rejects_bad_configs_with_clear_messages():
     series = [np.arange(100.0), np.arange(30.0)]
-    with pytest.raises(ValueError, match=r"short.*length 30.*horizon=10"):
+    with pytest.raises(DataError, match=r"short.*length 30.*horizon=10") as err:
         WindowSampler(series, WindowConfig(4, 10), split="val", names=["long", "short"])
-    with pytest.raises(ValueError, match=r"series 1 \(length 30\).*16 \+ 8 = 24.*ends at time 21"):
+    assert err.value.where == "short"
+    with pytest.raises(DataError, match=r"series 1 \(length 30\).*16 \+ 8 = 24.*ends at time 21"):
         WindowSampler(series, WindowConfig(16, 8), split="train")
-    with pytest.raises(ValueError, match="horizon=200"):
+    with pytest.raises(DataError, match="horizon=200"):
         WindowSampler(series, WindowConfig(4, 200))
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1"):
+    with pytest.raises(ConfigError, match="batch_size must be an int >= 1"):
         WindowSampler(series, WindowConfig(4, 2), batch_size=0)
-    with pytest.raises(ValueError, match="stride must be an int >= 1"):
+    with pytest.raises(ConfigError, match="stride must be an int >= 1") as err:
         WindowConfig(4, 2, stride=0)
-    with pytest.raises(ValueError, match="splits must sum to 1"):
+    assert (err.value.where, err.value.actual) == ("stride", 0)
+    with pytest.raises(ConfigError, match="splits must sum to 1"):
         WindowConfig(4, 2, splits=(0.5, 0.1, 0.1))
-    with pytest.raises(ValueError, match="scaling"):
+    with pytest.raises(ConfigError, match="scaling"):
         WindowConfig(4, 2, scaling="max")
-    with pytest.raises(ValueError, match=r"series 0 has 1 non-finite.*index 3"):
+    with pytest.raises(DataError, match=r"series 0 has 1 non-finite.*index 3"):
         WindowSampler([np.array([1.0, 2, 3, np.nan] + [1.0] * 50)], WindowConfig(4, 2))
     s = WindowSampler(series, WindowConfig(16, 8), skip_short=True)
     assert s.channel_names == ["series 0"] and s.skipped == ["series 1"]
@@ -174,19 +177,20 @@ def test_load_ett_csv(tmp_path):
 
 def test_load_ett_csv_errors(tmp_path):
     bad_num = _write(tmp_path, "a.csv", "date,x,y\n2020-01-01,1,2\n2020-01-02,oops,3\n")
-    with pytest.raises(ValueError, match=r"a\.csv.*column 'x'.*row 3.*'oops'"):
+    with pytest.raises(DataError, match=r"a\.csv.*column 'x'.*row 3.*'oops'"):
         load_ett_csv(bad_num)
     no_date = _write(tmp_path, "b.csv", "x,y\n1,2\n3,4\n")
-    with pytest.raises(ValueError, match=r"b\.csv.*first column 'x' must hold dates"):
+    with pytest.raises(DataError, match=r"b\.csv.*first column 'x' must hold dates"):
         load_ett_csv(no_date)
     unsorted = _write(tmp_path, "c.csv", "date,x\n2020-01-02,1\n2020-01-01,2\n")
-    with pytest.raises(ValueError, match=r"c\.csv.*strictly increasing.*row 3"):
+    with pytest.raises(DataError, match=r"c\.csv.*strictly increasing.*row 3"):
         load_ett_csv(unsorted)
     missing = _write(tmp_path, "d.csv", "date,x\n2020-01-01,1\n2020-01-02,\n")
-    with pytest.raises(ValueError, match=r"d\.csv.*column 'x'.*row 3"):
+    with pytest.raises(DataError, match=r"d\.csv.*column 'x'.*row 3"):
         load_ett_csv(missing)
-    with pytest.raises(FileNotFoundError, match="nope.csv"):
+    with pytest.raises(MissingFileError, match="nope.csv"):
         load_ett_csv(tmp_path / "nope.csv")
+    assert issubclass(MissingFileError, FileNotFoundError) and issubclass(DataError, ValueError)
 
 
 def test_default_series_are_real_and_usable():

@@ -1,6 +1,7 @@
-"""Train steps on 8 simulated CPU devices (``tests/conftest.py``): sharded, FSDP and pmap steps
-equal single-device steps, no retracing, donation, frozen parts untouched, bf16 compute, and a
-low-rank / masked-binary Chronos-Bolt that learns on a real series (aeon's airline)."""
+"""Train steps on 8 simulated CPU devices (``tests/conftest.py``): sharded, FSDP, tensor-parallel
+(placement decided by the leaves) and pmap steps equal single-device steps, no retracing,
+donation, frozen parts untouched, bf16 compute, and a low-rank / masked-binary Chronos-Bolt that
+learns on a real series (aeon's airline). Stateful steps (BatchNorm) are in test_stateful.py."""
 
 import math
 import re
@@ -15,8 +16,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from lowrank_jax.datasets import builtin_series
+from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import (
-    Dense,
     HeadLowRank,
     LowRank,
     MaskedBinary,
@@ -24,21 +25,24 @@ from lowrank_jax.leaves import (
     init_head_lowrank,
     init_lowrank,
     init_masked_binary,
+    is_leaf,
     linear,
     map_with_path,
     named_leaves,
+    partition_specs,
+    path_str,
 )
-from lowrank_jax.models import chronos_bolt
+from lowrank_jax.models import chronos_bolt, family_of
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.train import (
-    Replicated,
+    PmapTrainStep,
     TrainState,
+    TrainStep,
     default_optimizer,
     full_params,
     init_train_state,
     make_pmap_train_step,
     make_train_step,
-    quantile_loss,
     replicate,
     replicate_for_pmap,
     shard_batch,
@@ -53,6 +57,22 @@ TOL = 1e-5
 def _mesh():
     assert jax.device_count() == N_DEV, "tests/conftest.py must set 8 host devices"
     return Mesh(np.array(jax.devices()), ("data",))
+
+
+def _mesh_2x4():
+    """Data parallel over 2, tensor parallel over 4."""
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+
+
+TP_RULES = {"out": "model"}  # column parallel: every projection's output features on 'model'
+
+
+def _spec(x):
+    """The PartitionSpec of an array (or a spec) without trailing ``None`` s."""
+    spec = tuple(x.sharding.spec if isinstance(x, jax.Array) else x)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return P(*spec)
 
 
 # -- a small tree with every leaf type -------------------------------------------------------
@@ -107,12 +127,17 @@ def runs():
     batch = _mlp_batch()
     mesh = _mesh()
     out = {"params0": params}
+    mesh2 = _mesh_2x4()
     variants = {
         "single": lambda loss: make_train_step(loss, OPT),
         "sharded": lambda loss: make_train_step(loss, OPT, mesh=mesh),
         # threshold 256 shards l0.w [16,64], l1.u/v, l2.u, l3.w/s; the rest stays replicated
         "fsdp": lambda loss: make_train_step(loss, OPT, mesh=mesh, fsdp=True, fsdp_min_size=256),
         "pmap": lambda loss: make_pmap_train_step(loss, OPT),
+        # batch over 'data' (2), output features over 'model' (4)
+        "tp": lambda loss: make_train_step(loss, OPT, mesh=mesh2, axis_rules=TP_RULES),
+        "tp_fsdp": lambda loss: make_train_step(loss, OPT, mesh=mesh2, axis_rules=TP_RULES,
+                                                fsdp=True, fsdp_min_size=256),
     }
     for name, make in variants.items():
         counter = [0]
@@ -132,7 +157,11 @@ def _max_diff(a, b):
     return max(jax.tree.leaves(diffs))
 
 
-@pytest.mark.parametrize("variant", ["sharded", "fsdp", "pmap"])
+PARALLEL = ["sharded", "fsdp", "pmap", "tp", "tp_fsdp"]
+ALL = ["single", *PARALLEL]
+
+
+@pytest.mark.parametrize("variant", PARALLEL)
 def test_parallel_steps_equal_single_device(runs, variant):
     ref, got = runs["single"]["state"], runs[variant]["state"]
     assert int(got.step) == N_STEPS
@@ -147,23 +176,69 @@ def test_parallel_steps_equal_single_device(runs, variant):
 def test_fsdp_shards_large_params_and_their_moments(runs):
     state = runs["fsdp"]["state"]
     split, rep = P("data"), P()
-    assert state.params["l0"].w.sharding.spec == split  # 1024 values, 16 % 8 == 0
-    assert state.params["l2"].u.sharding.spec == split  # [64, 4, 4]
-    assert state.frozen["l3"].w.sharding.spec == split  # frozen arrays are sharded too
-    assert state.params["l0"].b.sharding.spec == rep  # 64 < 256
-    assert state.params["scale"].sharding.spec == rep
+    assert _spec(state.params["l0"].w) == split  # 1024 values, 16 % 8 == 0
+    assert _spec(state.params["l2"].u) == split  # [64, 4, 4]
+    assert _spec(state.frozen["l3"].w) == split  # frozen arrays are sharded too
+    assert _spec(state.params["l0"].b) == rep  # 64 < 256
+    assert _spec(state.params["scale"]) == rep
     adam = state.opt_state.inner_state[0]  # inject_hyperparams(adamw): (ScaleByAdamState, ...)
     for moments in (adam.mu, adam.nu):
-        assert moments["l0"].w.sharding.spec == split
-        assert moments["l1"].v.sharding.spec == split
-        assert moments["l0"].b.sharding.spec == rep
+        assert _spec(moments["l0"].w) == split
+        assert _spec(moments["l1"].v) == split
+        assert _spec(moments["l0"].b) == rep
     # each device holds 1/8 of a sharded parameter
     assert state.params["l0"].w.addressable_shards[0].data.shape == (2, 64)
     sharded = runs["sharded"]["state"]
-    assert sharded.params["l0"].w.sharding.spec == rep  # plain data parallel: replicated
+    assert _spec(sharded.params["l0"].w) == rep  # plain data parallel: replicated
 
 
-@pytest.mark.parametrize("variant", ["single", "sharded", "fsdp", "pmap"])
+# Placement that {'out': 'model'} gives each array of the small tree, read off the leaves'
+# logical axes (Dense w ('in', 'out'), LowRank u ('in', 'rank') / v ('rank', 'out'), HeadLowRank
+# u ('in', 'heads', 'rank') / v ('heads', 'rank', 'head_dim') / b ('out',), MaskedBinary w, s
+# ('in', 'out')); plain arrays have no names and stay replicated.
+TP_SPECS = {
+    "l0/w": P(None, "model"), "l0/b": P("model"),
+    "l1/u": P(), "l1/v": P(None, "model"),
+    "l2/u": P(), "l2/v": P(), "l2/b": P("model"),
+    "l3/s": P(None, "model"), "l3/b": P("model"),
+    "scale": P(),
+}
+# ... plus FSDP over 'data' (2) for arrays of >= 256 entries, on their first free dimension.
+TP_FSDP_SPECS = {**TP_SPECS, "l0/w": P("data", "model"), "l1/u": P("data"),
+                 "l1/v": P("data", "model"), "l2/u": P("data"), "l2/v": P("data"),
+                 "l3/s": P("data", "model")}
+
+
+def _specs_by_path(tree):
+    """``{path: spec}`` of a tree of arrays, of ``PartitionSpec`` s or of shardings."""
+    flat = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, (P, jax.sharding.Sharding)))[0]
+    return {path_str(kp): _spec(x.spec if isinstance(x, jax.sharding.Sharding) else x)
+            for kp, x in flat}
+
+
+@pytest.mark.parametrize("variant, want", [("tp", TP_SPECS), ("tp_fsdp", TP_FSDP_SPECS)])
+def test_tensor_parallel_placement_comes_from_the_leaves(runs, variant, want):
+    state = runs[variant]["state"]
+    adam = state.opt_state.inner_state[0]
+    # the parameters, and Adam's moments (the parameters' structure, leaf dataclasses
+    # included), lie as the leaves say
+    for tree in (state.params, adam.mu, adam.nu):
+        assert _specs_by_path(tree) == want
+    assert _spec(state.frozen["l3"].w) == want["l3/s"]  # the frozen random weights too
+    assert _spec(state.step) == P() and _spec(state.data_position) == P()
+    # what the step reports and what partition_specs computes from the leaves alone agree
+    fsdp = variant == "tp_fsdp"
+    specs = partition_specs(runs["params0"], _mesh_2x4(), TP_RULES,
+                            fsdp_axis="data" if fsdp else None, fsdp_min_size=256)
+    assert _specs_by_path(specs) == {**want, "l3/w": want["l3/s"]}
+    assert _specs_by_path(runs[variant]["step"].state_shardings(state).params) == want
+    # each device stores a quarter of l0.w's columns (and half of its rows under FSDP)
+    shard = state.params["l0"].w.addressable_shards[0].data.shape
+    assert shard == ((8, 16) if fsdp else (16, 16))
+
+
+@pytest.mark.parametrize("variant", ALL)
 def test_step_traces_once(runs, variant):
     # the loss function's Python body runs once per trace: 5 calls, 1 trace
     assert runs[variant]["traces"] == 1, f"{variant} retraced over {N_STEPS} calls"
@@ -188,7 +263,7 @@ def test_chex_max_traces_and_second_call():
 def test_key_is_folded_with_the_step_number(runs):
     # aux 'noise' = uniform(fold_in(key, step)): differs per step, reproducible, same for all
     want = [float(jax.random.uniform(jax.random.fold_in(KEY, i))) for i in range(N_STEPS)]
-    for variant in ("single", "sharded", "fsdp", "pmap"):
+    for variant in ALL:
         got = [m["noise"] for m in runs[variant]["metrics"]]
         np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=variant)
     assert len(set(np.round(want, 6))) == N_STEPS
@@ -197,7 +272,7 @@ def test_key_is_folded_with_the_step_number(runs):
 def test_frozen_masked_binary_weights_bit_identical(runs):
     w0 = np.asarray(runs["params0"]["l3"].w)
     s0 = np.asarray(runs["params0"]["l3"].s)
-    for variant in ("single", "sharded", "fsdp", "pmap"):
+    for variant in ALL:
         state = runs[variant]["state"]
         assert state.params["l3"].w is None  # kept out of the gradient and the optimizer
         np.testing.assert_array_equal(np.asarray(state.frozen["l3"].w), w0, err_msg=variant)
@@ -209,14 +284,15 @@ def test_frozen_masked_binary_weights_bit_identical(runs):
 
 def test_donated_inputs_are_consumed_and_caller_params_survive(runs):
     # the output of step 1 went into step 2 as is (no copy) and its buffers were donated
-    for variant in ("single", "sharded", "fsdp"):
+    for variant in ("single", "sharded", "fsdp", "tp", "tp_fsdp"):
         second = runs[variant]["second_input"]
         assert second.params["l1"].u.is_deleted(), variant
         assert second.opt_state.inner_state[0].mu["l1"].u.is_deleted(), variant
         assert not second.rng.is_deleted()  # the key is not donated
     second = runs["pmap"]["second_input"]
-    assert isinstance(second, Replicated)
-    assert all(x.is_deleted() for x in second.arrays if x.ndim >= 3)  # stacked weight arrays
+    assert isinstance(second, TrainState)  # a plain TrainState with stacked arrays
+    assert second.params["l1"].u.is_deleted()
+    assert second.opt_state.inner_state[0].mu["l1"].u.is_deleted()
     # init_train_state copies: the caller's tree is still usable
     assert not runs["params0"]["l1"].u.is_deleted()
 
@@ -255,18 +331,54 @@ def test_shard_batch_splits_rows_and_replicate_copies():
 
 def test_bad_configurations_are_clear():
     loss = _make_mlp_loss([0])
-    with pytest.raises(ValueError, match="'model' is not an axis"):
+    with pytest.raises(ConfigError, match="'model' is not an axis"):
         make_train_step(loss, OPT, mesh=_mesh(), batch_axis="model")
-    with pytest.raises(ValueError, match="needs a mesh"):
+    with pytest.raises(ConfigError, match="needs a mesh"):
         make_train_step(loss, OPT, fsdp=True)
-    with pytest.raises(TypeError, match="float dtype"):
+    with pytest.raises(ConfigError, match="need a mesh"):
+        make_train_step(loss, OPT, axis_rules=TP_RULES)
+    # a rule naming an axis the mesh does not have fails when the step is made
+    with pytest.raises(ConfigError, match="'out' maps to mesh axis 'model'.*axes \\('data',\\)"):
+        make_train_step(loss, OPT, mesh=_mesh(), axis_rules=TP_RULES)
+    with pytest.raises(ConfigError, match="float dtype"):
         make_train_step(loss, OPT, compute_dtype=jnp.int32)
-    with pytest.raises(TypeError, match="optax"):
+    with pytest.raises(ConfigError, match="optax"):
         make_train_step(loss, object())
-    with pytest.raises(TypeError, match="TrainState"):
+    with pytest.raises(ConfigError, match="TrainState"):
         make_train_step(loss, OPT)({"w": 1}, _mlp_batch(), KEY)
-    with pytest.raises(ValueError, match="warmup_steps"):
+    with pytest.raises(ConfigError, match="warmup_steps"):
         default_optimizer(total_steps=10, warmup_steps=10)
+    # a loss that breaks its contract is named when the step is traced
+    state = init_train_state(_mlp_params(jax.random.key(0)), OPT, key=KEY)
+    with pytest.raises(ConfigError, match=r"must return \(loss, aux\)"):
+        make_train_step(lambda p, b, k: 0.0, OPT)(state, _mlp_batch(), KEY)
+    with pytest.raises(ShapeError, match="scalar loss"):
+        make_train_step(lambda p, b, k: (jnp.zeros(2), {}), OPT)(state, _mlp_batch(), KEY)
+
+
+def test_steps_are_small_objects_not_functions_with_attributes(runs):
+    step = runs["fsdp"]["step"]
+    assert isinstance(step, TrainStep) and step.fsdp and step.mesh.axis_names == ("data",)
+    assert step.jitted._cache_size() == 1  # one compilation for five calls
+    assert make_train_step(_make_mlp_loss([0]), OPT).state_shardings(runs["params0"]) is None
+    pstep = runs["pmap"]["step"]
+    assert isinstance(pstep, PmapTrainStep) and len(pstep.devices) == N_DEV
+
+
+def test_replicate_for_pmap_keeps_the_train_state_type():
+    state = init_train_state(_mlp_params(jax.random.key(0)), OPT, key=KEY)
+    rep = replicate_for_pmap(state)
+    # no wrapper: the leaf dataclasses hold the stacked arrays directly
+    assert isinstance(rep, TrainState) and isinstance(rep.params["l1"], LowRank)
+    assert rep.params["l0"].w.shape == (N_DEV, 16, 64)
+    assert rep.opt_state.inner_state[0].mu["l2"].u.shape == (N_DEV, 64, 4, 4)
+    assert rep.frozen["l3"].keep == 0.5 and rep.frozen["l3"].w.shape == (N_DEV, 64, 8)
+    assert len(rep.params["l0"].w.sharding.device_set) == N_DEV  # one copy per device
+    back = unreplicate(rep)
+    np.testing.assert_array_equal(np.asarray(back.params["l0"].w),
+                                  np.asarray(state.params["l0"].w))
+    with pytest.raises(ShapeError, match="leading axis of 8 devices"):
+        make_pmap_train_step(_make_mlp_loss([0]), OPT)(state, _mlp_batch(), KEY)
 
 
 def test_default_optimizer_is_adamw_warmup_cosine():
@@ -336,10 +448,10 @@ def _compressed_bolt_structure(key):
     t5 = BOLT.t5
 
     def rewrite(path, node):
-        if not isinstance(node, Dense):
+        if not is_leaf(node):  # norm scales, embeddings, bias tables
             return node
         d_in, d_out = node.shape
-        if re.search(r"attn/(q|k|v)$", path):
+        if re.search(r"attn/(qk/q|qk/k|v)$", path):
             return init_head_lowrank(key, d_in, t5.num_heads, t5.d_kv, 4)
         if re.search(r"(attn/o|mlp/wi|mlp/wo)$", path):
             return init_lowrank(key, d_in, d_out, 8)
@@ -378,27 +490,21 @@ def _airline_windows():
             "target": np.stack([y[s + ctx:s + ctx + h] for s in starts])}
 
 
-def _bolt_loss(params, batch, key):
-    del key
-    out = chronos_bolt.apply(params, BOLT, context=batch["context"])
-    loc, scale = out["loc_scale"]  # [b, 1] each
-    # Chronos-Bolt's loss lives on the instance-normalized scale
-    pred = (out["quantile_preds"] - loc[:, :, None]) / scale[:, :, None]
-    target = (batch["target"] - loc) / scale
-    return quantile_loss(pred, target, BOLT.quantiles), {}
 
 
 def test_compressed_chronos_bolt_learns_airline_and_keeps_frozen_weights():
     params = _compressed_bolt()
     kinds = {type(n).__name__ for _, n in named_leaves(params)}
     assert {"HeadLowRank", "LowRank", "MaskedBinary", "Dense"} <= kinds
-    q = params["encoder"]["layers"][0]["attn"]["q"]
+    q = params["encoder"]["layers"][0]["attn"]["qk"].q
     assert isinstance(q, HeadLowRank)
     assert isinstance(params["decoder"]["layers"][0]["mlp"]["wi"], LowRank)
     batch = _airline_windows()
     steps = 25
     opt = default_optimizer(learning_rate=1e-2, total_steps=steps, warmup_steps=3)
-    step = make_train_step(_bolt_loss, opt, mesh=_mesh())  # data parallel over 8 devices
+    # the family's loss: Chronos-Bolt's quantile loss on the instance-normalized scale
+    loss = family_of(BOLT).loss(BOLT)
+    step = make_train_step(loss, opt, mesh=_mesh())  # data parallel over 8 devices
     state = init_train_state(params, opt, key=KEY)
     assert isinstance(state, TrainState)
     losses = []
@@ -413,5 +519,5 @@ def test_compressed_chronos_bolt_learns_airline_and_keeps_frozen_weights():
     mb = full_params(state)["output_patch_embedding"]["hidden_layer"]
     np.testing.assert_array_equal(np.asarray(mb.w), np.asarray(mb0.w))  # frozen: bit-identical
     assert float(jnp.max(jnp.abs(mb.s - mb0.s))) > 1e-4  # scores trained (straight-through)
-    got_q = full_params(state)["encoder"]["layers"][0]["attn"]["q"]
+    got_q = full_params(state)["encoder"]["layers"][0]["attn"]["qk"].q
     assert float(jnp.max(jnp.abs(got_q.u - q.u))) > 1e-4  # per-head factors trained
