@@ -22,7 +22,7 @@ from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.train.data import WindowConfig, WindowSampler
-from lowrank_jax.train.loop import bolt_loss_fn, evaluate_forecaster, fit
+from lowrank_jax.train import evaluate_forecaster, fit, full_params
 from lowrank_jax.losses import geometric_mean_relative
 
 QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -121,13 +121,13 @@ def run_pretraining_demo(
         f"data: {source}; {train.num_windows} train / {test.num_windows} test windows of "
         f"{cfg.context_length} -> {cfg.prediction_length}; {steps} steps of batch 64 each"
     )
-    loss_fn = bolt_loss_fn(cfg)
+    loss_fn = chronos_bolt.loss(cfg)
     key = jax.random.PRNGKey(seed)
     init = chronos_bolt.init(key, cfg)
 
     def train_model(params, name):
         t0 = time.perf_counter()
-        out, hist = fit(
+        state, hist = fit(
             loss_fn,
             params,
             train,
@@ -140,7 +140,7 @@ def run_pretraining_demo(
             f"  trained {name:<26} final loss {hist[-1]['loss']:.4f} "
             f"({time.perf_counter() - t0:.0f} s)"
         )
-        return out
+        return full_params(state)
 
     dense = train_model(init, "dense")
     variants = {"dense": dense}

@@ -101,12 +101,19 @@ def _schedule(comp: dict, cfg, path: str):
 
 def run_train(config_path: str, out_dir: str, *, progress: bool = True) -> dict:
     """Train as the config says; returns the summary written to ``out_dir/summary.json``."""
+    from lowrank_jax.compress import factorize_init, reuse_weights
     from lowrank_jax.io import load_model, save_model
-    from lowrank_jax.models import chronos_bolt
-    from lowrank_jax.train.checkpoint import Checkpointer
-    from lowrank_jax.train.data import WindowConfig, WindowSampler, default_series, load_ett_csv
-    from lowrank_jax.train.loop import bolt_loss_fn, evaluate_forecaster, fit
-    from lowrank_jax.train.pretrain import factorize_init, reuse_weights
+    from lowrank_jax.models import family_of
+    from lowrank_jax.train import (
+        Checkpointer,
+        WindowConfig,
+        WindowSampler,
+        default_series,
+        evaluate_forecaster,
+        fit,
+        full_params,
+        load_ett_csv,
+    )
 
     c = load_train_config(config_path)
     cfg = build_model_config(c["model"])
@@ -123,15 +130,15 @@ def run_train(config_path: str, out_dir: str, *, progress: bool = True) -> dict:
                           skip_short=True)
     val = WindowSampler(series, wcfg, split="val", batch_size=256, seed=t["seed"], skip_short=True)
     key = jax.random.PRNGKey(t["seed"])
-    params = chronos_bolt.init(key, cfg)
+    fam = family_of(cfg)
+    params = fam.init(key, cfg)
     comp = c.get("compression")
     report = None
     if comp:
         sched, rank = _schedule(comp, cfg, config_path)
         kw = {"rules": tuple(comp["rules"])} if comp.get("rules") else {}
         params, report = factorize_init(params, key=jax.random.fold_in(key, 2), schedule=sched,
-                                        rank=rank, per_head=bool(comp.get("per_head")),
-                                        num_heads=cfg.t5.num_heads, **kw)
+                                        rank=rank, per_head=bool(comp.get("per_head")), **kw)
         print(f"compressed by design: {'schedule ' + str(sched) if sched else f'rank {rank}'}, "
               f"attention size ratio {report.ratio:.3f}")
     if c.get("reuse_weights"):
@@ -142,11 +149,13 @@ def run_train(config_path: str, out_dir: str, *, progress: bool = True) -> dict:
     ckpt = Checkpointer(os.path.join(out_dir, "checkpoints"), max_to_keep=t["keep"])
     if ckpt.latest_step() is not None:
         print(f"resuming from step {ckpt.latest_step()} in {out_dir}/checkpoints")
-    params, history = fit(
-        bolt_loss_fn(cfg), params, train, steps=t["steps"], key=jax.random.fold_in(key, 1),
+    state, history = fit(
+        fam.loss(cfg), params, train, steps=t["steps"], key=jax.random.fold_in(key, 1),
+        batch_fn=lambda w: fam.batch_from_windows(cfg, w["context"], w["target"]),
         learning_rate=t["learning_rate"], checkpointer=ckpt, checkpoint_every=t["checkpoint_every"],
         eval_fn=lambda p: evaluate_forecaster(cfg, p, val, max_batches=4), eval_every=t["eval_every"],
         log_path=os.path.join(out_dir, "metrics.jsonl"), progress=progress, desc="train")
+    params = full_params(state)
     ckpt.wait_until_finished()
     save_model(os.path.join(out_dir, "model"), cfg, params,
                metadata={"config_file": os.path.abspath(config_path), "data": source},
