@@ -22,18 +22,30 @@ def saved(tmp_path_factory):
     r = np.random.default_rng(0)
     layers = []
     for _ in range(2):
-        attn = {}
+        w = {}
         for n in "qkvo":
             # Decaying spectrum so eps truncation actually drops something.
             a, _ = np.linalg.qr(r.normal(size=(16, 16)))
             b, _ = np.linalg.qr(r.normal(size=(16, 16)))
-            w = (a * np.exp(-0.4 * np.arange(16))) @ b.T
-            attn[n] = lj.Dense(np.asarray(w, np.float32))
+            m = (a * np.exp(-0.4 * np.arange(16))) @ b.T
+            w[n] = lj.Dense(np.asarray(m, np.float32))
+        # 4 heads of width 4: the head structure lives in the parameters
+        attn = {"qk": lj.QueryKey.uniform(w["q"], w["k"], 4), "v": w["v"], "o": w["o"],
+                "heads": lj.HeadLayout.uniform(4, 4, 0.5)}
         layers.append({"attn": attn, "mlp": {"wi": lj.init_dense(key, 16, 32)}})
     params = {"layers": layers}
     d = tmp_path_factory.mktemp("ckpt") / "params"
-    save_params(d, params, metadata={"num_heads": 4, "num_layers": 2})
+    save_params(d, params)
     return d, params
+
+
+PROJ = {"q": "qk/q", "k": "qk/k", "v": "v", "o": "o"}
+
+
+def weight(params, i, n):
+    """The dense matrix of projection ``n`` of layer ``i`` (float64)."""
+    return np.asarray(lj.materialize(lj.leaves.get_path(params["layers"][i]["attn"], PROJ[n])),
+                      np.float64)
 
 
 def test_analyze_writes_json_matching_numpy(saved, tmp_path, capsys):
@@ -46,17 +58,17 @@ def test_analyze_writes_json_matching_numpy(saved, tmp_path, capsys):
     assert "layers/1/attn/v" in printed
     rep = json.loads(out.read_text())
     by_path = {w["path"]: w for w in rep["weights"]}
-    assert set(by_path) == {f"layers/{i}/attn/{n}" for i in range(2) for n in "qkvo"} | {
+    assert set(by_path) == {f"layers/{i}/attn/{PROJ[n]}" for i in range(2) for n in "qkvo"} | {
         "layers/0/mlp/wi",
         "layers/1/mlp/wi",
     }
     for i in range(2):
-        w = np.asarray(params["layers"][i]["attn"]["q"].w)
-        assert by_path[f"layers/{i}/attn/q"]["eps_rank"]["0.1"] == np_eps_rank(w, 0.1)
-        assert by_path[f"layers/{i}/attn/q"]["eps_rank"]["0.01"] == np_eps_rank(w, 0.01)
-        # per-head ranks: metadata says 4 heads -> 4 column blocks of 4
+        w = weight(params, i, "q")
+        assert by_path[f"layers/{i}/attn/qk/q"]["eps_rank"]["0.1"] == np_eps_rank(w, 0.1)
+        assert by_path[f"layers/{i}/attn/qk/q"]["eps_rank"]["0.01"] == np_eps_rank(w, 0.01)
+        # per-head ranks: the query-key object says 4 heads -> 4 column blocks of 4
         heads = [np_eps_rank(w[:, h * 4 : (h + 1) * 4], 0.1) for h in range(4)]
-        assert by_path[f"layers/{i}/attn/q"]["head_eps_rank"]["0.1"] == heads
+        assert by_path[f"layers/{i}/attn/qk/q"]["head_eps_rank"]["0.1"] == heads
 
 
 def test_compress_saves_factorized_tree_and_report(saved, tmp_path):
@@ -84,8 +96,8 @@ def test_compress_saves_factorized_tree_and_report(saved, tmp_path):
     for i in range(2):
         assert isinstance(new["layers"][i]["mlp"]["wi"], lj.Dense)  # not selected by default rules
         for n in "qkvo":
-            w = np.asarray(params["layers"][i]["attn"][n].w, np.float64)
-            leaf = new["layers"][i]["attn"][n]
+            w = weight(params, i, n)
+            leaf = lj.leaves.get_path(new["layers"][i]["attn"], PROJ[n])
             r = np_eps_rank(w, 0.1)
             assert isinstance(leaf, lj.LowRank) and leaf.rank == r
             s = np.linalg.svd(w, compute_uv=False)
@@ -94,9 +106,10 @@ def test_compress_saves_factorized_tree_and_report(saved, tmp_path):
             np.testing.assert_allclose(err, s[r] / s[0], atol=1e-4)
             before += w.size
             after += r * 32
-    assert rep["totals"]["params_before"] == before
-    assert rep["totals"]["params_after"] == after
-    np.testing.assert_allclose(rep["totals"]["ratio"], after / before, rtol=1e-9)
+    sel = rep["totals"]["selected"]
+    assert sel["params_before"] == before
+    assert sel["params_after"] == after
+    np.testing.assert_allclose(sel["params_ratio"], after / before, rtol=1e-9)
 
 
 def test_compress_errors_exit_2_with_message(saved, tmp_path, capsys):
@@ -118,7 +131,8 @@ def test_compress_errors_exit_2_with_message(saved, tmp_path, capsys):
         == 2
     )
     err = capsys.readouterr().err
-    assert "layers/0/attn/k" in err and "got 99" in err and "[1, 16]" in err
+    # the first selected weight in tree order (dict keys sorted: attn/o before attn/qk/...)
+    assert "layers/0/attn/o" in err and "got 99" in err and "[1, 16]" in err
     assert not (tmp_path / "never").exists()
 
 
