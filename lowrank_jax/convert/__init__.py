@@ -1,30 +1,23 @@
-"""PyTorch / Hugging Face checkpoints in and out (the only layer that touches torch, lazily).
+"""Hugging Face / PyTorch checkpoints in and out (the only layer that touches torch, lazily).
 
-``config, params = lowrank_jax.convert.load_pretrained(path_or_module_or_state_dict)``.
-Family modules register themselves in :mod:`lowrank_jax.convert.hf` on import; a family module
-listed in ``_FAMILY_MODULES`` that does not exist (yet) is skipped.
+``config, params = load_pretrained(path_or_model_or_state_dict)`` and
+``save_pretrained(config, params, path)``, for every model family whose
+:class:`~lowrank_jax.models.ModelFamily` has a Hugging Face mapping
+(:class:`~lowrank_jax.models.hf.HFSpec`: one key table read by both directions). Nothing here
+is specific to a family; a family defined outside lowrank_jax converts once it is registered.
+``*.safetensors`` files are read and written without torch.
 """
 
-import importlib
-
-from lowrank_jax.convert.errors import CheckpointError
-from lowrank_jax.convert.export import save_pretrained
-from lowrank_jax.convert.hf import detect_family, families, load_pretrained, register_family
-
-_FAMILY_MODULES = (
-    "lowrank_jax.convert.t5",
-    "lowrank_jax.convert.vit",
-    "lowrank_jax.convert.bert",
-    "lowrank_jax.convert.chronos_bolt",
+from lowrank_jax.convert.export import save_pretrained, state_dict_from_params
+from lowrank_jax.convert.files import read_weights
+from lowrank_jax.convert.load import (
+    detect_family,
+    hf_families,
+    load_pretrained,
+    params_from_state_dict,
 )
+from lowrank_jax.errors import CheckpointError
 
-for _name in _FAMILY_MODULES:
-    try:
-        importlib.import_module(_name)
-    except ModuleNotFoundError as _e:  # only skip the family module itself being absent
-        if _e.name != _name:
-            raise
-del _name
-
-__all__ = ["CheckpointError", "detect_family", "families", "load_pretrained", "register_family",
-           "save_pretrained"]
+__all__ = ["CheckpointError", "detect_family", "hf_families", "load_pretrained",
+           "params_from_state_dict", "read_weights", "save_pretrained",
+           "state_dict_from_params"]

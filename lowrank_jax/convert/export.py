@@ -1,374 +1,306 @@
-"""lowrank_jax parameter trees -> Hugging Face directories the PyTorch classes load.
+"""lowrank_jax parameter trees -> Hugging Face directories that the PyTorch classes load.
 
 ``save_pretrained(config, params, path)`` writes ``config.json`` and ``model.safetensors`` in
-the layout that the family's ``transformers`` class writes itself, so that
+the layout the family's ``transformers`` class writes itself, so that
 ``T5ForConditionalGeneration.from_pretrained(path)`` (or ``ChronosPipeline``,
-``ViTForImageClassification``, ``DeiTForImageClassificationWithTeacher``, ``BertModel``, ...)
-loads it. It is the inverse of :func:`lowrank_jax.convert.load_pretrained` and reads the same key
-tables (:func:`lowrank_jax.convert.t5.key_table`, the ``checkpoint_specs`` of
-:mod:`~lowrank_jax.convert.vit` and :mod:`~lowrank_jax.convert.bert`).
+``ChronosBoltModelForForecasting``, ``ViTForImageClassification``,
+``DeiTForImageClassificationWithTeacher``, ``BertModel``, ...) loads it. It is the inverse of
+:func:`lowrank_jax.convert.load_pretrained` and reads the same key table, the family's
+:class:`~lowrank_jax.models.hf.HFSpec`: one exporter for every family.
 
 Hugging Face stores dense matrices, so every compressed leaf (``LowRank``, ``HeadLowRank``,
-``MaskedBinary``, ...) is densified with :func:`~lowrank_jax.materialize` for the export. That is
-never silent: the paths are logged, returned in the summary and recorded in the safetensors
-metadata (``lowrank_jax_materialized``). A leaf's bias is not part of ``materialize`` and is
-exported from the leaf's ``b``.
+``MaskedBinary``, a leaf type defined outside lowrank_jax, ...) is densified with
+:func:`~lowrank_jax.materialize` for the export. That is never silent: the paths are logged,
+returned in the summary and recorded in the safetensors metadata
+(``lowrank_jax_materialized``). A leaf's bias is read with :func:`~lowrank_jax.bias_of`.
 
-Families register an exporter per config type with :func:`register_exporter`. An exporter is
-``fn(config, params) -> HFExport``; :func:`state_from_rows` turns a key table of rows
-``(hf_key, tree_path, kind, hf_shape)`` (``kind`` in ``'linear'``, ``'bias'``, ``'array'``, as
-:func:`lowrank_jax.convert.t5.key_table` and the Chronos-Bolt table) into a checked state dict.
-Chronos-Bolt registers its own exporter from :mod:`lowrank_jax.convert.chronos_bolt` (imported
-lazily here, on first use of an unregistered config type).
+Layers with fewer heads or a narrower MLP than the config (per-layer sizes at init, or physical
+removal with :func:`lowrank_jax.nn.keep_heads` / :func:`lowrank_jax.nn.keep_hidden`) are
+zero-padded to the config's widths, since current transformers releases no longer prune heads:
+each kept head goes to its original position (``HeadLayout.ids``; a stack's relative-bias
+table is indexed by original head), the q/k columns of a head of width ``w`` fill the first
+``w`` of its ``d_head`` columns (``q_h k_h^T`` does not change when a head's channels are
+permuted consistently), likewise its v columns and o rows; MLP hidden channels fill the first
+channels of ``d_ff``; the rest is zero. That is exact: a zero head adds nothing (its values and
+outputs are zero) and a zero hidden channel adds nothing (every activation maps 0 to 0). What
+cannot be exported exactly is refused: more heads than the config, heads wider than its head
+width, a logit scale other than the one the PyTorch class applies. Query-key objects other than
+:class:`~lowrank_jax.QueryKey` (CP or block-term factors) cannot be exported yet.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
 import json
 import logging
+import math
 import os
 import shutil
 import tempfile
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
+import jax
 import numpy as np
 
-from lowrank_jax.convert import bert as convert_bert
-from lowrank_jax.convert import vit as convert_vit
-from lowrank_jax.convert.errors import CheckpointError
-from lowrank_jax.convert.t5 import key_table as t5_key_table
-from lowrank_jax.leaves import Dense, Leaf, materialize, named_leaves
-from lowrank_jax.models.bert import BertConfig
-from lowrank_jax.models.chronos import ChronosConfig
-from lowrank_jax.models.t5 import T5Config
-from lowrank_jax.models.vit import ViTConfig
+from lowrank_jax.convert.files import CONFIG_NAME, WEIGHTS_NAME
+from lowrank_jax.convert.load import hf_spec
+from lowrank_jax.errors import CheckpointError, LeafTypeError, OutputExistsError, ShapeError
+from lowrank_jax.leaves import (
+    QK,
+    Dense,
+    Leaf,
+    QueryKey,
+    bias_of,
+    get_path,
+    materialize,
+    named_leaves,
+    path_str,
+)
+from lowrank_jax.models import family_of
+from lowrank_jax.models.hf import HFRow, Widen
+from lowrank_jax.nn import attention_params, head_widths
 
 logger = logging.getLogger("lowrank_jax.convert")
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-
-# lowrank_jax activation names -> Hugging Face ``hidden_act`` (inverse of
-# lowrank_jax.models.vit.HF_ACTIVATIONS; 'gelu_new' is HF's tanh approximation).
-_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
-
-# Modules that may register exporters when imported (families written elsewhere).
-_LAZY_EXPORTER_MODULES = ("lowrank_jax.convert.chronos_bolt",)
-
-
-class HFExport(NamedTuple):
-    """What an exporter returns.
-
-    Attributes:
-      family: family name (as in :func:`lowrank_jax.convert.families`).
-      hf_config: the ``config.json`` dict (with ``model_type`` and ``architectures``).
-      state: ``{hf_key: float32 np.ndarray}`` in PyTorch orientation.
-      materialized: tree paths of compressed leaves that were densified.
-      load_kwargs: keyword arguments the PyTorch class needs beyond the directory (e.g.
-        ``{'add_pooling_layer': False}``; not recordable in ``config.json``).
-    """
-
-    family: str
-    hf_config: dict
-    state: dict
-    materialized: list
-    load_kwargs: dict | None = None
-
-
-Exporter = Callable[[Any, Any], HFExport]
-_EXPORTERS: dict[type, Exporter] = {}
-
-
-def register_exporter(config_cls: type, fn: Exporter) -> None:
-    """Register (or replace) the exporter for configs of type ``config_cls``.
-
-    Args:
-      config_cls: a config dataclass (``T5Config``, ``ViTConfig``, ...); subclasses match too.
-      fn: ``fn(config, params) -> HFExport``; raises :class:`CheckpointError` when ``params``
-        does not match ``config``.
-    """
-    if not isinstance(config_cls, type):
-        raise TypeError(f"register_exporter: config_cls must be a class, got {config_cls!r}")
-    _EXPORTERS[config_cls] = fn
-
-
-def exporters() -> tuple[str, ...]:
-    """Names of the config types that have an exporter."""
-    return tuple(c.__name__ for c in _EXPORTERS)
-
-
-def _lookup(config) -> Exporter | None:
-    for cls in type(config).__mro__:
-        if cls in _EXPORTERS:
-            return _EXPORTERS[cls]
-    return None
-
-
-def _exporter_for(config) -> Exporter:
-    fn = _lookup(config)
-    if fn is None:
-        for name in _LAZY_EXPORTER_MODULES:  # families that register themselves on import
-            try:
-                importlib.import_module(name)
-            except ModuleNotFoundError as e:
-                if e.name != name:
-                    raise
-        fn = _lookup(config)
-    if fn is None:
-        raise TypeError(
-            f"save_pretrained: no exporter for config type {type(config).__name__}; "
-            f"registered: {sorted(exporters())}. Pass the config returned by load_pretrained "
-            "(or register one with lowrank_jax.convert.export.register_exporter)."
-        )
-    return fn
-
-
-# ---------------------------------------------------------------------------------------------
-# Key tables -> checked state dicts.
-
-def _path_str(path: tuple) -> str:
-    return "/".join(str(p) for p in path)
-
 
 _ABSENT = object()
 
 
-def _get(tree, path: tuple):
-    node = tree
-    for p in path:
-        try:
-            node = node[p]
-        except (KeyError, IndexError, TypeError):
-            return _ABSENT
-    return node
+def _get(tree, path: str):
+    """The node at ``path`` (dict keys, list indices, node fields) or ``_ABSENT``."""
+    try:
+        node = get_path(tree, path)
+    except (KeyError, IndexError, AttributeError, ValueError, TypeError):
+        return _ABSENT
+    return _ABSENT if node is None else node
 
 
-def _leaf_bias(node):
-    """The bias of a weight leaf (every leaf type stores it as field ``b``) or of a raw array."""
-    if isinstance(node, Leaf):
-        names = {f.name for f in dataclasses.fields(node)}
-        return node.b if "b" in names else None
-    return None
-
-
-def _node_shape(node) -> tuple:
+def _shape(node) -> tuple[int, ...]:
     return tuple(int(d) for d in (node.shape if isinstance(node, Leaf) else np.shape(node)))
 
 
-def _linear_tree_shape(hf_shape: tuple) -> tuple:
-    """``[out, in...]`` in PyTorch -> ``[prod(in...), out]`` as a leaf (Linear or patch conv)."""
-    return (int(np.prod(hf_shape[1:])), int(hf_shape[0]))
+def _check_query_keys(params) -> None:
+    """Only :class:`QueryKey` objects have q/k weights a checkpoint can hold (for now)."""
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda n: isinstance(n, QK))[0]
+    for p, node in flat:
+        if isinstance(node, QK) and not isinstance(node, QueryKey):
+            where = path_str(p)
+            raise LeafTypeError(
+                f"save_pretrained: the query-key object at {where!r} is a "
+                f"{type(node).__name__}; Hugging Face checkpoints store separate q and k "
+                "weights, and exporting other query-key objects (CP or block-term factors of "
+                "the joint query-key tensor) is not supported yet. Replace it by a QueryKey "
+                "before exporting.", where=where, expected="QueryKey",
+                actual=type(node).__name__)
 
 
-def state_from_rows(rows: list[tuple], params, *, source: str = "<params>"
-                    ) -> tuple[dict, list[str]]:
-    """A Hugging Face state dict from a parameter tree, following a key table.
+class _Widener:
+    """Index maps of narrower layers into the config's widths (one per block and side)."""
+
+    def __init__(self, params):
+        self.params = params
+        self.cache: dict[tuple, np.ndarray] = {}
+        self.problems: dict[str, list[str]] = {}
+        self.widened: set[str] = set()
+
+    def index(self, w: Widen, path: str, size: int) -> np.ndarray | None:
+        """Positions in the config's width of the ``size`` channels along ``w.axis`` of the
+        tensor at ``path``; ``None`` when it cannot be exported exactly (see ``problems``)."""
+        if w.by == "hidden":
+            block = path.rsplit("/", 1)[0]
+            if size > w.width:
+                self._problem(block, f"{size} hidden channels, more than the config's {w.width}")
+                return None
+            if size < w.width:
+                self.widened.add(block)
+            return np.arange(size)
+        if w.by == "head_table":
+            if size > w.num_heads:
+                self._problem(path, f"a table over {size} heads, more than the config's "
+                                    f"{w.num_heads}")
+                return None
+            if size < w.num_heads:
+                self.widened.add(path)
+            return np.arange(size)
+        key = (w.block, w.by)
+        if key not in self.cache:
+            self.cache[key] = self._heads(w)
+        return self.cache[key]
+
+    def _problem(self, where: str, what: str) -> None:
+        parts = self.problems.setdefault(where, [])
+        if what not in parts:
+            parts.append(what)
+
+    def _heads(self, w: Widen) -> np.ndarray | None:
+        block = _get(self.params, w.block)
+        if block is _ABSENT:
+            self._problem(w.block, "no attention block at this path")
+            return None
+        _, _, _, heads = attention_params(block, w.block)
+        widths = (head_widths(self.params, f"{w.block}/qk/q") if w.by == "qk"
+                  else tuple(heads.v))
+        what = "query/key" if w.by == "qk" else "value"
+        bad = []
+        if heads.num_heads > w.num_heads:
+            bad.append(f"{heads.num_heads} heads, more than the config's {w.num_heads}")
+        if any(i >= w.num_heads for i in heads.ids):
+            bad.append(f"original head ids {heads.ids} beyond the config's {w.num_heads} heads")
+        if any(x > w.width for x in widths):
+            bad.append(f"{what} head widths {widths} wider than the config's {w.width}")
+        if w.by == "qk" and not math.isclose(heads.scale, w.scale, rel_tol=1e-6):
+            bad.append(f"logit scale {heads.scale:.6g}, but the PyTorch class applies "
+                       f"{w.scale:.6g} (set by the config's head width)")
+        if bad:
+            for b in bad:
+                self._problem(w.block, b)
+            return None
+        if heads.ids != tuple(range(w.num_heads)) or any(x != w.width for x in widths):
+            self.widened.add(w.block)
+        parts = [h * w.width + np.arange(x) for h, x in zip(heads.ids, widths, strict=True)]
+        return np.concatenate(parts or [np.zeros(0, np.int64)]).astype(np.int64)
+
+
+def _scatter(a: np.ndarray, idx: np.ndarray, axis: int, full: int) -> np.ndarray:
+    """``a`` zero-padded to ``full`` entries along ``axis``, entry ``j`` at ``idx[j]``."""
+    shape = list(a.shape)
+    shape[axis] = full
+    out = np.zeros(shape, a.dtype)
+    sl = [slice(None)] * a.ndim
+    sl[axis] = idx
+    out[tuple(sl)] = a
+    return out
+
+
+def _tree_shape(r: HFRow) -> tuple[int, ...]:
+    """The shape of a row's tensor in the tree at the config's widths."""
+    if r.kind == "linear":  # [out, in...] -> [prod(in...), out]
+        return (int(np.prod(r.shape[1:])), int(r.shape[0]))
+    return r.shape
+
+
+def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], list[str]]:
+    """A Hugging Face state dict of ``params``, following the family's key table.
 
     Args:
-      rows: ``[(hf_key, tree_path, kind, hf_shape)]``. ``kind``: ``'linear'``, the dense matrix
-        of the leaf at ``tree_path`` (``[d_in, d_out]`` -> transposed, then reshaped to
-        ``hf_shape``: a ``Linear`` ``[out, in]`` or the patch convolution ``[d, C, p, p]``);
-        ``'bias'``, that leaf's ``b``; ``'array'``, a raw array reshaped to ``hf_shape``.
-      params: the parameter tree.
-      source: named in errors.
+      config: the model's config dataclass (of a family with a Hugging Face mapping).
+      params: its parameter tree (any leaf types; layers may be narrower than ``config``).
 
     Returns:
-      ``(state, materialized)``: ``{hf_key: float32 array}`` and the tree paths of non-Dense
-      leaves that were densified with :func:`~lowrank_jax.materialize`.
+      ``(state, materialized, widened)``: ``{key: float32 array}`` in PyTorch orientation
+      (``'zero'`` rows and optional keys are not written, as ``save_pretrained`` of the
+      PyTorch class does not); the tree paths of compressed leaves densified with
+      :func:`~lowrank_jax.materialize`; the paths of blocks and tables zero-padded to the
+      config's widths.
 
     Raises:
       CheckpointError: naming every tree path that is missing, mis-shaped, of the wrong kind
         or has no place in the checkpoint (a non-zero bias where Hugging Face has none
         included; a zero one is dropped). Nothing is materialized before the whole tree has
         been checked.
+      ShapeError: a layer cannot be exported exactly (more heads than the config, wider heads,
+        another logit scale).
+      LeafTypeError: a query-key object other than :class:`~lowrank_jax.QueryKey`.
     """
+    family = family_of(config)
+    rows = hf_spec(family).key_table(config)
+    source = f"<params for {type(config).__name__}>"
+    _check_query_keys(params)
+    widener = _Widener(params)
     missing, mismatched, unexpected, wrong_kind = {}, {}, {}, []
-    has_bias = {tuple(path) for _, path, kind, _ in rows if kind == "bias"}
-    covered = set()
-    for key, path, kind, hf_shape in rows:
-        path, p = tuple(path), _path_str(path)
-        hf_shape = tuple(int(d) for d in hf_shape)
-        node = _get(params, path)
-        if kind == "linear":
-            want = _linear_tree_shape(hf_shape)
-        elif kind == "bias":
-            want = hf_shape
-            p = p + "/b"
-        elif kind == "array":
-            want = hf_shape
-        else:
-            raise ValueError(f"state_from_rows: unknown kind {kind!r} for {key!r}")
-        covered.add(_path_str(path))
-        if node is _ABSENT or node is None:
-            missing[p] = want
+    has_bias = {r.path for r in rows if r.kind in ("bias", "zero")}
+    covered: set[str] = set()
+    plan: list[tuple[HFRow, Any, np.ndarray | None]] = []
+    for r in rows:
+        node = _get(params, r.path)
+        covered.add(r.path)
+        want = _tree_shape(r)
+        name = r.path if r.kind in ("linear", "array") else f"{r.path}/b"
+        if node is _ABSENT:
+            missing[name] = want
             continue
-        if kind == "linear":
-            if not isinstance(node, Leaf) and np.ndim(node) != 2:
-                wrong_kind.append(f"{p} (for {key}) must be a weight leaf, got "
+        if r.kind == "linear" and not isinstance(node, Leaf) and np.ndim(node) != 2:
+            wrong_kind.append(f"{r.path} (for {r.key}) must be a weight leaf, got "
+                              f"{type(node).__name__}")
+            continue
+        if r.kind == "array" and isinstance(node, Leaf):
+            wrong_kind.append(f"{r.path} (for {r.key}) must be a plain array, got a "
+                              f"{type(node).__name__} leaf")
+            continue
+        if r.kind in ("bias", "zero"):
+            if not isinstance(node, Leaf):
+                wrong_kind.append(f"{r.path} (bias {r.key}) must be a weight leaf, got "
                                   f"{type(node).__name__}")
                 continue
-            if _node_shape(node) != want:
-                mismatched[p] = (want, _node_shape(node))
-            b = _leaf_bias(node)
-            # A zero bias where Hugging Face has none is what the loaders fill in (ViT with
-            # qkv_bias=False); dropping it loses nothing. Any other bias cannot be stored.
-            if b is not None and path not in has_bias and np.any(np.asarray(b) != 0):
-                unexpected[p + "/b"] = tuple(np.shape(b))
-        elif kind == "bias":
-            b = _leaf_bias(node)
-            if b is None:
-                missing[p] = want
-            elif tuple(np.shape(b)) != want:
-                mismatched[p] = (want, tuple(np.shape(b)))
-        else:
-            if isinstance(node, Leaf):
-                wrong_kind.append(f"{p} (for {key}) must be a plain array, got a "
-                                  f"{type(node).__name__} leaf")
+            node = bias_of(node)
+            if r.kind == "zero":
+                if node is not None and np.any(np.asarray(node) != 0):
+                    unexpected[name] = _shape(node)
                 continue
-            if int(np.prod(np.shape(node))) != int(np.prod(hf_shape)):
-                mismatched[p] = (hf_shape, tuple(np.shape(node)))
+            if node is None:
+                missing[name] = want
+                continue
+        if r.kind == "linear" and r.path not in has_bias:
+            # A zero bias where Hugging Face has none (what the importer fills in for ViT without
+            # qkv_bias) loses nothing when dropped; any other bias cannot be stored.
+            b = bias_of(node)
+            if b is not None and np.any(np.asarray(b) != 0):
+                unexpected[f"{r.path}/b"] = _shape(b)
+        got = _shape(node)
+        idx = None
+        if r.kind == "array" and r.widen is None:
+            if int(np.prod(got)) != int(np.prod(r.shape)):
+                mismatched[name] = (r.shape, got)
+                continue
+        elif r.widen is None:
+            if got != want:
+                mismatched[name] = (want, got)
+                continue
+        else:
+            ax = r.widen.axis
+            other = [d for i, d in enumerate(got) if i != ax]
+            if len(got) != len(want) or other != [d for i, d in enumerate(want) if i != ax]:
+                mismatched[name] = (want, got)
+                continue
+            idx = widener.index(r.widen, r.path, got[ax])
+            if idx is not None and len(idx) != got[ax]:
+                mismatched[name] = (want, got)
+                continue
+            if idx is not None and len(idx) == want[ax] and np.array_equal(idx, np.arange(
+                    want[ax])):
+                idx = None  # already at the config's width and in place
+        plan.append((r, node, idx))
     for p, node in named_leaves(params):
         if p not in covered:
-            unexpected[p] = _node_shape(node)
+            unexpected[p] = _shape(node)
     if missing or mismatched or unexpected or wrong_kind:
         note = ["(tree paths of the params; shapes in the lowrank_jax [d_in, d_out] layout)"]
         note += [f"  {w}" for w in wrong_kind]
         raise CheckpointError(source, missing=missing, unexpected=unexpected,
                               mismatched=mismatched, note="\n".join(note))
+    if widener.problems:
+        problems = [f"{where}: " + "; ".join(parts)
+                    for where, parts in sorted(widener.problems.items())]
+        raise ShapeError(
+            "save_pretrained: these layers cannot be written exactly as a Hugging Face "
+            f"{type(config).__name__} checkpoint (layers may have fewer or narrower heads and "
+            "narrower MLPs than the config, which are zero-padded, but not more or wider, nor "
+            "another attention scale):\n  " + "\n  ".join(problems),
+            where=sorted(widener.problems)[0], actual=problems)
 
     state, materialized = {}, []
-    for key, path, kind, hf_shape in rows:
-        node = _get(params, tuple(path))
-        if kind == "linear":
-            if isinstance(node, Leaf) and not isinstance(node, Dense):
-                materialized.append(_path_str(path))
-            dense = np.asarray(materialize(node), dtype=np.float32)  # [d_in, d_out]
-            arr = dense.T.reshape(hf_shape)  # -> [out, in] (or [d, C, p, p])
-        elif kind == "bias":
-            arr = np.asarray(_leaf_bias(node), dtype=np.float32).reshape(hf_shape)
+    for r, node, idx in plan:
+        want = _tree_shape(r)
+        if r.kind == "linear":
+            if isinstance(node, Leaf) and not isinstance(node, Dense):  # reporting only
+                materialized.append(r.path)
+            arr = np.asarray(materialize(node), dtype=np.float32)  # [d_in, d_out]
         else:
-            arr = np.asarray(node, dtype=np.float32).reshape(hf_shape)
-        state[key] = np.ascontiguousarray(arr)
-    return state, sorted(set(materialized), key=materialized.index)
-
-
-def rows_from_specs(specs: list) -> list[tuple]:
-    """Key-table rows from :class:`lowrank_jax.convert.vit.TensorSpec` lists (ViT, BERT).
-
-    Every spec's transform is "transpose and flatten" (``'w'`` fields) or "drop leading unit
-    dimensions" (raw arrays), so the inverse is a transpose and/or a reshape to ``spec.shape``.
-    """
-    kinds = {"w": "linear", "b": "bias", None: "array"}
-    return [(s.key, tuple(s.path), kinds[s.field], tuple(s.shape)) for s in specs]
-
-
-# ---------------------------------------------------------------------------------------------
-# Families.
-
-def _hf_activation(name: str, owner: str) -> str:
-    if name not in _HF_ACTIVATION:
-        raise ValueError(f"save_pretrained: {owner} activation {name!r} has no Hugging Face "
-                         f"name; supported: {tuple(_HF_ACTIVATION)}")
-    return _HF_ACTIVATION[name]
-
-
-def _labels(n: int) -> dict:
-    id2label = {str(i): f"LABEL_{i}" for i in range(n)}
-    return {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}}
-
-
-def _source(config) -> str:
-    return f"<params for {type(config).__name__}>"
-
-
-def export_t5(config: T5Config, params) -> HFExport:
-    """``T5ForConditionalGeneration``: canonical keys only, as its ``save_pretrained`` writes.
-
-    The embedding copies ``encoder/decoder.embed_tokens.weight`` are tied to ``shared.weight``
-    on load and not written; a tied head writes no ``lm_head.weight``. An untied head (T5 v1.1)
-    writes ``lm_head.weight``, which transformers >= 5 keeps untied because it differs from
-    ``shared.weight``; ``scale_decoder_outputs`` is written explicitly.
-    """
-    state, mat = state_from_rows(t5_key_table(config), params, source=_source(config))
-    return HFExport("t5", config.to_hf_dict(), state, mat)
-
-
-def export_chronos(config: ChronosConfig, params) -> HFExport:
-    """A Chronos (T5) checkpoint: the T5 export plus ``chronos_config`` for ``ChronosPipeline``."""
-    state, mat = state_from_rows(t5_key_table(config.t5), params, source=_source(config))
-    hf = dict(config.t5.to_hf_dict(), chronos_config=config.to_hf_chronos_dict())
-    return HFExport("chronos", hf, state, mat)
-
-
-def _vit_architecture(cfg: ViTConfig) -> str:
-    base = "DeiT" if cfg.distillation else "ViT"
-    if cfg.num_labels == 0:
-        return f"{base}Model"
-    if cfg.teacher_head:
-        return "DeiTForImageClassificationWithTeacher"
-    return f"{base}ForImageClassification"
-
-
-def export_vit(config: ViTConfig, params) -> HFExport:
-    """ViT / DeiT: ``ViTModel``, ``ViTForImageClassification``, ``DeiTModel``,
-    ``DeiTForImageClassification``, ``DeiTForImageClassificationWithTeacher``.
-
-    A base model is written unprefixed, as its ``save_pretrained`` does; without a pooler it
-    must be loaded with ``add_pooling_layer=False`` (returned in ``load_kwargs``).
-    """
-    arch = _vit_architecture(config)
-    specs = convert_vit.checkpoint_specs(config, prefixed=config.num_labels > 0)
-    state, mat = state_from_rows(rows_from_specs(specs), params, source=_source(config))
-    hf = {
-        "model_type": "deit" if config.distillation else "vit",
-        "architectures": [arch],
-        "image_size": config.image_size, "patch_size": config.patch_size,
-        "num_channels": config.num_channels, "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "intermediate_size": config.intermediate_size,
-        "hidden_act": _hf_activation(config.hidden_act, "ViTConfig"),
-        "layer_norm_eps": config.layer_norm_eps, "qkv_bias": config.qkv_bias,
-        "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
-        "pooler_output_size": config.pooler_width, "pooler_act": "tanh",
-    }
-    if config.num_labels > 0:
-        hf.update(_labels(config.num_labels))
-    load_kwargs = {} if (config.pooler or config.num_labels > 0) else {"add_pooling_layer": False}
-    return HFExport("vit", hf, state, mat, load_kwargs)
-
-
-def export_bert(config: BertConfig, params) -> HFExport:
-    """BERT: ``BertModel`` (unprefixed keys, as its ``save_pretrained`` writes) or
-    ``BertForSequenceClassification``. Without a pooler, load with ``add_pooling_layer=False``
-    (returned in ``load_kwargs``)."""
-    arch = "BertForSequenceClassification" if config.num_labels > 0 else "BertModel"
-    specs = convert_bert.checkpoint_specs(config, prefixed=config.num_labels > 0)
-    state, mat = state_from_rows(rows_from_specs(specs), params, source=_source(config))
-    hf = {
-        "model_type": "bert", "architectures": [arch],
-        "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "intermediate_size": config.intermediate_size,
-        "hidden_act": _hf_activation(config.hidden_act, "BertConfig"),
-        "max_position_embeddings": config.max_position_embeddings,
-        "type_vocab_size": config.type_vocab_size, "layer_norm_eps": config.layer_norm_eps,
-        "position_embedding_type": "absolute", "is_decoder": False,
-        "add_cross_attention": False,
-    }
-    if config.num_labels > 0:
-        hf.update(_labels(config.num_labels))
-    load_kwargs = {} if config.pooler else {"add_pooling_layer": False}
-    return HFExport("bert", hf, state, mat, load_kwargs)
-
-
-register_exporter(T5Config, export_t5)
-register_exporter(ChronosConfig, export_chronos)
-register_exporter(ViTConfig, export_vit)
-register_exporter(BertConfig, export_bert)
+            arr = np.asarray(node, dtype=np.float32)
+        if idx is not None:
+            arr = _scatter(arr, idx, r.widen.axis, want[r.widen.axis])
+        if r.kind == "linear":
+            arr = arr.T  # -> [out, in] (reshaped to [d, C, p, p] for a patch convolution)
+        state[r.key] = np.ascontiguousarray(arr.reshape(r.shape))
+    return state, sorted(set(materialized), key=materialized.index), sorted(widener.widened)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -377,22 +309,21 @@ register_exporter(BertConfig, export_bert)
 def _check_target(path: str, overwrite: bool) -> None:
     if os.path.lexists(path):
         if not os.path.isdir(path) or os.path.islink(path):
-            raise FileExistsError(f"save_pretrained: {path} exists and is not a directory; "
-                                  "choose another path")
+            raise OutputExistsError(f"save_pretrained: {path} exists and is not a directory; "
+                                    "choose another path", where=path)
         if os.listdir(path) and not overwrite:
-            raise FileExistsError(f"save_pretrained: {path} is not empty; pass overwrite=True "
-                                  "to replace it, or choose another path")
+            raise OutputExistsError(f"save_pretrained: {path} is not empty; pass "
+                                    "overwrite=True to replace it, or choose another path",
+                                    where=path)
 
 
-def _write_dir(directory: str, export: HFExport, materialized: list[str]) -> None:
+def _write_dir(directory: str, hf_config: dict, state: dict, metadata: dict) -> None:
     from safetensors.numpy import save_file
 
     with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-        json.dump(export.hf_config, f, indent=2, sort_keys=True)
+        json.dump(hf_config, f, indent=2, sort_keys=True)
         f.write("\n")
-    metadata = {"format": "pt", "lowrank_jax_family": export.family,
-                "lowrank_jax_materialized": ",".join(materialized)}
-    save_file(export.state, os.path.join(directory, WEIGHTS_NAME), metadata=metadata)
+    save_file(state, os.path.join(directory, WEIGHTS_NAME), metadata=metadata)
 
 
 def _move_into_place(tmp: str, path: str) -> None:
@@ -413,17 +344,17 @@ def _move_into_place(tmp: str, path: str) -> None:
     shutil.rmtree(backup, ignore_errors=True)
 
 
-def save_pretrained(config, params, path, *, overwrite: bool = False) -> dict:
+def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) -> dict:
     """Write a Hugging Face directory that the original PyTorch class loads.
 
     ``load_pretrained(path) -> save_pretrained(...) -> Class.from_pretrained(path)`` gives the
     same outputs. Compressed leaves are densified with :func:`~lowrank_jax.materialize` (logged
-    on the ``lowrank_jax.convert`` logger, listed in the summary and in the safetensors metadata),
-    so the exported file is as large as the uncompressed model.
+    on the ``lowrank_jax.convert`` logger, listed in the summary and in the safetensors
+    metadata), so the exported file is as large as the uncompressed model; narrower layers are
+    zero-padded to the config's widths (see the module docstring).
 
     Args:
-      config: the model's config dataclass (``T5Config``, ``ChronosConfig``, ``ViTConfig``,
-        ``BertConfig``, or any type given to :func:`register_exporter`).
+      config: the model's config dataclass (of any family with a Hugging Face mapping).
       params: its parameter tree (any leaf types).
       path: output directory. Written atomically: files go to a temporary directory beside
         ``path`` that is renamed at the end; on any error nothing is left at ``path``.
@@ -431,39 +362,51 @@ def save_pretrained(config, params, path, *, overwrite: bool = False) -> dict:
 
     Returns:
       A summary: ``{'family', 'architecture', 'path', 'files', 'n_tensors', 'n_parameters',
-      'materialized' (tree paths of densified leaves), 'load_kwargs'}``.
+      'materialized' (tree paths of densified leaves), 'widened' (zero-padded blocks),
+      'load_kwargs' (what ``from_pretrained`` needs beyond the path)}``.
 
     Raises:
-      FileExistsError: ``path`` is a non-empty directory (without ``overwrite``) or a file.
-      TypeError: no exporter for ``type(config)``.
-      CheckpointError: ``params`` does not match ``config`` (every missing, unexpected or
-        mis-shaped tree path is listed).
+      OutputExistsError: ``path`` is a non-empty directory (without ``overwrite``) or a file.
+      ConfigError: no family (or no Hugging Face mapping) for ``type(config)``.
+      CheckpointError, ShapeError, LeafTypeError: see :func:`state_dict_from_params`.
     """
     path = os.path.abspath(os.fspath(path))
     _check_target(path, overwrite)
-    export = _exporter_for(config)(config, params)
-    materialized = list(export.materialized)
+    family = family_of(config)
+    spec = hf_spec(family)
+    state, materialized, widened = state_dict_from_params(config, params)
+    hf_config = spec.config_to_hf(config)
     if materialized:
         logger.warning("export materialized %d compressed leaves: %s", len(materialized),
                        ", ".join(materialized))
+    if widened:
+        logger.info("export zero-padded %d narrower blocks to the config's widths: %s",
+                    len(widened), ", ".join(widened))
+    metadata = {"format": "pt", "lowrank_jax_family": family.name,
+                "lowrank_jax_materialized": ",".join(materialized),
+                "lowrank_jax_widened": ",".join(widened)}
 
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
-        _write_dir(tmp, export, materialized)
+        _write_dir(tmp, hf_config, state, metadata)
         _check_target(path, overwrite)  # again: something may have appeared meanwhile
         _move_into_place(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {
-        "family": export.family,
-        "architecture": export.hf_config["architectures"][0],
+        "family": family.name,
+        "architecture": (hf_config.get("architectures") or [""])[0],
         "path": path,
         "files": [CONFIG_NAME, WEIGHTS_NAME],
-        "n_tensors": len(export.state),
-        "n_parameters": int(sum(a.size for a in export.state.values())),
+        "n_tensors": len(state),
+        "n_parameters": int(sum(a.size for a in state.values())),
         "materialized": materialized,
-        "load_kwargs": dict(export.load_kwargs or {}),
+        "widened": widened,
+        "load_kwargs": dict(spec.load_kwargs(config)),
     }
+
+
+__all__ = ["save_pretrained", "state_dict_from_params"]

@@ -27,8 +27,17 @@ import numpy as np
 from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.models.family import ModelFamily, register_family
+from lowrank_jax.models.hf import HFRow, HFSpec, linear_rows, norm_rows
 from lowrank_jax.models.t5 import _layer_sizes, check_inputs, check_token_ids
-from lowrank_jax.models.vit import activation_from_hf, layernorm_encoder, layernorm_encoder_sizes
+from lowrank_jax.models.vit import (
+    activation_from_hf,
+    activation_to_hf,
+    hf_encoder_rows,
+    hf_labels,
+    hf_load_kwargs,
+    layernorm_encoder,
+    layernorm_encoder_sizes,
+)
 from lowrank_jax.nn import (
     EncoderConfig,
     LayerSizes,
@@ -140,6 +149,27 @@ class BertConfig:
         )
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+    def to_hf_dict(self) -> dict:
+        """The Hugging Face ``config.json`` of this configuration (``BertModel`` or
+        ``BertForSequenceClassification``)."""
+        arch = "BertForSequenceClassification" if self.num_labels > 0 else "BertModel"
+        d = {
+            "model_type": "bert", "architectures": [arch],
+            "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": activation_to_hf(self.hidden_act, "BertConfig"),
+            "max_position_embeddings": self.max_position_embeddings,
+            "type_vocab_size": self.type_vocab_size, "layer_norm_eps": self.layer_norm_eps,
+            "position_embedding_type": "absolute", "is_decoder": False,
+            "add_cross_attention": False,
+        }
+        if self.num_labels > 0:
+            d.update(hf_labels(self.num_labels))
+        return d
 
 
 def init(key: Array, cfg: BertConfig, *, layers=None) -> dict:
@@ -270,6 +300,58 @@ def loss(cfg: BertConfig):
     return loss_fn
 
 
+# ---------------------------------------------------------------------------------------------
+# Hugging Face mapping (BertModel, BertForSequenceClassification).
+
+def hf_key_table(cfg: BertConfig) -> list[HFRow]:
+    """Every tensor of the Hugging Face checkpoint of ``cfg``, as ``save_pretrained`` names
+    them (``BertModel`` unprefixed; ``BertForSequenceClassification`` under ``bert.``). Heads of
+    other architectures (``BertForMaskedLM``'s ``cls.*``) are not part of it: loading such a
+    checkpoint reports them as unexpected rather than dropping them silently."""
+    base = "bert." if cfg.num_labels > 0 else ""
+    d, e = cfg.hidden_size, f"{base}embeddings."
+    rows = [
+        HFRow(f"{e}word_embeddings.weight", "embeddings/word", "array", (cfg.vocab_size, d)),
+        HFRow(f"{e}position_embeddings.weight", "embeddings/position", "array",
+              (cfg.max_position_embeddings, d)),
+        HFRow(f"{e}token_type_embeddings.weight", "embeddings/token_type", "array",
+              (cfg.type_vocab_size, d)),
+    ]
+    rows += norm_rows(f"{e}LayerNorm", "embeddings/norm", d)
+    rows += hf_encoder_rows(cfg, base, prenorm=False)
+    if cfg.pooler:
+        rows += linear_rows(f"{base}pooler.dense", "pooler", d, d, bias=True)
+    if cfg.num_labels > 0:
+        rows += linear_rows("classifier", "classifier", d, cfg.num_labels, bias=True)
+    return rows
+
+
+def hf_optional_keys(cfg: BertConfig) -> dict:
+    """The ``embeddings.position_ids`` buffer old files store (``arange``, not a parameter)."""
+    del cfg
+    return {"embeddings.position_ids": None, "bert.embeddings.position_ids": None}
+
+
+def detect_hf(hf_config: dict) -> bool:
+    """Whether a ``config.json`` dict describes a BERT model."""
+    return hf_config.get("model_type") == "bert"
+
+
+def config_from_hf(hf_config: dict, state) -> BertConfig:
+    """:class:`BertConfig` from a ``config.json`` dict and the checkpoint's keys: a base model
+    has a pooler iff the checkpoint has ``pooler.dense`` weights (``add_pooling_layer`` is not
+    recorded in ``config.json``)."""
+    cfg = BertConfig.from_hf_dict(dict(hf_config))
+    if cfg.num_labels == 0 and not any(k.endswith("pooler.dense.weight") for k in state):
+        cfg = dataclasses.replace(cfg, pooler=False)
+    return cfg
+
+
+HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
+                 config_to_hf=lambda cfg: cfg.to_hf_dict(), key_table=hf_key_table,
+                 optional=hf_optional_keys, base_prefixes=("bert.",),
+                 load_kwargs=hf_load_kwargs)
+
 FAMILY = register_family(ModelFamily(
     name="bert", config_cls=BertConfig, init=init, apply=apply, sample_inputs=sample_inputs,
-    primary_outputs=("logits", "last_hidden_state"), loss=loss))
+    primary_outputs=("logits", "last_hidden_state"), loss=loss, hf=HF_SPEC))

@@ -28,10 +28,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.datasets import builtin_series, windows
+from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.models import t5 as t5_model
 from lowrank_jax.models.family import ModelFamily, register_family
+from lowrank_jax.models.hf import HFSpec
 from lowrank_jax.models.t5 import T5Config
 
 Array = jax.Array
@@ -111,6 +112,11 @@ class ChronosConfig:
             use_eos_token=bool(cc["use_eos_token"]), pad_token_id=int(cc["pad_token_id"]),
             eos_token_id=int(cc["eos_token_id"]),
         )
+
+    def to_hf_dict(self) -> dict:
+        """The Hugging Face ``config.json`` of a Chronos checkpoint: the T5 fields plus
+        ``chronos_config`` (what ``ChronosPipeline.from_pretrained`` reads)."""
+        return dict(self.t5.to_hf_dict(), chronos_config=self.to_hf_chronos_dict())
 
     def to_hf_chronos_dict(self) -> dict:
         """The ``chronos_config`` entry of a Chronos ``config.json``."""
@@ -385,8 +391,32 @@ def forecast(params: dict, context, cfg: ChronosConfig, *, key=None) -> Array:
     return jnp.moveaxis(jnp.quantile(samples, jnp.asarray(LEVELS), axis=1), 0, 1)
 
 
+# ---------------------------------------------------------------------------------------------
+# Hugging Face mapping: a T5 checkpoint whose config.json has a ``chronos_config`` entry.
+
+def detect_hf(hf_config: dict) -> bool:
+    """A Chronos (T5) ``config.json``: a T5 config with a ``chronos_config`` that is not
+    Chronos-Bolt's."""
+    chronos_cfg = hf_config.get("chronos_config")
+    if not isinstance(chronos_cfg, dict):
+        return False
+    return (hf_config.get("model_type", "t5") == "t5" and "input_patch_size" not in chronos_cfg
+            and "ChronosBoltModelForForecasting" not in (hf_config.get("architectures") or []))
+
+
+def config_from_hf(hf_config: dict, state) -> ChronosConfig:
+    """:class:`ChronosConfig` from a ``config.json`` dict and the checkpoint's tensors (the T5
+    part as :func:`lowrank_jax.models.t5.config_from_hf`)."""
+    return ChronosConfig.from_hf_dict(hf_config, t5=t5_model.config_from_hf(hf_config, state))
+
+
+HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
+                 config_to_hf=lambda cfg: cfg.to_hf_dict(),
+                 key_table=lambda cfg: t5_model.hf_key_table(cfg.t5),
+                 optional=lambda cfg: t5_model.hf_optional_keys(cfg.t5))
+
 FAMILY = register_family(ModelFamily(
     name="chronos", config_cls=ChronosConfig, init=init, apply=apply,
     sample_inputs=sample_inputs, primary_outputs=("logits",), token_outputs=True, loss=loss,
     forecast=forecast, forecast_levels=lambda cfg: LEVELS,
-    batch_from_windows=batch_from_windows))
+    batch_from_windows=batch_from_windows, hf=HF_SPEC))

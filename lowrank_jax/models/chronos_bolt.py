@@ -38,12 +38,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.datasets import builtin_series, windows
+from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.losses import quantile_loss
-from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models import t5 as t5_model
+from lowrank_jax.models.family import ModelFamily, register_family
+from lowrank_jax.models.hf import HFSpec, linear_rows
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.nn import (
     ACTIVATIONS,
@@ -475,8 +476,52 @@ def forecast(params: dict, context, cfg: ChronosBoltConfig) -> Array:
     return apply(params, {"context": context}, cfg)["quantile_preds"]
 
 
+# -- Hugging Face mapping (``ChronosBoltModelForForecasting``) ------------------------------
+
+ARCHITECTURE = "ChronosBoltModelForForecasting"
+RESIDUAL_BLOCKS = ("input_patch_embedding", "output_patch_embedding")
+
+
+def hf_key_table(cfg: ChronosBoltConfig) -> list:
+    """Every tensor of a ``ChronosBoltModelForForecasting`` checkpoint: the T5 encoder-decoder
+    without LM head (a 1- or 2-row ``shared``) plus the two residual blocks, each with
+    ``hidden_layer``, ``output_layer`` and ``residual_layer`` ``nn.Linear`` weights and biases.
+    """
+    rows = t5_model.hf_key_table(cfg.t5, lm_head=False)
+    d, ff, p = cfg.t5.d_model, cfg.t5.d_ff, cfg.input_patch_size
+    dims = {"input_patch_embedding": (2 * p, ff, d),
+            "output_patch_embedding": (d, ff, cfg.num_quantiles * cfg.prediction_length)}
+    for block in RESIDUAL_BLOCKS:
+        d_in, d_hid, d_out = dims[block]
+        for layer, (a, b) in (("hidden_layer", (d_in, d_hid)), ("output_layer", (d_hid, d_out)),
+                              ("residual_layer", (d_in, d_out))):
+            rows += linear_rows(f"{block}.{layer}", f"{block}/{layer}", a, b, bias=True)
+    return rows
+
+
+def hf_optional_keys(cfg: ChronosBoltConfig) -> dict:
+    """Keys the reference model itself ignores: the tied ``embed_tokens`` copies, any
+    ``lm_head.weight`` and the unused cross-attention relative bias."""
+    return {**t5_model.hf_optional_keys(cfg.t5, lm_head=False), "lm_head.weight": None}
+
+
+def detect_hf(hf_config: dict) -> bool:
+    """A Chronos-Bolt ``config.json``: ``ChronosBoltModelForForecasting`` in ``architectures``,
+    or a ``chronos_config`` with the Bolt entries ``input_patch_size`` and ``quantiles``."""
+    archs = hf_config.get("architectures") or []
+    cc = hf_config.get("chronos_config")
+    bolt_cc = isinstance(cc, dict) and "input_patch_size" in cc and "quantiles" in cc
+    return ARCHITECTURE in archs or bolt_cc
+
+
+HF_SPEC = HFSpec(detect=detect_hf,
+                 config_from_hf=lambda hf_config, state: ChronosBoltConfig.from_hf_dict(hf_config),
+                 config_to_hf=lambda cfg: cfg.to_hf_dict(), key_table=hf_key_table,
+                 optional=hf_optional_keys)
+
 FAMILY = register_family(ModelFamily(
     name="chronos_bolt", config_cls=ChronosBoltConfig, init=init, apply=apply,
     sample_inputs=sample_inputs, primary_outputs=("quantile_preds",), loss=loss,
     forecast=forecast, forecast_levels=lambda cfg: tuple(cfg.quantiles),
-    batch_from_windows=lambda cfg, context, target: {"context": context, "target": target}))
+    batch_from_windows=lambda cfg, context, target: {"context": context, "target": target},
+    hf=HF_SPEC))

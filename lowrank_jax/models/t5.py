@@ -25,9 +25,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.models.family import ModelFamily, register_family
-from lowrank_jax.errors import ConfigError, DataError
+from lowrank_jax.models.hf import HFRow, HFSpec, Widen, attention_rows, mlp_rows, norm_rows
 from lowrank_jax.nn import (
     AttentionConfig,
     DecoderConfig,
@@ -436,6 +437,126 @@ def loss(cfg: T5Config):
     return loss_fn
 
 
+# ---------------------------------------------------------------------------------------------
+# Hugging Face mapping (``T5ForConditionalGeneration``), shared with Chronos and Chronos-Bolt.
+
+def hf_key_table(cfg: T5Config, *, lm_head: bool | None = None) -> list[HFRow]:
+    """Every tensor of a ``T5ForConditionalGeneration`` checkpoint of ``cfg``.
+
+    Hugging Face keeps each stack's relative-bias table in its layer 0 and shares it down the
+    stack; here the stack owns it (``'encoder/rel_bias'``, ``[buckets, heads]`` over original
+    heads). The embedding copies ``encoder/decoder.embed_tokens`` are tied to ``shared`` (see
+    :func:`hf_optional_keys`).
+
+    Args:
+      cfg: the model configuration.
+      lm_head: include ``lm_head.weight`` (default: iff the head is untied).
+
+    Returns:
+      The rows: attention and MLP rows carry the head structure export needs to zero-pad
+      layers with fewer heads or a narrower MLP than ``cfg``.
+    """
+    untied = (not cfg.tie_word_embeddings) if lm_head is None else lm_head
+    d, ff, h, dk = cfg.d_model, cfg.d_ff, cfg.num_heads, cfg.d_kv
+    mlp_names = ("wi_0", "wi_1", "wo") if cfg.is_gated else ("wi", "wo")
+    table = Widen("head_table", 1, num_heads=h)
+    rel = (cfg.relative_attention_num_buckets, h)
+    rows = [HFRow("shared.weight", "shared", "array", (cfg.vocab_size, d))]
+
+    def attn(prefix: str, path: str) -> list[HFRow]:
+        return attention_rows({n: f"{prefix}.{n}" for n in "qkvo"}, path, d_q=d, d_kv_in=d,
+                              d_out=d, num_heads=h, d_head=dk, scale=1.0, bias=False)
+
+    def mlp(prefix: str, path: str) -> list[HFRow]:
+        return mlp_rows({n: f"{prefix}.DenseReluDense.{n}" for n in mlp_names}, path,
+                        d_model=d, d_ff=ff, bias=False)
+
+    for i in range(cfg.num_layers):
+        b, p = f"encoder.block.{i}", f"encoder/layers/{i}"
+        rows += attn(f"{b}.layer.0.SelfAttention", f"{p}/attn")
+        rows += norm_rows(f"{b}.layer.0.layer_norm", f"{p}/attn_norm", d, bias=False)
+        rows += mlp(f"{b}.layer.1", f"{p}/mlp")
+        rows += norm_rows(f"{b}.layer.1.layer_norm", f"{p}/mlp_norm", d, bias=False)
+    rows.append(HFRow("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                      "encoder/rel_bias", "array", rel, table))
+    rows += norm_rows("encoder.final_layer_norm", "encoder/final_norm", d, bias=False)
+    for i in range(cfg.decoder_layers):
+        b, p = f"decoder.block.{i}", f"decoder/layers/{i}"
+        rows += attn(f"{b}.layer.0.SelfAttention", f"{p}/self_attn")
+        rows += norm_rows(f"{b}.layer.0.layer_norm", f"{p}/self_attn_norm", d, bias=False)
+        rows += attn(f"{b}.layer.1.EncDecAttention", f"{p}/cross_attn")
+        rows += norm_rows(f"{b}.layer.1.layer_norm", f"{p}/cross_attn_norm", d, bias=False)
+        rows += mlp(f"{b}.layer.2", f"{p}/mlp")
+        rows += norm_rows(f"{b}.layer.2.layer_norm", f"{p}/mlp_norm", d, bias=False)
+    rows.append(HFRow("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                      "decoder/rel_bias", "array", rel, table))
+    rows += norm_rows("decoder.final_layer_norm", "decoder/final_norm", d, bias=False)
+    if untied:
+        rows.append(HFRow("lm_head.weight", "lm_head", "linear", (cfg.vocab_size, d)))
+    return rows
+
+
+def hf_optional_keys(cfg: T5Config, *, lm_head: bool | None = None) -> dict:
+    """Keys a T5 checkpoint may carry that hold nothing new: the tied embedding copies, a
+    tied ``lm_head.weight`` (a live module's state dict has it) and the cross-attention
+    relative bias Hugging Face never uses (its ``_keys_to_ignore_on_load_unexpected``).
+
+    Args:
+      cfg: the model configuration.
+      lm_head: accept ``lm_head.weight`` (default: iff the head is tied); ``None`` shape
+        means any shape.
+    """
+    emb = (cfg.vocab_size, cfg.d_model)
+    out = {"encoder.embed_tokens.weight": emb, "decoder.embed_tokens.weight": emb,
+           "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight":
+               (cfg.relative_attention_num_buckets, cfg.num_heads)}
+    if cfg.tie_word_embeddings if lm_head is None else lm_head:
+        out["lm_head.weight"] = emb
+    return out
+
+
+def resolve_head(cfg: T5Config, state) -> T5Config:
+    """Decide tied vs untied head from the weights as well as the config.
+
+    transformers >= 5 always writes ``tie_word_embeddings: true`` (and a separate
+    ``scale_decoder_outputs``), while older T5 v1.1 checkpoints store ``tie_word_embeddings:
+    false`` and a distinct ``lm_head.weight``. A state dict from an in-memory tied module also
+    carries ``lm_head.weight``, equal to ``shared.weight``. So: an ``lm_head.weight`` that
+    differs from ``shared.weight`` means an untied head, whatever the config says (the decoder
+    scaling is unaffected: it is ``scale_decoder_outputs``).
+
+    Args:
+      cfg: the configuration read from ``config.json``.
+      state: the checkpoint's tensors ``{key: array}``.
+
+    Returns:
+      ``cfg``, untied if the checkpoint's head is.
+    """
+    head, shared = state.get("lm_head.weight"), state.get("shared.weight")
+    if cfg.tie_word_embeddings and head is not None and shared is not None:
+        if np.shape(head) != np.shape(shared) or not np.array_equal(head, shared):
+            return dataclasses.replace(cfg, tie_word_embeddings=False,
+                                       scale_decoder_outputs=cfg.scales_decoder_outputs)
+    return cfg
+
+
+def detect_hf(hf_config: dict) -> bool:
+    """A plain T5 ``config.json`` (Chronos checkpoints are T5 too but have ``chronos_config``)."""
+    archs = hf_config.get("architectures") or []
+    is_t5 = hf_config.get("model_type") == "t5" or any(str(a).startswith("T5") for a in archs)
+    return is_t5 and "chronos_config" not in hf_config
+
+
+def config_from_hf(hf_config: dict, state) -> T5Config:
+    """:class:`T5Config` from a ``config.json`` dict and the checkpoint's tensors (tied or
+    untied head, :func:`resolve_head`)."""
+    return resolve_head(T5Config.from_hf_dict(hf_config), state)
+
+
+HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
+                 config_to_hf=lambda cfg: cfg.to_hf_dict(), key_table=hf_key_table,
+                 optional=hf_optional_keys)
+
 FAMILY = register_family(ModelFamily(
     name="t5", config_cls=T5Config, init=init, apply=apply, sample_inputs=sample_inputs,
-    primary_outputs=("logits",), token_outputs=True, loss=loss))
+    primary_outputs=("logits",), token_outputs=True, loss=loss, hf=HF_SPEC))

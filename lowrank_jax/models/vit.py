@@ -22,6 +22,8 @@ Parameter tree::
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +32,7 @@ import numpy as np
 from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.models.family import ModelFamily, register_family
+from lowrank_jax.models.hf import HFRow, HFSpec, attention_rows, linear_rows, mlp_rows, norm_rows
 from lowrank_jax.models.t5 import _layer_sizes, check_inputs
 from lowrank_jax.nn import (
     AttentionConfig,
@@ -53,6 +56,26 @@ HF_ACTIVATIONS = {
     "silu": "silu",
     "swish": "silu",
 }
+
+
+# lowrank_jax.nn.ACTIVATIONS names -> Hugging Face ``hidden_act`` (the inverse of
+# HF_ACTIVATIONS; 'gelu_new' is Hugging Face's tanh approximation).
+TO_HF_ACTIVATION = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
+
+
+def activation_to_hf(name: str, owner: str) -> str:
+    """Map an :data:`lowrank_jax.nn.ACTIVATIONS` key to a Hugging Face ``hidden_act``."""
+    if name not in TO_HF_ACTIVATION:
+        raise ConfigError(f"{owner}: activation {name!r} has no Hugging Face name; supported: "
+                          f"{tuple(TO_HF_ACTIVATION)}", where="hidden_act",
+                          expected=tuple(TO_HF_ACTIVATION), actual=name)
+    return TO_HF_ACTIVATION[name]
+
+
+def hf_labels(num_labels: int) -> dict:
+    """``id2label`` / ``label2id`` entries of a classifier's ``config.json``."""
+    id2label = {str(i): f"LABEL_{i}" for i in range(num_labels)}
+    return {"id2label": id2label, "label2id": {v: int(k) for k, v in id2label.items()}}
 
 
 def activation_from_hf(name: str, owner: str) -> str:
@@ -240,12 +263,46 @@ class ViTConfig:
             qkv_bias=bool(d.get("qkv_bias", True)),
             num_labels=n_labels if is_classifier else 0,
             distillation=model_type == "deit",
-            distillation_head=arch.endswith("WithTeacher"),
+            # Only a DeiT classifier has a choice of heads; elsewhere keep the default.
+            distillation_head=not (model_type == "deit" and is_classifier)
+            or arch.endswith("WithTeacher"),
             pooler=not is_classifier,
             pooler_output_size=d.get("pooler_output_size"),
         )
         kwargs.update(overrides)
         return cls(**kwargs)
+
+
+    @property
+    def architecture(self) -> str:
+        """The ``transformers`` class of this configuration."""
+        base = "DeiT" if self.distillation else "ViT"
+        if self.num_labels == 0:
+            return f"{base}Model"
+        if self.teacher_head:
+            return "DeiTForImageClassificationWithTeacher"
+        return f"{base}ForImageClassification"
+
+    def to_hf_dict(self) -> dict:
+        """The Hugging Face ``config.json`` of this configuration (dropout off)."""
+        d = {
+            "model_type": "deit" if self.distillation else "vit",
+            "architectures": [self.architecture],
+            "image_size": self.image_size, "patch_size": self.patch_size,
+            "num_channels": self.num_channels, "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "intermediate_size": self.intermediate_size,
+            "hidden_act": activation_to_hf(self.hidden_act, "ViTConfig"),
+            "layer_norm_eps": self.layer_norm_eps, "qkv_bias": self.qkv_bias,
+            "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0,
+            "pooler_act": "tanh",
+        }
+        if self.pooler_output_size is not None:  # Hugging Face's default is hidden_size too
+            d["pooler_output_size"] = self.pooler_output_size
+        if self.num_labels > 0:
+            d.update(hf_labels(self.num_labels))
+        return d
 
 
 def init(key: Array, cfg: ViTConfig, *, layers=None) -> dict:
@@ -386,6 +443,120 @@ def loss(cfg: ViTConfig):
     return loss_fn
 
 
+# ---------------------------------------------------------------------------------------------
+# Hugging Face mapping (ViTModel, ViTForImageClassification, DeiTModel,
+# DeiTForImageClassification, DeiTForImageClassificationWithTeacher).
+
+def hf_encoder_rows(cfg, base: str, *, prenorm: bool, qkv_bias: bool = True) -> list[HFRow]:
+    """Rows of the Hugging Face ``encoder.layer.N`` stack of ViT (``prenorm``) or BERT.
+
+    Args:
+      cfg: a config with the Hugging Face field names (``hidden_size``,
+        ``num_attention_heads``, ``intermediate_size``, ``num_hidden_layers``).
+      base: key prefix of the base model (``'vit.'``, ``'bert.'`` or ``''``).
+      prenorm: ViT names (``attention.attention.query``, ``layernorm_before/after``) if
+        ``True``, else BERT names (``attention.self.query``, ``...LayerNorm``).
+      qkv_bias: the checkpoint stores the query/key/value biases.
+
+    Returns:
+      The rows; attention is scaled by ``1/sqrt(hidden_size / num_attention_heads)``.
+    """
+    d, ff, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_attention_heads
+    d_head = d // h
+    rows = []
+    for i in range(cfg.num_hidden_layers):
+        k, p = f"{base}encoder.layer.{i}.", f"encoder/layers/{i}"
+        att = f"{k}attention.attention." if prenorm else f"{k}attention.self."
+        names = {"q": f"{att}query", "k": f"{att}key", "v": f"{att}value",
+                 "o": f"{k}attention.output.dense"}
+        rows += attention_rows(names, f"{p}/attn", d_q=d, d_kv_in=d, d_out=d, num_heads=h,
+                               d_head=d_head, scale=1.0 / math.sqrt(d_head), bias=True,
+                               qkv_bias=qkv_bias)
+        rows += mlp_rows({"wi": f"{k}intermediate.dense", "wo": f"{k}output.dense"},
+                         f"{p}/mlp", d_model=d, d_ff=ff, bias=True)
+        if prenorm:
+            rows += norm_rows(f"{k}layernorm_before", f"{p}/attn_norm", d)
+            rows += norm_rows(f"{k}layernorm_after", f"{p}/mlp_norm", d)
+        else:
+            rows += norm_rows(f"{k}attention.output.LayerNorm", f"{p}/attn_norm", d)
+            rows += norm_rows(f"{k}output.LayerNorm", f"{p}/mlp_norm", d)
+    return rows
+
+
+def hf_key_table(cfg: ViTConfig) -> list[HFRow]:
+    """Every tensor of the Hugging Face checkpoint of ``cfg``, as ``save_pretrained`` names
+    them: a base model unprefixed, a classifier's base model under ``vit.``/``deit.``. The
+    patch convolution ``[d, C, p, p]`` is the leaf ``[C*p*p, d]`` (see :func:`patchify`)."""
+    base = ("deit." if cfg.distillation else "vit.") if cfg.num_labels > 0 else ""
+    d, p, c = cfg.hidden_size, cfg.patch_size, cfg.num_channels
+    e = f"{base}embeddings."
+    rows = [
+        HFRow(f"{e}patch_embeddings.projection.weight", "embeddings/patch", "linear", (d, c, p, p)),
+        HFRow(f"{e}patch_embeddings.projection.bias", "embeddings/patch", "bias", (d,)),
+        HFRow(f"{e}cls_token", "embeddings/cls_token", "array", (1, 1, d)),
+        HFRow(f"{e}position_embeddings", "embeddings/position", "array", (1, cfg.num_tokens, d)),
+    ]
+    if cfg.distillation:
+        rows.append(HFRow(f"{e}distillation_token", "embeddings/dist_token", "array", (1, 1, d)))
+    rows += hf_encoder_rows(cfg, base, prenorm=True, qkv_bias=cfg.qkv_bias)
+    rows += norm_rows(f"{base}layernorm", "encoder/final_norm", d)
+    if cfg.pooler:
+        rows += linear_rows(f"{base}pooler.dense", "pooler", d, cfg.pooler_width, bias=True)
+    if cfg.num_labels > 0:
+        if cfg.teacher_head:
+            rows += linear_rows("cls_classifier", "classifier", d, cfg.num_labels, bias=True)
+            rows += linear_rows("distillation_classifier", "distillation_classifier", d,
+                                cfg.num_labels, bias=True)
+        else:
+            rows += linear_rows("classifier", "classifier", d, cfg.num_labels, bias=True)
+    return rows
+
+
+# transformers 5 in-memory module names -> the names save_pretrained writes.
+_IN_MEMORY_NAMES = (
+    (re.compile(r"(^|\.)layers\.(\d+)\."), r"\1encoder.layer.\2."),
+    (re.compile(r"\.attention\.q_proj\."), ".attention.attention.query."),
+    (re.compile(r"\.attention\.k_proj\."), ".attention.attention.key."),
+    (re.compile(r"\.attention\.v_proj\."), ".attention.attention.value."),
+    (re.compile(r"\.attention\.o_proj\."), ".attention.output.dense."),
+    (re.compile(r"\.mlp\.fc1\."), ".intermediate.dense."),
+    (re.compile(r"\.mlp\.fc2\."), ".output.dense."),
+)
+
+
+def rename_hf_key(key: str) -> str:
+    """A key of a transformers 5 ViT/DeiT module (``layers.0.attention.q_proj.weight``) in the
+    names ``save_pretrained`` writes (``encoder.layer.0.attention.attention.query.weight``)."""
+    for pat, rep in _IN_MEMORY_NAMES:
+        key = pat.sub(rep, key)
+    return key
+
+
+def detect_hf(hf_config: dict) -> bool:
+    """Whether a ``config.json`` dict describes a ViT or DeiT model."""
+    return hf_config.get("model_type") in ("vit", "deit")
+
+
+def config_from_hf(hf_config: dict, state) -> ViTConfig:
+    """:class:`ViTConfig` from a ``config.json`` dict and the checkpoint's keys: the head
+    follows ``architectures`` (:meth:`ViTConfig.from_hf_dict`); a base model has a pooler iff
+    the checkpoint has ``pooler.dense`` weights (``add_pooling_layer`` is not recorded)."""
+    cfg = ViTConfig.from_hf_dict(dict(hf_config))
+    if cfg.pooler and not any(k.endswith("pooler.dense.weight") for k in state):
+        cfg = dataclasses.replace(cfg, pooler=False)
+    return cfg
+
+
+def hf_load_kwargs(cfg) -> dict:
+    """A ViT/DeiT/BERT base model without pooler loads with ``add_pooling_layer=False``."""
+    return {} if (cfg.pooler or cfg.num_labels > 0) else {"add_pooling_layer": False}
+
+
+HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
+                 config_to_hf=lambda cfg: cfg.to_hf_dict(), key_table=hf_key_table,
+                 rename=rename_hf_key, base_prefixes=("vit.", "deit."),
+                 load_kwargs=hf_load_kwargs)
+
 FAMILY = register_family(ModelFamily(
     name="vit", config_cls=ViTConfig, init=init, apply=apply, sample_inputs=sample_inputs,
-    primary_outputs=("logits", "last_hidden_state"), loss=loss))
+    primary_outputs=("logits", "last_hidden_state"), loss=loss, hf=HF_SPEC))

@@ -11,13 +11,16 @@ bolt_ref = pytest.importorskip("chronos.chronos_bolt")
 
 from lowrank_jax.convert import (  # noqa: E402
     CheckpointError,
-    hf,  # noqa: E402
+    detect_family,
     load_pretrained,
+    state_dict_from_params,
 )
-from lowrank_jax.convert import chronos_bolt as conv  # noqa: E402  (registers the family)
-from lowrank_jax.convert import t5 as conv_t5  # noqa: E402
-from lowrank_jax.leaves import Dense  # noqa: E402
+from lowrank_jax.leaves import Dense, bias_of  # noqa: E402
+from lowrank_jax.models import get_family  # noqa: E402
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig  # noqa: E402
+
+BOLT = get_family("chronos_bolt").hf
+CHRONOS = get_family("chronos").hf
 
 torch.set_num_threads(1)
 
@@ -76,28 +79,29 @@ def test_config_from_checkpoint(saved):
     )
     assert params["shared"].shape == (2, 16)
     ipe = params["input_patch_embedding"]
-    assert isinstance(ipe["hidden_layer"], Dense) and ipe["hidden_layer"].w.shape == (8, 24)
-    assert params["output_patch_embedding"]["output_layer"].w.shape == (24, 3 * 8)
+    assert isinstance(ipe["hidden_layer"], Dense) and ipe["hidden_layer"].shape == (8, 24)
+    assert bias_of(ipe["hidden_layer"]).shape == (24,)
+    assert params["output_patch_embedding"]["output_layer"].shape == (24, 3 * 8)
     assert ChronosBoltConfig.from_hf_dict(cfg.to_hf_dict()) == cfg
 
 
 def test_detect(saved):
     _, _, config, _ = saved
-    assert conv.detect(config)
+    assert BOLT.detect(config)
     plain_chronos = {
         "model_type": "t5",
         "architectures": ["T5ForConditionalGeneration"],
         "chronos_config": {"context_length": 512, "n_tokens": 4096},
     }
-    assert not conv.detect(plain_chronos)
-    assert not conv.detect({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]})
-    assert not conv.detect({"model_type": "vit", "architectures": ["ViTModel"]})
+    assert not BOLT.detect(plain_chronos)
+    assert not BOLT.detect({"model_type": "t5", "architectures": ["T5ForConditionalGeneration"]})
+    assert not BOLT.detect({"model_type": "vit", "architectures": ["ViTModel"]})
 
 
 def test_load_pretrained_detects_bolt(saved):
     _, path, config, _ = saved
-    assert not conv_t5.detect_chronos(config)
-    assert hf.detect_family(config) == "chronos_bolt"
+    assert not CHRONOS.detect(config)
+    assert detect_family(config) == "chronos_bolt"
     cfg, _ = load_pretrained(path)
     assert isinstance(cfg, ChronosBoltConfig)
 
@@ -107,7 +111,8 @@ def test_module_state_dict_and_round_trip(saved):
     back reproduces every canonical tensor exactly."""
     model, _, config, state = saved
     cfg, params = load_pretrained(model, family="chronos_bolt")
-    back = conv.state_dict_from_params(cfg, params)
+    back, materialized, _ = state_dict_from_params(cfg, params)
+    assert materialized == []
     assert set(back) | {"encoder.embed_tokens.weight", "decoder.embed_tokens.weight"} == set(state)
     for k, v in back.items():
         np.testing.assert_array_equal(v, state[k], err_msg=k)
@@ -204,12 +209,11 @@ def test_config_without_bolt_entries(saved):
         _load(cfg, state)
 
 
-def test_save_pretrained_round_trip_and_compressed_export(saved, tmp_path):
+def test_save_pretrained_round_trip_and_compressed_export(saved, tmp_path, lowrank):
     """load_pretrained -> save_pretrained -> ChronosBoltModelForForecasting.from_pretrained gives
     the same forecasts; a compressed model exports (materialized) to forecasts equal to ours."""
     import jax
 
-    import lowrank_jax as lj
     from lowrank_jax.convert import save_pretrained
     from lowrank_jax.models import chronos_bolt as bolt
 
@@ -225,14 +229,14 @@ def test_save_pretrained_round_trip_and_compressed_export(saved, tmp_path):
         got = back(context=x).quantile_preds.numpy()
     assert np.abs(got - ref).max() == 0.0
 
-    small, _ = lj.compress(params, rank=2, keep_dense_if_larger=False)
+    small = lowrank(params, r"attn/(qk/q|qk/k|v|o)$", rank=2)
     summary = save_pretrained(cfg, small, tmp_path / "small")
     assert summary["materialized"] and all("attn/" in p for p in summary["materialized"])
     back = bolt_ref.ChronosBoltModelForForecasting.from_pretrained(tmp_path / "small").eval()
     with torch.no_grad():
         hf_small = back(context=x).quantile_preds.numpy()
     ours = np.asarray(
-        jax.jit(lambda p, c: bolt.apply(p, cfg, context=c))(small, x.numpy())["quantile_preds"]
+        jax.jit(lambda p, c: bolt.apply(p, {"context": c}, cfg))(small, x.numpy())["quantile_preds"]
     )
     assert np.abs(hf_small - ours).max() <= 1e-4
     assert np.abs(hf_small - ref).max() > 1e-3  # the compression did change the model

@@ -12,9 +12,20 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 from safetensors.numpy import load_file, save_file  # noqa: E402
 
-from lowrank_jax import Dense  # noqa: E402
-from lowrank_jax.convert import CheckpointError, families, load_pretrained  # noqa: E402
-from lowrank_jax.convert import t5 as convert_t5  # noqa: E402
+from lowrank_jax.convert import (  # noqa: E402
+    CheckpointError,
+    hf_families,
+    load_pretrained,
+    state_dict_from_params,
+)
+from lowrank_jax.leaves import (  # noqa: E402
+    Dense,
+    HeadLayout,
+    QueryKey,
+    bias_of,
+    get_path,
+    materialize,
+)
 from lowrank_jax.models.t5 import T5Config  # noqa: E402
 
 torch.set_num_threads(1)
@@ -51,17 +62,23 @@ def copy_dir(src, dst, state=None, config=None):
 def test_directory_safetensors(saved):
     path, model = saved
     cfg, params = load_pretrained(path)
-    assert isinstance(cfg, T5Config) and "t5" in families()
+    assert isinstance(cfg, T5Config) and "t5" in hf_families()
     assert (cfg.d_model, cfg.d_kv, cfg.num_heads) == (16, 6, 2)  # d_kv * heads != d_model
     sd = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    q = params["encoder"]["layers"][0]["attn"]["q"]
-    assert isinstance(q, Dense) and q.w.shape == (16, 12)
-    np.testing.assert_array_equal(np.asarray(q.w), sd[Q0].T)  # [out, in] -> [in, out]
+    attn = params["encoder"]["layers"][0]["attn"]
+    # The new structure: a QueryKey with per-head widths and an unscaled HeadLayout (T5).
+    assert isinstance(attn["qk"], QueryKey) and attn["qk"].widths == (6, 6)
+    heads = attn["heads"]
+    assert isinstance(heads, HeadLayout)
+    assert (heads.ids, heads.v, heads.scale) == ((0, 1), (6, 6), 1.0)
+    q = get_path(params, "encoder/layers/0/attn/qk/q")
+    assert isinstance(q, Dense) and q.shape == (16, 12) and bias_of(q) is None
+    np.testing.assert_array_equal(np.asarray(materialize(q)), sd[Q0].T)  # [out, in] -> [in, out]
     np.testing.assert_array_equal(
         np.asarray(params["decoder"]["rel_bias"]),
         sd["decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight"])
     np.testing.assert_array_equal(
-        np.asarray(params["decoder"]["layers"][1]["mlp"]["wo"].w),
+        np.asarray(materialize(params["decoder"]["layers"][1]["mlp"]["wo"])),
         sd["decoder.block.1.layer.2.DenseReluDense.wo.weight"].T)
     assert "lm_head" not in params and cfg.tie_word_embeddings
 
@@ -98,8 +115,8 @@ def test_sharded_safetensors(saved, tmp_path):
     with open(d / "model.safetensors.index.json", "w") as f:
         json.dump({"weight_map": {k: n for n, ks in halves.items() for k in ks}}, f)
     _, params = load_pretrained(d)
-    np.testing.assert_array_equal(np.asarray(params["encoder"]["layers"][0]["attn"]["q"].w),
-                                  state[Q0].T)
+    np.testing.assert_array_equal(
+        np.asarray(materialize(get_path(params, "encoder/layers/0/attn/qk/q"))), state[Q0].T)
 
 
 def test_untied_head_v1_1_style(saved, tmp_path):
@@ -116,7 +133,8 @@ def test_untied_head_v1_1_style(saved, tmp_path):
         json.dump(raw, f)
     cfg, params = load_pretrained(d)
     assert not cfg.tie_word_embeddings and not cfg.scales_decoder_outputs
-    np.testing.assert_array_equal(np.asarray(params["lm_head"].w), state["lm_head.weight"].T)
+    np.testing.assert_array_equal(np.asarray(materialize(params["lm_head"])),
+                                  state["lm_head.weight"].T)
     # Same weights but a transformers-5 config (tie forced true): the distinct lm_head wins.
     d5 = copy_dir(path, tmp_path / "untied5", state, {"scale_decoder_outputs": False})
     cfg5, params5 = load_pretrained(d5)
@@ -128,7 +146,8 @@ def test_round_trip_to_hf(saved):
     path, _ = saved
     state = load_file(os.path.join(path, "model.safetensors"))
     cfg, params = load_pretrained(path)
-    back = convert_t5.state_dict_from_params(cfg, params)
+    back, materialized, widened = state_dict_from_params(cfg, params)
+    assert materialized == [] and widened == []
     assert set(back) == set(state)
     for k in state:
         np.testing.assert_array_equal(back[k], state[k])

@@ -12,12 +12,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
 
-from lowrank_jax.convert import CheckpointError, detect_family, families, load_pretrained  # noqa: E402,I001
-from lowrank_jax.leaves import Dense  # noqa: E402
-from lowrank_jax.models import bert, vit  # noqa: E402
-from lowrank_jax.models.registry import apply as models_apply, registered  # noqa: E402
+from lowrank_jax.convert import CheckpointError, detect_family, hf_families, load_pretrained  # noqa: E402,I001
+from lowrank_jax.leaves import Dense, get_path, materialize  # noqa: E402
+from lowrank_jax.models import apply as models_apply, bert, families, vit  # noqa: E402
 
 TOL = 1e-4
+# One compiled forward per model instead of op-by-op dispatch (slow on CPU).
+vit_apply = jax.jit(vit.apply, static_argnums=2)
+bert_apply = jax.jit(bert.apply, static_argnums=2)
 
 
 def _randomize(model, seed):
@@ -74,7 +76,7 @@ def _err(got, ref):
 
 
 def test_families_registered_and_detected():
-    assert {"vit", "bert"} <= set(families())
+    assert {"vit", "bert"} <= set(hf_families())
     assert detect_family({"model_type": "vit"}) == "vit"
     assert detect_family({"model_type": "deit"}) == "vit"
     assert detect_family({"model_type": "bert"}) == "bert"
@@ -86,13 +88,16 @@ def test_vit_classifier_directory(vit_dir):
     assert isinstance(cfg, vit.ViTConfig) and cfg.num_labels == 4 and not cfg.pooler
     # Flax orientation: Linear [out, in] transposed; conv [d, C, p, p] -> [C*p*p, d].
     q = model.vit.layers[0].attention.q_proj.weight.detach().numpy()
-    np.testing.assert_array_equal(params["encoder"]["layers"][0]["attn"]["q"].w, q.T)
+    np.testing.assert_array_equal(
+        materialize(get_path(params, "encoder/layers/0/attn/qk/q")), q.T)
+    heads = params["encoder"]["layers"][0]["attn"]["heads"]  # scaled: 1/sqrt(32 / 4)
+    assert heads.ids == (0, 1, 2, 3) and heads.scale == pytest.approx(8 ** -0.5)
     assert isinstance(params["embeddings"]["patch"], Dense)
     assert params["embeddings"]["patch"].shape == (3 * 16 * 16, 32)
     x = _pixels()
     with torch.no_grad():
         ref = model(pixel_values=torch.from_numpy(x))
-    got = jax.jit(lambda p, x: vit.apply(p, cfg, pixel_values=x))(params, x)
+    got = jax.jit(lambda p, x: vit.apply(p, {"pixel_values": x}, cfg))(params, x)
     assert _err(got["logits"], ref.logits) <= TOL
 
 
@@ -106,7 +111,7 @@ def test_vit_base_model_without_prefix_and_without_pooler(tmp_path):
         x = _pixels(1)
         with torch.no_grad():
             ref = model(pixel_values=torch.from_numpy(x))
-        got = jax.jit(lambda p, x, cfg=cfg: vit.apply(p, cfg, pixel_values=x))(params, x)
+        got = jax.jit(lambda p, x, cfg=cfg: vit.apply(p, {"pixel_values": x}, cfg))(params, x)
         assert _err(got["last_hidden_state"], ref.last_hidden_state) <= TOL
         if add_pool:
             assert _err(got["pooler_output"], ref.pooler_output) <= TOL
@@ -130,7 +135,7 @@ def test_deit_teacher_pytorch_bin_and_module(tmp_path):
     with torch.no_grad():
         ref = model(pixel_values=torch.from_numpy(x))
     for p in (params, params_m):
-        got = vit.apply(p, cfg, pixel_values=x)
+        got = vit_apply(p, {"pixel_values": x}, cfg)
         for name in ("logits", "cls_logits", "distillation_logits"):
             assert _err(got[name], ref[name]) <= TOL, name
 
@@ -144,7 +149,7 @@ def test_bert_directory_and_prefixed_classifier(bert_dir, tmp_path):
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(ids).long(),
                     attention_mask=torch.from_numpy(mask).long())
-    got = bert.apply(params, cfg, input_ids=ids, attention_mask=mask)
+    got = bert_apply(params, {"input_ids": ids, "attention_mask": mask}, cfg)
     assert _err(got["pooler_output"], ref.pooler_output) <= TOL
 
     clf = _randomize(transformers.BertForSequenceClassification(_bert_hf_config(num_labels=5)), 6)
@@ -152,7 +157,7 @@ def test_bert_directory_and_prefixed_classifier(bert_dir, tmp_path):
     assert cfg_c.num_labels == 5
     with torch.no_grad():
         ref_c = clf(input_ids=torch.from_numpy(ids).long())
-    assert _err(bert.apply(params_c, cfg_c, input_ids=ids)["logits"], ref_c.logits) <= TOL
+    assert _err(bert_apply(params_c, {"input_ids": ids}, cfg_c)["logits"], ref_c.logits) <= TOL
 
 
 def test_bert_old_position_ids_buffer_is_ignored(bert_dir, tmp_path):
@@ -219,14 +224,16 @@ def test_bert_malformed_and_foreign_heads(bert_dir, tmp_path):
 
 
 def test_models_apply_entry_point(vit_dir, bert_dir):
-    """``lowrank_jax.models.registry.apply(config, params, **inputs)`` dispatches to ViT/BERT."""
-    assert {vit.ViTConfig, bert.BertConfig} <= set(registered())
+    """``lowrank_jax.models.apply(params, inputs, config)`` dispatches to ViT/BERT."""
+    assert families()["vit"].config_cls is vit.ViTConfig
+    assert families()["bert"].config_cls is bert.BertConfig
     cfg, params = load_pretrained(vit_dir[1])
     x = _pixels(3)
-    np.testing.assert_array_equal(models_apply(cfg, params, pixel_values=x)["logits"],
-                                  vit.apply(params, cfg, pixel_values=x)["logits"])
+    run = jax.jit(models_apply, static_argnums=2)
+    np.testing.assert_array_equal(run(params, {"pixel_values": x}, cfg)["logits"],
+                                  vit_apply(params, {"pixel_values": x}, cfg)["logits"])
     cfg_b, params_b = load_pretrained(bert_dir[1])
     ids = np.arange(6, dtype=np.int32)[None]
     np.testing.assert_array_equal(
-        models_apply(cfg_b, params_b, input_ids=ids)["pooler_output"],
-        bert.apply(params_b, cfg_b, input_ids=ids)["pooler_output"])
+        run(params_b, {"input_ids": ids}, cfg_b)["pooler_output"],
+        bert_apply(params_b, {"input_ids": ids}, cfg_b)["pooler_output"])

@@ -7,7 +7,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from lowrank_jax.convert import bert as convert_bert  # noqa: E402
+from lowrank_jax.convert import load_pretrained  # noqa: E402
 from lowrank_jax.models import bert  # noqa: E402
 
 TOL = 1e-4  # whole-model float32 parity (design.md)
@@ -27,7 +27,7 @@ def _load(model):
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     hf_cfg = model.config.to_dict()
     hf_cfg["architectures"] = [type(model).__name__]
-    return convert_bert.load(hf_cfg, state, "<test>")
+    return load_pretrained(state, config=hf_cfg)
 
 
 def _inputs(cfg, seed, batch=3, seq=13):
@@ -63,8 +63,8 @@ def test_parity_with_hugging_face(cls_name, kw, outputs):
     inputs = _inputs(cfg, seed=4)
     with torch.no_grad():
         ref = model(**{k: torch.from_numpy(v).long() for k, v in inputs.items()})
-    run = jax.jit(lambda p, i, m, t: bert.apply(p, cfg, input_ids=i, attention_mask=m,
-                                                token_type_ids=t))
+    run = jax.jit(lambda p, i, m, t: bert.apply(
+        p, {"input_ids": i, "attention_mask": m, "token_type_ids": t}, cfg))
     got = run(params, inputs["input_ids"], inputs["attention_mask"], inputs["token_type_ids"])
     for name in outputs:
         assert got[name].shape == tuple(ref[name].shape), name
@@ -85,7 +85,7 @@ def test_defaults_match_hugging_face_defaults():
     ids = np.random.RandomState(6).randint(0, 50, (2, 9)).astype(np.int32)
     with torch.no_grad():
         ref = model(input_ids=torch.from_numpy(ids).long())
-    got = jax.jit(lambda p, i: bert.apply(p, cfg, input_ids=i))(params, ids)
+    got = jax.jit(lambda p, i: bert.apply(p, {"input_ids": i}, cfg))(params, ids)
     for name in ("last_hidden_state", "pooler_output"):
         err = float(np.max(np.abs(np.asarray(got[name]) - ref[name].numpy())))
         assert err <= TOL, f"{name}: max abs error {err:.3g}"
@@ -101,10 +101,10 @@ def test_init_structure_and_errors():
     assert "final_norm" not in shapes["encoder"]  # post-norm: no final LayerNorm
     assert shapes["classifier"].shape == (16, 2)
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=8"):
-        bert.apply(shapes, cfg, input_ids=np.zeros((1, 9), np.int32))
+        bert.apply(shapes, {"input_ids": np.zeros((1, 9), np.int32)}, cfg)
     with pytest.raises(ValueError, match="attention_mask must have the shape of input_ids"):
-        bert.apply(shapes, cfg, input_ids=np.zeros((1, 4), np.int32),
-                   attention_mask=np.ones((1, 5), np.int32))
+        bert.apply(shapes, {"input_ids": np.zeros((1, 4), np.int32),
+                            "attention_mask": np.ones((1, 5), np.int32)}, cfg)
     with pytest.raises(ValueError, match="needs the pooler"):
         bert.BertConfig(pooler=False, num_labels=2)
     with pytest.raises(ValueError, match="position_embedding_type must be 'absolute'"):

@@ -12,7 +12,8 @@ transformers = pytest.importorskip("transformers")
 chronos_ref = pytest.importorskip("chronos")
 
 from lowrank_jax.convert import load_pretrained  # noqa: E402
-from lowrank_jax.models import chronos, registry  # noqa: E402
+from lowrank_jax.models import apply as models_apply  # noqa: E402
+from lowrank_jax.models import chronos  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -106,9 +107,9 @@ def test_forward_logits_parity(setup):
     with torch.no_grad():
         ref = pipeline.model.model(input_ids=ids, attention_mask=mask.long(),
                                    decoder_input_ids=dec)
-    out = registry.apply(cfg, params, input_ids=jnp.asarray(ids.numpy()),
-                         attention_mask=jnp.asarray(mask.numpy()),
-                         decoder_input_ids=jnp.asarray(dec.numpy()))
+    out = jax.jit(models_apply, static_argnums=2)(params, {"input_ids": jnp.asarray(ids.numpy()),
+                                "attention_mask": jnp.asarray(mask.numpy()),
+                                "decoder_input_ids": jnp.asarray(dec.numpy())}, cfg)
     assert np.abs(ref.logits.numpy()).max() > 1.0
     err = np.abs(np.asarray(out["logits"]) - ref.logits.numpy()).max()
     assert err < 1e-4
@@ -124,7 +125,7 @@ def test_greedy_predict_matches_pipeline(setup, horizon):
     x = contexts(5)[:2]
     torch.manual_seed(0)
     ref = pipeline.predict(torch.tensor(x), prediction_length=horizon, num_samples=2, top_k=1)
-    ours = chronos.predict(params, cfg, x, horizon, 2, jax.random.PRNGKey(0), top_k=1)
+    ours = chronos.predict(params, x, cfg, horizon, 2, jax.random.PRNGKey(0), top_k=1)
     assert ours.shape == (2, 2, horizon)
     np.testing.assert_allclose(np.asarray(ours), ref.numpy(), rtol=1e-6)
 
@@ -133,9 +134,9 @@ def test_sampling_deterministic_per_key_and_in_support(setup):
     _, cfg, params = setup
     x = contexts(6)[:2]
     key = jax.random.PRNGKey(42)
-    a = chronos.predict(params, cfg, x, None, 16, key)
-    b = chronos.predict(params, cfg, x, None, 16, key)
-    c = chronos.predict(params, cfg, x, None, 16, jax.random.PRNGKey(43))
+    a = chronos.predict(params, x, cfg, None, 16, key)
+    b = chronos.predict(params, x, cfg, None, 16, key)
+    c = chronos.predict(params, x, cfg, None, 16, jax.random.PRNGKey(43))
     assert a.shape == (2, 16, cfg.prediction_length)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert not np.array_equal(np.asarray(a), np.asarray(c))

@@ -10,9 +10,10 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from lowrank_jax import LowRank, materialize  # noqa: E402
 from lowrank_jax.convert import load_pretrained  # noqa: E402
-from lowrank_jax.models import registry, t5  # noqa: E402
+from lowrank_jax.leaves import LowRank, get_path, materialize, replace_paths  # noqa: E402
+from lowrank_jax.models import apply as models_apply  # noqa: E402
+from lowrank_jax.models import t5  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -87,7 +88,7 @@ def converted(request):
 def forward(converted):
     """``models.apply`` under one jit per config (eager op-by-op dispatch is slow on CPU)."""
     _, _, cfg, _ = converted
-    return jax.jit(lambda p, **kw: registry.apply(cfg, p, **kw))
+    return jax.jit(lambda p, **kw: models_apply(p, kw, cfg))
 
 
 def test_config_from_module(converted):
@@ -125,10 +126,12 @@ def test_decoder_hidden_and_encode(converted):
                                 attention_mask=torch.tensor(mask)).last_hidden_state
         dec_ref = model.decoder(input_ids=torch.tensor(dec), encoder_hidden_states=enc_ref,
                                 encoder_attention_mask=torch.tensor(mask)).last_hidden_state
-    enc = t5.encode(params, cfg, input_ids=jnp.asarray(ids), attention_mask=jnp.asarray(mask))
+    enc = jax.jit(t5.encode, static_argnums=2)(params, jnp.asarray(ids), cfg,
+                                               attention_mask=jnp.asarray(mask))
     assert max_err(enc, enc_ref.numpy()) < 1e-4
-    out = t5.apply(params, cfg, encoder_outputs=enc, attention_mask=jnp.asarray(mask),
-                   decoder_input_ids=jnp.asarray(dec))
+    out = jax.jit(t5.apply, static_argnums=2)(
+        params, {"encoder_outputs": enc, "attention_mask": jnp.asarray(mask),
+                 "decoder_input_ids": jnp.asarray(dec)}, cfg)
     assert max_err(out["last_hidden_state"], dec_ref.numpy()) < 1e-4
 
 
@@ -150,7 +153,8 @@ def test_jit_matches_eager(converted, forward):
     _, _, cfg, params = converted
     ids, mask, dec, _ = random_inputs(cfg.vocab_size, seed=5)
     jitted = forward(params, input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
-    eager = t5.apply(params, cfg, input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
+    eager = t5.apply(params, {"input_ids": ids, "attention_mask": mask,
+                              "decoder_input_ids": dec}, cfg)
     assert max_err(jitted["logits"], eager["logits"]) < 1e-5
 
 
@@ -158,15 +162,14 @@ def test_lowrank_leaf_runs_in_place_of_dense(converted, forward):
     """A full-rank LowRank factorization of one projection gives the same logits."""
     _, _, cfg, params = converted
     ids, mask, dec, _ = random_inputs(cfg.vocab_size, seed=6)
-    w = np.asarray(materialize(params["decoder"]["layers"][0]["cross_attn"]["q"]))
+    path = "decoder/layers/0/cross_attn/qk/q"
+    w = np.asarray(materialize(get_path(params, path)))
     u, s, vt = np.linalg.svd(w, full_matrices=False)
-    p2 = jax.tree_util.tree_map(lambda x: x, params)
-    p2["decoder"]["layers"][0]["cross_attn"]["q"] = LowRank(u=jnp.asarray(u * s),
-                                                            v=jnp.asarray(vt))
+    p2 = replace_paths(params, {path: LowRank(u=jnp.asarray(u * s), v=jnp.asarray(vt))})
     a = forward(params, input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
     b = forward(p2, input_ids=ids, attention_mask=mask, decoder_input_ids=dec)
     assert max_err(a["logits"], b["logits"]) < 1e-4
-    assert type(p2["decoder"]["layers"][0]["cross_attn"]["q"]).__name__ == "LowRank"
+    assert type(get_path(p2, path)).__name__ == "LowRank"
 
 
 def test_init_tree_matches_converted_structure(converted):
@@ -188,4 +191,4 @@ def test_config_rules():
     with pytest.raises(ValueError, match="feed_forward_proj"):
         t5.T5Config(feed_forward_proj="gated-swish")
     with pytest.raises(ValueError, match="decoder_input_ids or labels"):
-        t5.apply({}, base, input_ids=jnp.zeros((1, 3), int))
+        t5.apply({}, {"input_ids": jnp.zeros((1, 3), int)}, base)

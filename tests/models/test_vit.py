@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-from lowrank_jax.convert import vit as convert_vit  # noqa: E402
+from lowrank_jax.convert import load_pretrained  # noqa: E402
 from lowrank_jax.leaves import Dense, linear  # noqa: E402
 from lowrank_jax.models import vit  # noqa: E402
 
@@ -44,7 +44,7 @@ def _load(model):
     state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
     hf_cfg = model.config.to_dict()
     hf_cfg["architectures"] = [type(model).__name__]
-    return convert_vit.load(hf_cfg, state, "<test>")
+    return load_pretrained(state, config=hf_cfg)
 
 
 def _init_apply(cfg, x, seed=0):
@@ -54,7 +54,7 @@ def _init_apply(cfg, x, seed=0):
     rng = np.random.RandomState(seed)
     params = jax.tree_util.tree_map(
         lambda s: (0.1 * rng.randn(*s.shape)).astype(np.float32), shapes)
-    return params, jax.jit(lambda p, x: vit.apply(p, cfg, pixel_values=x))(params, x)
+    return params, jax.jit(lambda p, x: vit.apply(p, {"pixel_values": x}, cfg))(params, x)
 
 
 def _images(cfg, seed, batch=3):
@@ -99,7 +99,7 @@ def test_parity_with_hugging_face(cls_name, kw, outputs):
     x = _images(cfg, seed=2)
     with torch.no_grad():
         ref = model(pixel_values=torch.from_numpy(x))
-    got = jax.jit(lambda p, x: vit.apply(p, cfg, pixel_values=x))(params, x)
+    got = jax.jit(lambda p, x: vit.apply(p, {"pixel_values": x}, cfg))(params, x)
     if "last_hidden_state" not in outputs:
         assert "last_hidden_state" in got
     for name in outputs:
@@ -149,7 +149,7 @@ def test_config_errors_speak():
                         num_attention_heads=2, intermediate_size=32)
     params = jax.eval_shape(lambda k: vit.init(k, cfg), jax.random.PRNGKey(0))
     with pytest.raises(ValueError, match=r"pixel_values must be NCHW \[batch, 3, 32, 32\]"):
-        vit.apply(params, cfg, pixel_values=np.zeros((1, 32, 32, 3), np.float32))
+        vit.apply(params, {"pixel_values": np.zeros((1, 32, 32, 3), np.float32)}, cfg)
 
 
 def test_from_hf_dict_reads_heads():
