@@ -146,7 +146,8 @@ class _Widener:
             bad.append(f"original head ids {heads.ids} beyond the config's {w.num_heads} heads")
         if any(x > w.width for x in widths):
             bad.append(f"{what} head widths {widths} wider than the config's {w.width}")
-        if w.by == "qk" and not math.isclose(heads.scale, w.scale, rel_tol=1e-6):
+        if w.by == "qk" and w.scale is not None and not math.isclose(heads.scale, w.scale,
+                                                                      rel_tol=1e-6):
             bad.append(f"logit scale {heads.scale:.6g}, but the PyTorch class applies "
                        f"{w.scale:.6g} (set by the config's head width)")
         if bad:

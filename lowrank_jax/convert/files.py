@@ -44,10 +44,42 @@ def to_numpy(t: Any) -> np.ndarray:
     return np.asarray(t)
 
 
+# safetensors dtype names -> little-endian NumPy dtypes (BF16 is widened to float32 by hand).
+_SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
+                       "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
+
+
+def _read_bfloat16_file(path: str) -> dict[str, np.ndarray]:
+    """Read a ``.safetensors`` file that NumPy's dtypes cannot hold (bfloat16 tensors, which
+    ``safetensors.numpy`` rejects): the format is an 8-byte header length, a JSON header of
+    ``{name: {dtype, shape, data_offsets}}`` and the raw little-endian data. A bfloat16 value
+    is the upper half of a float32, so widening it is exact."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+        data = f.read()
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = info["data_offsets"]
+        buf, dtype = data[start:end], info["dtype"]
+        if end > len(data):
+            raise ValueError(f"tensor {name!r} ends at byte {end}, the data has {len(data)}")
+        if dtype == "BF16":
+            a = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
+        else:
+            a = np.frombuffer(buf, _SAFETENSORS_DTYPES[dtype])
+        out[name] = a.reshape(info["shape"]).copy()
+    return out
+
+
 def read_safetensors(path: str) -> dict[str, np.ndarray]:
-    """All tensors of one ``.safetensors`` file, as NumPy arrays (torch is not needed).
+    """All tensors of one ``.safetensors`` file, as NumPy arrays (torch is not needed;
+    bfloat16 tensors are widened to float32, exactly).
 
     Raises:
+      MissingFileError: no file at ``path``.
       CheckpointError: the file is truncated or corrupt (naming the file).
     """
     from safetensors import SafetensorError
@@ -56,8 +88,13 @@ def read_safetensors(path: str) -> dict[str, np.ndarray]:
     if not os.path.exists(path):
         raise MissingFileError(f"load_pretrained: missing weights file {path}", where=path)
     try:
-        return load_file(path)
-    except (SafetensorError, OSError, ValueError, TypeError) as e:
+        try:
+            return load_file(path)
+        except TypeError as e:  # a dtype NumPy does not have (bfloat16)
+            if "bfloat16" not in str(e):
+                raise
+            return _read_bfloat16_file(path)
+    except (SafetensorError, OSError, ValueError, TypeError, KeyError) as e:
         raise CheckpointError(
             path, message=f"cannot read safetensors file {path}: {type(e).__name__}: {e} "
                           "(truncated or corrupt download? re-fetch the file)") from e

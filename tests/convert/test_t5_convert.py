@@ -142,6 +142,23 @@ def test_untied_head_v1_1_style(saved, tmp_path):
     assert "lm_head" in params5
 
 
+def test_bfloat16_safetensors(saved, tmp_path):
+    """bfloat16 checkpoints (which NumPy cannot hold) load without torch, widened exactly."""
+    from safetensors.torch import save_file as save_torch
+
+    path, model = saved
+    d = copy_dir(path, tmp_path / "bf16")
+    state = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()
+             if k not in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight",
+                          "lm_head.weight")}
+    save_torch(state, str(d / "model.safetensors"))
+    _, params = load_pretrained(d)
+    np.testing.assert_array_equal(
+        np.asarray(materialize(get_path(params, "encoder/layers/0/attn/qk/q"))),
+        state[Q0].float().numpy().T)
+    assert not np.array_equal(state[Q0].float().numpy(), model.state_dict()[Q0].numpy())
+
+
 def test_round_trip_to_hf(saved):
     path, _ = saved
     state = load_file(os.path.join(path, "model.safetensors"))
