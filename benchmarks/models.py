@@ -133,37 +133,35 @@ def shape_spectra(model, tau_div: float) -> int:
     return n
 
 
-def share_svds() -> dict:
-    """Make ``compress`` reuse one SVD per matrix across the eps values of this run.
+def compress_at(params, eps_values):
+    """``[(eps, params, report dict)]``: attention q/k/v/o truncated at every eps, each matrix
+    decomposed once.
 
-    ``compress`` decomposes every selected matrix with ``lowrank_jax.compress.svd._svd``
-    (``np.linalg.svd`` in float64). For 144 matrices of 768 x 768 and three eps values that is
-    432 decompositions, several minutes on two shared cores with this numpy's OpenBLAS. The
-    benchmark swaps in a memoized float64 ``torch.linalg.svd`` of the same matrix (keyed by its
-    bytes), so each matrix is decomposed once and the three calls share it; ranks and factors are
-    those of the library's own path up to float64 rounding. Returns the cache (for counting).
+    ``compress(params, eps=e)`` would decompose every selected matrix again for each ``e`` (144
+    float64 SVDs of 768 x 768 per call, minutes on two shared cores). The public pieces of the
+    ``svd`` method do the same work once: :func:`~lowrank_jax.compress.svd_method.prepare_truncation`
+    per matrix, then ranks at each eps (:func:`~lowrank_jax.compress.svd_method.decide_ranks`)
+    and the new leaf (``Truncation.row``, which also keeps a matrix dense when its factors
+    would be larger), exactly what ``compress`` does.
     """
-    import hashlib
-    import importlib
+    from lowrank_jax.compress import ATTENTION_QKVO, select
+    from lowrank_jax.compress.svd_method import decide_ranks, prepare_truncation
+    from lowrank_jax.leaves import replace_paths
 
-    import numpy as np
-    import torch
-
-    compress_mod = importlib.import_module("lowrank_jax.compress.compress")
-    svd_mod = importlib.import_module("lowrank_jax.compress.svd")
-
-    cache: dict = {}
-
-    def svd(mat):
-        mat = np.ascontiguousarray(mat, np.float64)
-        key = (mat.shape, hashlib.sha1(mat.tobytes()).hexdigest())
-        if key not in cache:
-            u, s, vt = torch.linalg.svd(torch.from_numpy(mat), full_matrices=False)
-            cache[key] = (u.numpy(), s.numpy(), vt.numpy())
-        return cache[key]
-
-    svd_mod._svd = compress_mod._svd = svd
-    return cache
+    truncs = [prepare_truncation(params, sel) for sel in select(params, ATTENTION_QKVO)]
+    out = []
+    for eps in eps_values:
+        new, rows = {}, []
+        for t in truncs:
+            leaf, row = t.row(decide_ranks(t, "eps", {"eps": eps}), keep_dense=True)
+            if row.changed:
+                new[t.path] = leaf
+            rows.append(row)
+        before = sum(r.params_before for r in rows)
+        after = sum(r.params_after for r in rows)
+        out.append((eps, replace_paths(params, new),
+                    {"ratio": after / before, "rows": rows}))
+    return out
 
 
 def contexts(c: dict, seed: int):
@@ -296,7 +294,6 @@ def main(argv: list[str] | None = None) -> dict:
     except ImportError:  # run from a checkout without `pip install -e .`
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         import lowrank_jax as lj
-    from lowrank_jax.compress import compress
     from lowrank_jax.convert import load_pretrained
     from lowrank_jax.models import chronos_bolt
 
@@ -325,14 +322,14 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"# built and shaped the PyTorch model in {time.perf_counter() - t0:.0f} s")
     print(f"# synthetic spectra: {n_shaped} attention matrices set to s_j = s_1 exp(-j/tau), "
           f"tau = d/{args.tau_div:g} (singular vectors of the random init kept); stand-in for "
-          f"trained low-rank attention (seed 000 Fig. 4), shared by every model below")
+          f"trained low-rank attention (Fig. 4 of "Understanding Transformers for Time Series"), shared by every model below")
     cfg, params = load_pretrained(model)
     x_np = contexts(c, args.seed)
     x_t = torch.tensor(x_np)
     scale = np.sqrt(np.nanmean((x_np - np.nanmean(x_np, axis=1, keepdims=True)) ** 2, axis=1))
     x = jax.device_put(x_np)
 
-    fwd = jax.jit(lambda prm, ctx: chronos_bolt.apply(prm, cfg, context=ctx)["quantile_preds"])
+    fwd = jax.jit(lambda prm, ctx: chronos_bolt.forecast(prm, ctx, cfg))
 
     def torch_fwd():
         with torch.inference_mode():
@@ -356,20 +353,18 @@ def main(argv: list[str] | None = None) -> dict:
     dense_bits = lj.storage_bits(params)
     dense_mem = memory_stats(fwd, params, x)
 
-    svd_cache = share_svds()
+    t0 = time.perf_counter()
     variants = []  # (eps, params, report)
-    for eps in args.eps:
-        t0 = time.perf_counter()
-        cp, rep = compress(params, eps=eps)
-        kept = sum(r.method == "kept-dense" for r in rep.rows)
-        ranks = [r.rank for r in rep.rows if r.method != "kept-dense"]
-        print(f"# eps={eps:g}: compressed in {time.perf_counter() - t0:.1f} s; "
-              f"attention size ratio {rep.ratio:.3f}; {len(rep.rows) - kept} factorized "
+    for eps, cp, rep in compress_at(params, args.eps):
+        kept = sum(not r.changed for r in rep["rows"])
+        ranks = [r.details["rank"] for r in rep["rows"] if r.changed]
+        print(f"# eps={eps:g}: attention size ratio {rep['ratio']:.3f}; "
+              f"{len(rep['rows']) - kept} factorized "
               f"(ranks {min(ranks) if ranks else '-'}..{max(ranks) if ranks else '-'}), "
               f"{kept} kept dense")
         variants.append((eps, cp, rep))
-    print(f"# {len(svd_cache)} distinct SVDs shared by the {len(args.eps)} eps values "
-          "(memoized torch.linalg.svd in float64, see share_svds)")
+    print(f"# compressed at {len(args.eps)} eps values in {time.perf_counter() - t0:.0f} s "
+          "(one float64 SVD per matrix)")
 
     # -- timing --------------------------------------------------------------------------
     def jax_call(prm):
@@ -411,7 +406,7 @@ def main(argv: list[str] | None = None) -> dict:
         flop_ratio = fl / dense_flops
         time_ratio = m / med[1]
         rows.append({
-            "model": f"eps={eps:g}", "eps": eps, "attn_size_ratio": rep.ratio,
+            "model": f"eps={eps:g}", "eps": eps, "attn_size_ratio": rep["ratio"],
             "param_ratio": lj.param_count(cp) / dense_count, "flop_ratio": flop_ratio,
             "time_ratio": time_ratio, "time_per_flop": time_ratio / flop_ratio,
             "param_bytes": lj.storage_bits(cp) // 8,

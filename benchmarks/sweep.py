@@ -47,25 +47,29 @@ from lowrank_jax.nn import AttentionConfig, apply_attention, init_attention  # n
 GOAL = 20.0
 
 
+PROJ = {"q": "qk/q", "k": "qk/k", "v": "v"}
+
+
 def _truncated_params(params, h, dh, r):
     """Head h's q/k/v blocks replaced by their rank-r truncations (NumPy SVD, float64)."""
-    out = dict(params)
-    for n in "qkv":
-        w = np.asarray(params[n].w, np.float64).copy()
+    new = {}
+    for path in PROJ.values():
+        leaf = lj.leaves.get_path(params, path)
+        w = np.asarray(lj.materialize(leaf), np.float64).copy()
         u, s, vt = np.linalg.svd(w[:, h * dh:(h + 1) * dh], full_matrices=False)
         w[:, h * dh:(h + 1) * dh] = (u[:, :r] * s[:r]) @ vt[:r]
-        out[n] = lj.Dense(jnp.asarray(w, jnp.float32), params[n].b)
-    return out
+        new[path] = lj.Dense(jnp.asarray(w, jnp.float32), lj.leaves.bias_of(leaf))
+    return lj.leaves.replace_paths(params, new)
 
 
-def _loop(params, x, cfg, y_ref, heads, ranks, *, rejit: bool):
+def _loop(params, x, cfg, y_ref, heads, ranks, dh, *, rejit: bool):
     fixed = jax.jit(lambda p, x: apply_attention(p, x, cfg))
     ref_norm = float(jnp.linalg.norm(y_ref))
     errs = np.zeros((len(heads), len(ranks)))
     t0 = time.perf_counter()
     for i, h in enumerate(heads):
         for j, r in enumerate(ranks):
-            p = _truncated_params(params, h, cfg.head_dim, r)
+            p = _truncated_params(params, h, dh, r)
             # A new function object per pair: traced and compiled again, as a naive user would.
             f = jax.jit(lambda p, x: apply_attention(p, x, cfg)) if rejit else fixed
             y = f(p, x)
@@ -85,15 +89,16 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the figures as JSON to this path")
     args = ap.parse_args(argv)
 
-    cfg = AttentionConfig(d_model=args.d_model, num_heads=args.heads)
-    dh = cfg.head_dim
+    cfg = AttentionConfig()
+    dh = args.d_model // args.heads
     ranks = list(range(1, dh + 1))
     loop_heads = list(range(1 if args.quick else args.loop_heads))
     loop_ranks = ranks[:: max(1, dh // 16)] if args.quick else ranks
     runs = 3 if args.quick else args.runs
 
-    params = init_attention(jax.random.PRNGKey(0), cfg)
-    x = jax.random.normal(jax.random.PRNGKey(1), (args.batch, args.seq, cfg.d_model))
+    params = init_attention(jax.random.PRNGKey(0), cfg, d_model=args.d_model,
+                            num_heads=args.heads)
+    x = jax.random.normal(jax.random.PRNGKey(1), (args.batch, args.seq, args.d_model))
 
     # Vmap sweep: cold (everything a first call costs) and warm.
     t0 = time.perf_counter()
@@ -107,10 +112,10 @@ def main(argv=None) -> int:
     warm = statistics.median(warm_times)
 
     y_ref = jax.jit(lambda p, x: apply_attention(p, x, cfg))(params, x)
-    pairs_all = cfg.num_heads * len(ranks)
+    pairs_all = args.heads * len(ranks)
     pairs_loop = len(loop_heads) * len(loop_ranks)
-    t_naive, naive_errs = _loop(params, x, cfg, y_ref, loop_heads, loop_ranks, rejit=True)
-    t_fixed, _ = _loop(params, x, cfg, y_ref, loop_heads, loop_ranks, rejit=False)
+    t_naive, naive_errs = _loop(params, x, cfg, y_ref, loop_heads, loop_ranks, dh, rejit=True)
+    t_fixed, _ = _loop(params, x, cfg, y_ref, loop_heads, loop_ranks, dh, rejit=False)
     naive_all = t_naive / pairs_loop * pairs_all
     fixed_all = t_fixed / pairs_loop * pairs_all
     cols = [ranks.index(r) for r in loop_ranks]
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
     res = {
         "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
         "platform": platform.platform(), "jax": jax.__version__,
-        "d_model": cfg.d_model, "heads": cfg.num_heads, "d_head": dh,
+        "d_model": args.d_model, "heads": args.heads, "d_head": dh,
         "tokens": [args.batch, args.seq], "ranks": [ranks[0], ranks[-1]], "pairs": pairs_all,
         "sweep_cold_s": cold, "sweep_warm_s": warm,
         "loop_pairs_timed": pairs_loop,
@@ -135,8 +140,8 @@ def main(argv=None) -> int:
         "goal": GOAL,
         "load_average_1min": os.getloadavg()[0],
     }
-    print(f"one attention layer: d_model {cfg.d_model}, {cfg.num_heads} heads x d_head {dh}, "
-          f"{args.batch} x {args.seq} tokens; {cfg.num_heads} heads x {len(ranks)} ranks = "
+    print(f"one attention layer: d_model {args.d_model}, {args.heads} heads x d_head {dh}, "
+          f"{args.batch} x {args.seq} tokens; {args.heads} heads x {len(ranks)} ranks = "
           f"{pairs_all} (head, rank) pairs; {res['device']}, {os.cpu_count()} CPUs, "
           f"load average {res['load_average_1min']:.1f}")
     print(f"vmap sweep, cold (SVDs + compile + run): {cold:8.2f} s")

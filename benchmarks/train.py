@@ -34,13 +34,12 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowrank_jax as lj
 
-from lowrank_jax.compress import power_schedule
+
+from lowrank_jax.compress import factorize_init, power_schedule
 from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.train import default_optimizer, init_train_state, make_train_step
-from lowrank_jax.train.loop import bolt_loss_fn
-from lowrank_jax.train.pretrain import factorize_init
 
 
 def config(quick: bool) -> ChronosBoltConfig:
@@ -64,7 +63,7 @@ def main(argv=None) -> int:
     d = cfg.t5.d_model
     key = jax.random.PRNGKey(0)
     dense = chronos_bolt.init(key, cfg)
-    rules = ("attn/(q|k|v|o)$",) + ((r"mlp/(wi|wo)$",) if args.mlp else ())
+    rules = ("attn/(qk/q|qk/k|v|o)$",) + ((r"mlp/(wi|wo)$",) if args.mlp else ())
     n_layers = cfg.t5.num_layers
     variants = {"dense": dense}
     for r in (d // 16, d // 8, d // 4):
@@ -78,7 +77,7 @@ def main(argv=None) -> int:
     batch = {"context": jnp.asarray(ctx, jnp.float32), "target": jnp.asarray(tgt, jnp.float32)}
     n_tokens = args.batch * (cfg.context_length // cfg.input_patch_size + 2)  # encoder + 1 decoder step
     opt = default_optimizer(learning_rate=1e-4, total_steps=10_000, warmup_steps=10)
-    loss_fn = bolt_loss_fn(cfg)
+    loss_fn = chronos_bolt.loss(cfg)
     steps, states = {}, {}
     for name, p in variants.items():
         steps[name] = make_train_step(loss_fn, opt)

@@ -18,12 +18,12 @@ from lowrank_jax.analysis import eps_rank_from_sv, singular_values
 from lowrank_jax.compress import ATTENTION_QKVO, compress, factorize_init, power_schedule
 from lowrank_jax.datasets import builtin_datasets
 from lowrank_jax.leaves import Leaf, bias_of, layer_index, named_leaves, param_count
+from lowrank_jax.losses import geometric_mean_relative
 from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
 from lowrank_jax.models.t5 import T5Config
-from lowrank_jax.train.data import WindowConfig, WindowSampler
 from lowrank_jax.train import evaluate_forecaster, fit, full_params
-from lowrank_jax.losses import geometric_mean_relative
+from lowrank_jax.train.data import WindowConfig, WindowSampler
 
 QUANTILES = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 

@@ -46,11 +46,11 @@ from lowrank_jax.convert.load import hf_spec
 from lowrank_jax.errors import CheckpointError, LeafTypeError, OutputExistsError, ShapeError
 from lowrank_jax.leaves import (
     QK,
-    Dense,
     Leaf,
     QueryKey,
     bias_of,
     get_path,
+    is_dense,
     materialize,
     named_leaves,
     path_str,
@@ -291,7 +291,7 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
     for r, node, idx in plan:
         want = _tree_shape(r)
         if r.kind == "linear":
-            if isinstance(node, Leaf) and not isinstance(node, Dense):  # reporting only
+            if isinstance(node, Leaf) and not is_dense(node):  # reporting only
                 materialized.append(r.path)
             arr = np.asarray(materialize(node), dtype=np.float32)  # [d_in, d_out]
         else:

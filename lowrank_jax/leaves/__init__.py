@@ -22,7 +22,7 @@ from lowrank_jax.leaves.base import (
     require_leaf,
     slice_bias,
 )
-from lowrank_jax.leaves.dense import Dense, LowRank
+from lowrank_jax.leaves.dense import Dense, LowRank, is_dense
 from lowrank_jax.leaves.head_lowrank import HeadLowRank
 from lowrank_jax.leaves.heads import HeadLayout, head_offsets, is_uniform, merge_heads, split_heads
 from lowrank_jax.leaves.init import init_dense, init_head_lowrank, init_lowrank
@@ -56,7 +56,7 @@ __all__ = [
     "MaskedBinary", "QueryKey", "array_bits", "array_size", "attention_logits", "bias_of",
     "check_bias", "check_tokens", "combine", "data_fields", "flops", "get_path", "head_offsets",
     "init_dense", "init_head_lowrank", "init_lowrank", "init_masked_binary", "is_leaf",
-    "is_uniform", "keep_count", "keep_inputs", "keep_outputs", "layer_index", "leaf_dataclass",
+    "is_dense", "is_uniform", "keep_count", "keep_inputs", "keep_outputs", "layer_index", "leaf_dataclass",
     "leaf_dtype", "linear", "map_with_path", "materialize", "materialize_host", "merge_heads",
     "mesh_shardings", "meta_fields", "named_leaves", "node_types", "param_count", "partition",
     "partition_specs", "path_str", "qualified_name", "replace_paths", "require_leaf",

@@ -146,4 +146,11 @@ class LowRank(Leaf):
 
 LowRank = leaf_dataclass(LowRank)
 
-__all__ = ["Dense", "LowRank"]
+def is_dense(x) -> bool:
+    """Whether ``x`` is a plain dense weight (a :class:`Dense` leaf): what
+    :func:`~lowrank_jax.materialize` returns unchanged. Used to report which leaves an export
+    densified."""
+    return isinstance(x, Dense)
+
+
+__all__ = ["Dense", "LowRank", "is_dense"]

@@ -80,7 +80,7 @@ class HeadLayout:
     def keep(self, heads) -> "HeadLayout":
         """The layout of the heads at positions ``heads`` (positions in this layout)."""
         heads = [int(h) for h in heads]
-        if any(b <= a for a, b in zip(heads, heads[1:])) or (heads and (
+        if any(b <= a for a, b in zip(heads, heads[1:], strict=False)) or (heads and (
                 heads[0] < 0 or heads[-1] >= self.num_heads)):
             raise ShapeError(f"HeadLayout.keep: head positions must be sorted, distinct and in "
                              f"[0, {self.num_heads}), got {heads}", where="heads",

@@ -36,7 +36,8 @@ def init_lowrank(key, d_in: int, d_out: int, rank: int, *, bias: bool = False,
 
 def init_head_lowrank(key, d_in: int, num_heads: int, d_head: int, rank: int, *,
                       bias: bool = False, dtype=jnp.float32) -> HeadLowRank:
-    """``HeadLowRank`` ("Understanding Transformers for Time Series", eq. 20) with per-entry product variance ``1/d_in``."""
+    """``HeadLowRank`` ("Understanding Transformers for Time Series", eq. 20) with per-entry
+    product variance ``1/d_in``."""
     if not 1 <= rank <= min(d_in, d_head):
         raise ConfigError(f"init_head_lowrank: rank must be in [1, {min(d_in, d_head)}], got {rank}")
     ku, kv = jax.random.split(key)

@@ -27,8 +27,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import ShapeError
-from lowrank_jax.leaves.base import CONCRETE, Leaf, keep_inputs, keep_outputs, leaf_dataclass, \
-    linear, materialize
+from lowrank_jax.leaves.base import (
+    CONCRETE,
+    Leaf,
+    keep_inputs,
+    keep_outputs,
+    leaf_dataclass,
+    linear,
+    materialize,
+)
 from lowrank_jax.leaves.heads import _int_tuple, head_offsets, split_heads
 
 Array = jax.Array

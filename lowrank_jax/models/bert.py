@@ -26,9 +26,9 @@ import numpy as np
 
 from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.models.common import check_inputs, check_token_ids, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models.hf import HFRow, HFSpec, linear_rows, norm_rows
-from lowrank_jax.models.t5 import _layer_sizes, check_inputs, check_token_ids
 from lowrank_jax.models.vit import (
     activation_from_hf,
     activation_to_hf,
@@ -194,7 +194,7 @@ def init(key: Array, cfg: BertConfig, *, layers=None) -> dict:
             "token_type": 0.02 * jax.random.normal(kt, (cfg.type_vocab_size, d), jnp.float32),
             "norm": init_norm(d, cfg.embedding_norm),
         },
-        "encoder": init_encoder(ke, cfg.encoder, d_model=d, layers=_layer_sizes(
+        "encoder": init_encoder(ke, cfg.encoder, d_model=d, layers=layer_sizes(
             layers, cfg.encoder_sizes, "bert.init: layers", cfg.num_hidden_layers)),
     }
     if cfg.pooler:

@@ -43,6 +43,7 @@ from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.losses import quantile_loss
 from lowrank_jax.models import t5 as t5_model
+from lowrank_jax.models.common import check_inputs, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models.hf import HFSpec, linear_rows
 from lowrank_jax.models.t5 import T5Config
@@ -153,7 +154,7 @@ class ChronosBoltConfig:
     @property
     def activation(self) -> str:
         """``nn`` name of HF's ``dense_act_fn`` (the residual blocks' activation)."""
-        return t5_model._FEED_FORWARD[self.t5.feed_forward_proj][0]
+        return self.t5.activation
 
     def num_patches(self, length: int) -> int:
         """Number of patches of a context of ``length`` values (``[REG]`` not counted)."""
@@ -215,9 +216,9 @@ def init(key: Array, cfg: ChronosBoltConfig, *, encoder_layers=None,
     :class:`~lowrank_jax.nn.LayerSizes`, as :func:`lowrank_jax.models.t5.init`.
     """
     t5 = cfg.t5
-    enc = t5_model._layer_sizes(encoder_layers, t5.encoder_sizes,
+    enc = layer_sizes(encoder_layers, t5.encoder_sizes,
                                 "chronos_bolt.init: encoder_layers", t5.num_layers)
-    dec = t5_model._layer_sizes(decoder_layers, t5.decoder_sizes,
+    dec = layer_sizes(decoder_layers, t5.decoder_sizes,
                                 "chronos_bolt.init: decoder_layers", t5.decoder_layers)
     ks, ki, ke, kd, ko = jax.random.split(key, 5)
     d, ff = t5.d_model, t5.d_ff
@@ -300,7 +301,7 @@ def apply(params: dict, inputs: dict, cfg: ChronosBoltConfig) -> dict:
       ``'loc_scale': (loc, scale)`` each ``[batch, 1]``, ``'encoder_last_hidden_state'``,
       ``'last_hidden_state'``: the decoder state ``[batch, 1, d_model]``}.
     """
-    inputs = t5_model.check_inputs(inputs, INPUTS, "chronos_bolt.apply")
+    inputs = check_inputs(inputs, INPUTS, "chronos_bolt.apply")
     if "context" not in inputs:
         raise DataError("chronos_bolt.apply: inputs need 'context' [batch, length]",
                         where="inputs", expected="context")

@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.datasets import builtin_series, windows
+from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.nn import (

@@ -27,6 +27,7 @@ import numpy as np
 
 from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.models.common import check_inputs, check_token_ids, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models.hf import HFRow, HFSpec, Widen, attention_rows, mlp_rows, norm_rows
 from lowrank_jax.nn import (
@@ -180,6 +181,11 @@ class T5Config:
     def is_gated(self) -> bool:
         return _FEED_FORWARD[self.feed_forward_proj][1]
 
+    @property
+    def activation(self) -> str:
+        """The :data:`lowrank_jax.nn.ACTIVATIONS` name of ``feed_forward_proj``."""
+        return _FEED_FORWARD[self.feed_forward_proj][0]
+
     def _mlp(self) -> MLPConfig:
         act, gated = _FEED_FORWARD[self.feed_forward_proj]
         return MLPConfig(activation=act, gated=gated)
@@ -222,16 +228,6 @@ class T5Config:
                                   d_head=self.d_kv, d_ff=self.d_ff)
 
 
-def _layer_sizes(given, default: tuple, name: str, expected_len: int) -> tuple:
-    if given is None:
-        return default
-    given = tuple(given)
-    if len(given) != expected_len:
-        raise ConfigError(f"{name} must give one LayerSizes per layer ({expected_len}), got "
-                          f"{len(given)}", where=name, expected=expected_len, actual=len(given))
-    return given
-
-
 def init(key: Array, cfg: T5Config, *, encoder_layers=None, decoder_layers=None) -> dict:
     """Random T5 parameters (Dense leaves; ``N(0, 1)`` embedding as HF's initializer).
 
@@ -245,9 +241,9 @@ def init(key: Array, cfg: T5Config, *, encoder_layers=None, decoder_layers=None)
     Returns:
       ``{'shared', 'encoder', 'decoder'}`` plus ``'lm_head'`` when the head is untied.
     """
-    enc = _layer_sizes(encoder_layers, cfg.encoder_sizes, "t5.init: encoder_layers",
+    enc = layer_sizes(encoder_layers, cfg.encoder_sizes, "t5.init: encoder_layers",
                        cfg.num_layers)
-    dec = _layer_sizes(decoder_layers, cfg.decoder_sizes, "t5.init: decoder_layers",
+    dec = layer_sizes(decoder_layers, cfg.decoder_sizes, "t5.init: decoder_layers",
                        cfg.decoder_layers)
     ks, ke, kd, kh = jax.random.split(key, 4)
     params = {
@@ -258,37 +254,6 @@ def init(key: Array, cfg: T5Config, *, encoder_layers=None, decoder_layers=None)
     if not cfg.tie_word_embeddings:
         params["lm_head"] = init_dense(kh, cfg.d_model, cfg.vocab_size)
     return params
-
-
-def check_inputs(inputs, allowed: tuple[str, ...], owner: str) -> dict:
-    """``inputs`` as a dict whose keys are among ``allowed`` (a clear error otherwise)."""
-    if not isinstance(inputs, dict):
-        raise DataError(f"{owner}: inputs must be a dict of arrays named as in the PyTorch "
-                        f"forward ({', '.join(allowed)}), got {type(inputs).__name__}",
-                        where="inputs", expected="dict", actual=type(inputs).__name__)
-    unknown = sorted(set(inputs) - set(allowed))
-    if unknown:
-        raise DataError(f"{owner}: unknown inputs {unknown}; expected some of {list(allowed)}",
-                        where="inputs", expected=list(allowed), actual=unknown)
-    return inputs
-
-
-def check_token_ids(ids, vocab_size: int, name: str, owner: str) -> Array:
-    """Integer ``[batch, seq]`` ids inside the vocabulary (checked when the values are known,
-    i.e. outside ``jit``; inside it an out-of-range id would read NaN)."""
-    ids = jnp.asarray(ids)
-    if ids.ndim != 2 or not jnp.issubdtype(ids.dtype, jnp.integer):
-        raise DataError(
-            f"{owner}: {name} must be an integer array [batch, seq], got shape "
-            f"{tuple(ids.shape)} and dtype {ids.dtype}", where=name,
-            expected="int[batch, seq]", actual=f"{ids.dtype}{list(ids.shape)}")
-    if not isinstance(ids, jax.core.Tracer) and ids.size:
-        lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
-        if lo < 0 or hi >= vocab_size:
-            raise DataError(f"{owner}: {name} must lie in [0, vocab_size={vocab_size}), got ids "
-                            f"in [{lo}, {hi}]", where=name, expected=f"[0, {vocab_size})",
-                            actual=(lo, hi))
-    return ids
 
 
 def _embed(params: dict, ids: Array, name: str) -> Array:

@@ -31,9 +31,9 @@ import numpy as np
 
 from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.models.common import check_inputs, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models.hf import HFRow, HFSpec, attention_rows, linear_rows, mlp_rows, norm_rows
-from lowrank_jax.models.t5 import _layer_sizes, check_inputs
 from lowrank_jax.nn import (
     AttentionConfig,
     EncoderConfig,
@@ -326,7 +326,7 @@ def init(key: Array, cfg: ViTConfig, *, layers=None) -> dict:
     }
     if cfg.distillation:
         emb["dist_token"] = 0.02 * jax.random.normal(kd, (d,), jnp.float32)
-    layers = _layer_sizes(layers, cfg.encoder_sizes, "vit.init: layers", cfg.num_hidden_layers)
+    layers = layer_sizes(layers, cfg.encoder_sizes, "vit.init: layers", cfg.num_hidden_layers)
     params = {"embeddings": emb,
               "encoder": init_encoder(ke, cfg.encoder, d_model=d, layers=layers)}
     if cfg.pooler:

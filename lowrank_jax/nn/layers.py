@@ -18,7 +18,6 @@ from typing import Sequence
 import jax
 
 from lowrank_jax.errors import ConfigError, ShapeError
-
 from lowrank_jax.nn.attention import (
     AttentionConfig,
     RelativeBiasConfig,
