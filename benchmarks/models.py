@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"# built and shaped the PyTorch model in {time.perf_counter() - t0:.0f} s")
     print(f"# synthetic spectra: {n_shaped} attention matrices set to s_j = s_1 exp(-j/tau), "
           f"tau = d/{args.tau_div:g} (singular vectors of the random init kept); stand-in for "
-          f"trained low-rank attention (Fig. 4 of "Understanding Transformers for Time Series"), shared by every model below")
+          "trained low-rank attention (Fig. 4 of 'Understanding Transformers for Time "
+          "Series'), shared by every model below")
     cfg, params = load_pretrained(model)
     x_np = contexts(c, args.seed)
     x_t = torch.tensor(x_np)
