@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from lowrank_jax.errors import ConfigError, DataError
 
@@ -45,7 +46,8 @@ def check_token_ids(ids, vocab_size: int, name: str, owner: str) -> Array:
             f"{tuple(ids.shape)} and dtype {ids.dtype}", where=name,
             expected="int[batch, seq]", actual=f"{ids.dtype}{list(ids.shape)}")
     if not isinstance(ids, jax.core.Tracer) and ids.size:
-        lo, hi = int(jnp.min(ids)), int(jnp.max(ids))
+        host = np.asarray(ids)  # NumPy: no traced ops, even when called under jit on a constant
+        lo, hi = int(host.min()), int(host.max())
         if lo < 0 or hi >= vocab_size:
             raise DataError(f"{owner}: {name} must lie in [0, vocab_size={vocab_size}), got ids "
                             f"in [{lo}, {hi}]", where=name, expected=f"[0, {vocab_size})",
