@@ -13,7 +13,7 @@ One process, one interleaved timing loop:
   factors would be larger stays dense) for each ``--eps``.
 
 Synthetic spectra (stand-in for trained weights). No pretrained weights are available here, and a
-random matrix has a flat spectrum, so an eps-truncation would keep (nearly) everything. Seed 000
+random matrix has a flat spectrum, so an eps-truncation would keep (nearly) everything. The paper
 (Fig. 4) reports that trained TSFM attention weights are low-rank; as a documented stand-in every
 attention matrix W (q/k/v/o, all three attention kinds) is replaced, in the PyTorch module before
 conversion, by ``U diag(s) V^T`` with the singular vectors of the random W and

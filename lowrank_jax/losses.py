@@ -21,7 +21,8 @@ GluonTS):
   ``MASE`` with ``calculate_seasonal_error``; ``m = 1`` when the context is not longer than
   the season).
 * :func:`geometric_mean_relative` -- the paper's aggregate: scores divided by a baseline's
-  scores per dataset, then the geometric mean over datasets (seed 000 Table 2 reports these).
+  scores per dataset, then the geometric mean over datasets ("Understanding Transformers for
+  Time Series", Table 2, reports these).
 
 Missing values (NaN) in targets are masked out everywhere, as the references do.
 """

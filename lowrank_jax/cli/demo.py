@@ -1,10 +1,11 @@
-"""``lowrank-jax demo``: seed 000 App. J, then rank analysis and compression of a built-in model.
+"""``lowrank-jax demo``: the App. J experiments of "Understanding Transformers for Time Series",
+then rank analysis and compression of a built-in model.
 
 Offline and self-contained. Part 1 runs the App. J experiments (Theorem 3 slope, Theorem 4 rank
 growth with heads). Part 2 takes the built-in patch encoder
 (:mod:`lowrank_jax.models.patch_encoder`, randomly initialized), feeds it windows of real series
 shipped with ``aeon`` (synthetic sinusoids/exponentials/noise if aeon is absent), and shows
-what seed 000 predicts: the embedded inputs are low-rank, the rank grows with depth
+what the paper predicts: the embedded inputs are low-rank, the rank grows with depth
 (flow-of-ranks), and because the inputs are low-rank the attention weights can be compressed
 with Theorem 3's data-aware projection far below what their own spectra allow.
 """
@@ -32,7 +33,7 @@ def _rel(a, b) -> float:
 
 def _print_appendix_j(res: dict) -> dict:
     t3, t3w, t4 = res["theorem3"], res["theorem3_width"], res["theorem4"]
-    print("== Seed 000 App. J: numerical experiments ==")
+    print("== App. J of \"Understanding Transformers for Time Series\": numerical experiments ==")
     print(f"Theorem 3: log-log slope of ||Y - Y~||_F vs sigma_(d~+1) = {t3.slope:.3f} (paper: 1)")
     print(
         f"Theorem 3: slope of the error vs width d at fixed d~ = {t3w.slope:.3f} "
@@ -80,7 +81,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     print(
         f"embedding of {x.shape[0] * patches.shape[1]} patches: eps-rank "
         + ", ".join(f"{r} @ eps={e:g}" for e, r in er["eps_rank"].items())
-        + f" out of d_model={cfg.d_model} (patch size {cfg.patch}; seed 000 Theorem 2)"
+        + f" out of d_model={cfg.d_model} (patch size {cfg.patch}; Theorem 2 of [1])"
     )
 
     report = analyze(
@@ -142,7 +143,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
             }
             rows.append(row)
             print(f"  {method:<26} {rank:>5d} {row['size_ratio']:>11.3f} {row['rel_error']:>11.4f}")
-    # Flow-of-ranks (seed 000 sec. 5): per-layer ranks from the hidden states' eps-rank at
+    # Flow-of-ranks ([1] sec. 5): per-layer ranks from the hidden states' eps-rank at
     # eps = 0.1, against one uniform rank with (about) the same total, both by projection.
     sched = [max(1, min(h.eps_ranks[0.1], cfg.d_model // 2 - 1)) for h in report.hidden]
     uniform = [max(1, round(sum(sched) / len(sched)))] * len(sched)

@@ -1,4 +1,5 @@
-"""The pretraining part of ``lowrank-jax demo`` (seed 000 sec. 5, Fig. 7, App. K Tables 3-4).
+"""The pretraining part of ``lowrank-jax demo`` ("Understanding Transformers for Time
+Series", sec. 5, Fig. 7, App. K Tables 3-4).
 
 On the real series that ship with aeon: pretrain a small dense Chronos-Bolt; compress it by
 truncated SVD at several eps (no fine-tuning); pretrain compressed-by-design models at the
@@ -116,7 +117,8 @@ def run_pretraining_demo(
                                             skip_short=True)
         except ValueError:  # the dataset's test split is shorter than one window
             continue
-    print("\n== Pretraining compressed Chronos-Bolt models (seed 000 sec. 5) ==")
+    print("\n== Pretraining compressed Chronos-Bolt models (Understanding Transformers for Time "
+          "Series, sec. 5) ==")
     print(
         f"data: {source}; {train.num_windows} train / {test.num_windows} test windows of "
         f"{cfg.context_length} -> {cfg.prediction_length}; {steps} steps of batch 64 each"
@@ -147,7 +149,7 @@ def run_pretraining_demo(
     sizes = {"dense": 1.0}
     full_attn = _attention_params(dense)
 
-    # 1. compress the pretrained dense model by truncated SVD (no fine-tuning), seed 000 Table 2
+    # 1. compress the pretrained dense model by truncated SVD (no fine-tuning), Table 2 of [1]
     for eps in (0.1, 0.3, 0.5, 0.7):
         small, rep = compress(dense, eps=eps, progress=False)
         variants[f"svd eps={eps:g}"] = small

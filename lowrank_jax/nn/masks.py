@@ -1,11 +1,13 @@
-"""Attention masks: padding, causal, step-T (seed 003 Fig. 2) and fixed Q/K/V activation masks.
+"""Attention masks: padding, causal, step-T ("Sparse Binary Transformers", Fig. 2) and fixed Q/K/V
+activation masks.
 
 Boolean attention masks follow one convention everywhere in :mod:`lowrank_jax.nn`: ``True`` means
 "may attend", and a mask is 4-D, broadcastable to ``[batch, heads, q_len, k_len]``. Masks are
 combined with :func:`combine_masks` (logical AND) and consumed by
 :func:`lowrank_jax.nn.apply_attention`.
 
-The fixed Q/K/V activation masks of seed 003 sec. 3.3.1 are not attention masks: they are 0/1
+The fixed Q/K/V activation masks of "Sparse Binary Transformers for Multivariate Time Series
+Modeling", sec. 3.3.1, are not attention masks: they are 0/1
 float masks multiplied onto the projected queries, keys and values.
 """
 
@@ -60,7 +62,7 @@ def causal_mask(q_len: int, k_len: int | None = None) -> Array:
 
 
 def step_t_mask(w: int) -> Array:
-    """Step-T attention mask of seed 003 sec. 3.3.2 and Fig. 2 (right).
+    """Step-T attention mask of "Sparse Binary Transformers", sec. 3.3.2 and Fig. 2 (right).
 
     Only the last time step ``t = w - 1`` does real attention: it attends every earlier step but
     not itself (forcing the prediction to use history). Every earlier step attends only itself
@@ -96,7 +98,7 @@ def combine_masks(*masks: Array | None) -> Array | None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixed Q/K/V activation masks (seed 003 sec. 3.3.1).
+# Fixed Q/K/V activation masks ("Sparse Binary Transformers", sec. 3.3.1).
 
 def activation_keep_count(n: int, keep: float) -> int:
     """Entries kept out of ``n`` by a fixed activation mask with keep fraction ``keep``.
@@ -146,7 +148,7 @@ def _qkv_masks_np(seed: int, seq_len: int, d_head: int, keep: float) -> tuple[np
 
 def qkv_activation_masks(seed: int, seq_len: int, d_head: int,
                          keep: float) -> dict[str, np.ndarray]:
-    """Random fixed masks for the Q, K and V activations (seed 003 sec. 3.3.1).
+    """Random fixed masks for the Q, K and V activations ("Sparse Binary Transformers", sec. 3.3.1).
 
     One mask per projection over the ``[seq_len, d_head]`` activation of a head; every head of
     the attention module gets the same mask ("attention heads within the same module inherit

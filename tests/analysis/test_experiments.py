@@ -1,4 +1,5 @@
-"""Seed 000 App. J experiments: the properties the paper reports, checked numerically."""
+"""App. J experiments of "Understanding Transformers for Time Series": the properties the paper
+reports, checked numerically."""
 
 import numpy as np
 

@@ -10,8 +10,7 @@ import lowrank_jax as lj
 from lowrank_jax.cli.train_cmd import build_model_config, load_train_config, run_train
 from lowrank_jax.io import load_model
 from lowrank_jax.models import chronos_bolt
-from lowrank_jax.train import Checkpointer, WindowConfig, WindowSampler, default_series, fit
-from lowrank_jax.train import full_params
+from lowrank_jax.train import Checkpointer, WindowConfig, WindowSampler, default_series, fit, full_params
 
 MODEL = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=1, num_heads=4,
              context_length=32, prediction_length=8, patch_size=8)

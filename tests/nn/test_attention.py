@@ -258,7 +258,7 @@ def test_value_width_and_output_width_from_init():
 
 
 # ---------------------------------------------------------------------------------------------
-# Fixed Q/K/V activation masks (seed 003 sec. 3.3.1).
+# Fixed Q/K/V activation masks ("Sparse Binary Transformers", sec. 3.3.1).
 
 @pytest.mark.parametrize("layer_index", [0, 2])
 def test_qkv_activation_masks_applied(layer_index):

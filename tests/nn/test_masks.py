@@ -1,4 +1,5 @@
-"""Attention masks and fixed Q/K/V activation masks (seed 003 sec. 3.3) against plain loops."""
+"""Attention masks and fixed Q/K/V activation masks ("Sparse Binary Transformers", sec. 3.3)
+against plain loops."""
 
 import math
 from fractions import Fraction
