@@ -23,7 +23,9 @@ from lowrank_jax.leaves.base import leaf_dataclass
 Array = jax.Array
 
 
-def _int_tuple(x, what: str) -> tuple[int, ...]:
+def as_int_tuple(x, what: str) -> tuple[int, ...]:
+    """``x`` as a tuple of ints >= 0 (a :class:`~lowrank_jax.errors.ShapeError` naming ``what``
+    otherwise)."""
     try:
         out = tuple(int(v) for v in x)
     except TypeError:
@@ -54,8 +56,8 @@ class HeadLayout:
     scale: float = 1.0
 
     def __post_init__(self):
-        object.__setattr__(self, "ids", _int_tuple(self.ids, "ids"))
-        object.__setattr__(self, "v", _int_tuple(self.v, "v"))
+        object.__setattr__(self, "ids", as_int_tuple(self.ids, "ids"))
+        object.__setattr__(self, "v", as_int_tuple(self.v, "v"))
         object.__setattr__(self, "scale", float(self.scale))
         if len(self.ids) != len(self.v):
             raise ShapeError(f"HeadLayout: ids has {len(self.ids)} heads but v has "
@@ -150,4 +152,4 @@ def merge_heads(y: Array, widths: tuple[int, ...]) -> Array:
     return flat[..., _merge_index(widths)]
 
 
-__all__ = ["HeadLayout", "head_offsets", "is_uniform", "merge_heads", "split_heads"]
+__all__ = ["HeadLayout", "as_int_tuple", "head_offsets", "is_uniform", "merge_heads", "split_heads"]

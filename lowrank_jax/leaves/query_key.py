@@ -36,7 +36,7 @@ from lowrank_jax.leaves.base import (
     linear,
     materialize,
 )
-from lowrank_jax.leaves.heads import _int_tuple, head_offsets, split_heads
+from lowrank_jax.leaves.heads import as_int_tuple, head_offsets, split_heads
 
 Array = jax.Array
 
@@ -122,7 +122,7 @@ class QueryKey(QK):
     widths: tuple[int, ...] = ()
 
     def __post_init__(self):
-        object.__setattr__(self, "widths", _int_tuple(self.widths, "QueryKey widths"))
+        object.__setattr__(self, "widths", as_int_tuple(self.widths, "QueryKey widths"))
         for name in ("q", "k"):
             leaf = getattr(self, name)
             if isinstance(leaf, Leaf):
