@@ -1,27 +1,43 @@
-"""The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert``, ``train`` and ``demo``.
+"""The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert``, ``export``, ``train``
+and ``demo``.
 
-User errors (bad arguments, missing or malformed checkpoints) print one line and exit with
-status 2; set ``LOWRANK_JAX_DEBUG=1`` to get the traceback instead.
+User errors (bad arguments, missing, unreadable or malformed files, outputs that may not be
+written) print one line (a list of keys may follow) naming the file, key or option, what was
+expected and what was found, and exit with status 2; set ``LOWRANK_JAX_DEBUG=1`` to get the
+traceback instead. Outputs are never an input, and only the tool's own outputs are replaced
+(see :mod:`lowrank_jax.cli.outputs`). Long phases announce themselves on stderr
+(:mod:`lowrank_jax.cli.status`).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import re
 import sys
 
+from lowrank_jax.cli import outputs
+from lowrank_jax.cli.status import Status
+from lowrank_jax.errors import ConfigError, LowrankJaxError
 
-def _write_json(path: str | None, obj) -> None:
+#: Options that name what a command reads, and what it writes, for the checks before any work.
+_INPUT_OPTIONS = {"params": "MODEL", "src": "SRC", "model": "MODEL", "plan": "--plan",
+                  "config": "CONFIG"}
+
+
+def _inputs(args) -> dict:
+    return {name: getattr(args, attr) for attr, name in _INPUT_OPTIONS.items()
+            if isinstance(getattr(args, attr, None), str)}
+
+
+def _write_json(path: str | None, obj, *, command: str = "demo", inputs: dict | None = None,
+                outputs_: tuple = ()) -> None:
+    """Write a JSON report (temp file + rename; only over a previous report or an empty file:
+    :func:`lowrank_jax.cli.outputs.write_report`)."""
     if not path:
         return
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(tmp, path)  # never leave a half-written report
-    print(f"wrote {path}")
+    written = outputs.write_report(path, obj, command=command, inputs=inputs, outputs=outputs_)
+    print(f"wrote {written}")
 
 
 def _parse_rules(rules: list[str] | None):
@@ -47,37 +63,32 @@ def _num_layers(params) -> int | None:
     return max(idx) + 1 if idx else None
 
 
-def _load(path):
-    """``(config or None, params, metadata)`` of a params or model checkpoint (0.1 model
-    checkpoints are upgraded to the current attention layout)."""
-    from lowrank_jax.io import load_metadata, load_model, load_params
-
-    meta = load_metadata(path)
-    config, params = load_model(path) if "config" in meta else (None, load_params(path))
-    return config, params, {k: v for k, v in meta.items() if v is not None}
-
-
 def cmd_analyze(args) -> int:
     from lowrank_jax.analysis import analyze
+    from lowrank_jax.cli.sources import load_source
 
-    config, params, meta = _load(args.params)
-    report = analyze(params, eps=args.eps, pattern=args.pattern, progress=not args.no_progress)
+    status = Status("analyze", bars=not args.no_progress)
+    src = load_source(args.params, status=status, family=args.family)
+    status.say(f"eps-ranks and spectra of every weight ({args.pattern or 'all weights'})")
+    report = analyze(src.params, eps=args.eps, pattern=args.pattern, progress=status.bars)
     print(report.format_table())
     out = report.to_dict()
     if args.sweep or args.sweep_heads:
-        out["sweep"] = _analyze_sweep(args, config, params)
-    _write_json(args.json, out)
+        out["sweep"] = _analyze_sweep(args, src.config, src.params, status)
+    _write_json(args.json, out, command="analyze", inputs=_inputs(args))
     return 0
 
 
-def _analyze_sweep(args, config, params) -> dict:
+def _analyze_sweep(args, config, params, status: Status) -> dict:
     """``analyze --sweep``: the ratio -> error curve (Table 2 of "Understanding Transformers for
     Time Series") and per-head sweeps."""
     from lowrank_jax.compress import eps_sweep
 
     result: dict = {}
     if args.sweep:
-        rows = eps_sweep(config, params, None, args.sweep_eps)
+        with status.phase(f"eps sweep over {len(args.sweep_eps)} values (decompositions, one "
+                          "compile, one run per value)"):
+            rows = eps_sweep(config, params, None, args.sweep_eps)
         result["eps"] = rows
         if config is None:
             print("\neps sweep (bare parameter tree, no model config: sizes and weight errors "
@@ -93,11 +104,11 @@ def _analyze_sweep(args, config, params) -> dict:
             line += f"  {r['rel_error']:>14.3e}" if config is not None else ""
             print(line)
     if args.sweep_heads:
-        result["heads"] = _head_sweeps(args, params)
+        result["heads"] = _head_sweeps(args, params, status)
     return result
 
 
-def _head_sweeps(args, params) -> list[dict]:
+def _head_sweeps(args, params, status: Status) -> list[dict]:
     """head_rank_sweep on every attention block, on synthetic N(0, 1) inputs. Head counts,
     widths and the logit scale come from each block's parameters."""
     import numpy as np
@@ -106,7 +117,9 @@ def _head_sweeps(args, params) -> list[dict]:
 
     rng = np.random.default_rng(0)
     out = []
-    for prefix, block in attention_blocks(params):
+    blocks = attention_blocks(params)
+    status.say(f"per-head rank sweep of {len(blocks)} attention blocks")
+    for prefix, block in status.bar(blocks, desc="head sweeps", unit="block"):
         qk = block["qk"]
         k = min(qk.d_q_in, max(qk.widths))
         ranks = sorted({r for r in (args.sweep_ranks or []) if 0 <= r <= k}) or sorted(
@@ -125,54 +138,101 @@ def _head_sweeps(args, params) -> list[dict]:
     return out
 
 
+def _parse_schedule(text: str) -> tuple[str, list[float]]:
+    """``('power', [D0, ALPHA])`` or ``('interp', [R1, RD, ALPHA])`` from --schedule."""
+    expected = "'power:D0:ALPHA' or 'interp:R1:RD:ALPHA' (numbers)"
+    kind, *vals = text.split(":")
+    try:
+        nums = [float(v) for v in vals]
+    except ValueError:
+        nums = []
+    if (kind, len(nums)) not in (("power", 2), ("interp", 3)):
+        raise ConfigError(f"--schedule: expected {expected}, got {text!r}", where="--schedule",
+                          expected=expected, actual=text)
+    return kind, nums
+
+
+def _svd_settings(args, params) -> dict:
+    """The ``svd`` step's settings from --eps / --rank / --ratio / --schedule."""
+    settings: dict = {"per_head": args.per_head, "allocation": args.allocation}
+    if args.schedule:
+        from lowrank_jax.compress import interpolation_schedule, power_schedule
+
+        kind, nums = _parse_schedule(args.schedule)
+        n_layers = args.num_layers or _num_layers(params)
+        if not n_layers:
+            raise ConfigError("--schedule needs --num-layers: no 'layers/<i>/' in the parameter "
+                              f"paths of {args.params}", where="--num-layers",
+                              expected="a layer count", actual=None)
+        if kind == "power":
+            settings["schedule"] = power_schedule(nums[0], nums[1], int(n_layers))
+        else:
+            settings["schedule"] = interpolation_schedule(int(nums[0]), int(nums[1]), nums[2],
+                                                          int(n_layers))
+    elif args.eps is not None:
+        settings["eps"] = args.eps
+    elif args.rank is not None:
+        settings["rank"] = args.rank
+    else:
+        settings["ratio"] = args.ratio
+    return settings
+
+
+def _check_compress_flags(args) -> None:
+    """Flag errors before anything is read."""
+    given = [f for f, v in (("--eps", args.eps), ("--rank", args.rank), ("--ratio", args.ratio),
+                            ("--schedule", args.schedule)) if v is not None]
+    if args.plan and given:
+        raise ConfigError(f"--plan replaces --eps/--rank/--ratio/--schedule; give one or the "
+                          f"other (got --plan and {', '.join(given)})", where="--plan",
+                          expected="--plan alone", actual=given)
+    if not args.plan and not given:
+        raise ConfigError("give --plan FILE, or one of --eps/--rank/--ratio/--schedule",
+                          where="--eps/--rank/--ratio/--schedule/--plan",
+                          expected="one of them", actual=None)
+    if args.plan and os.path.isdir(args.plan):
+        raise ConfigError(f"--plan {args.plan} is a directory; expected a JSON plan file",
+                          where="--plan", expected="a file", actual="a directory")
+    if args.schedule:
+        _parse_schedule(args.schedule)
+    if args.time_runs < 1:
+        raise ConfigError(f"--time-runs must be >= 1, got {args.time_runs}", where="--time-runs",
+                          expected=">= 1", actual=args.time_runs)
+
+
 def cmd_compress(args) -> int:
     import jax
 
+    from lowrank_jax.cli.sources import load_source
+    from lowrank_jax.cli.suggest import check_change
     from lowrank_jax.compress import Plan, Step, apply_plan
     from lowrank_jax.io import save_model, save_params
 
-    config, params, meta = _load(args.params)
-    if args.plan:
-        if any(v is not None for v in (args.eps, args.rank, args.ratio, args.schedule)):
-            raise SystemExit("--plan replaces --eps/--rank/--ratio/--schedule; give one or the "
-                             "other")
-        plan = Plan.from_file(args.plan)
-    else:
-        settings: dict = {"per_head": args.per_head, "allocation": args.allocation}
-        if args.schedule:
-            from lowrank_jax.compress import interpolation_schedule, power_schedule
-
-            kind, *vals = args.schedule.split(":")
-            n_layers = args.num_layers or _num_layers(params)
-            if not n_layers:
-                raise SystemExit("--schedule needs --num-layers (no 'layers/<i>/' in the paths)")
-            nums = [float(v) for v in vals]
-            if kind == "power" and len(nums) == 2:
-                settings["schedule"] = power_schedule(nums[0], nums[1], int(n_layers))
-            elif kind == "interp" and len(nums) == 3:
-                settings["schedule"] = interpolation_schedule(int(nums[0]), int(nums[1]), nums[2],
-                                                              int(n_layers))
-            else:
-                raise SystemExit("--schedule: expected 'power:D0:ALPHA' or 'interp:R1:RD:ALPHA', "
-                                 f"got {args.schedule!r}")
-        elif args.eps is not None:
-            settings["eps"] = args.eps
-        elif args.rank is not None:
-            settings["rank"] = args.rank
-        elif args.ratio is not None:
-            settings["ratio"] = args.ratio
-        else:
-            raise SystemExit("compress: give --plan, or one of --eps/--rank/--ratio/--schedule")
-        plan = Plan((Step("svd", _parse_rules(args.rule), settings),))
+    status = Status("compress", bars=not args.no_progress)
+    _check_compress_flags(args)
+    plan = Plan.from_file(args.plan) if args.plan else None
+    src = load_source(args.params, status=status, family=args.family)
+    config, params = src.config, src.params
+    if plan is None:
+        plan = Plan((Step("svd", _parse_rules(args.rule), _svd_settings(args, params)),))
+    status.say(f"applying the plan ({len(plan.steps)} step{'s' * (len(plan.steps) != 1)}: "
+               f"{', '.join(s.method for s in plan.steps)})")
     new_params, report = apply_plan(params, plan, key=jax.random.PRNGKey(args.seed),
-                                    config=config, progress=not args.no_progress)
+                                    config=config, progress=status.bars)
     print(report.format_table())
     out = report.to_dict()
     out["plan"] = plan.to_dict()
+    note = check_change(report, params, plan, status)
+    if note is not None:
+        print("\n" + "\n".join(note["message"]))
+        out["suggestions"] = note
     if config is not None and not args.no_eval:
         from lowrank_jax.compress import compare_models
 
-        ev = compare_models(config, params, new_params, time_runs=args.time_runs)
+        with status.phase(f"evaluating the model (compile and run the original and the "
+                          f"compressed model on sample inputs, time {args.time_runs} forward "
+                          "calls of each)"):
+            ev = compare_models(config, params, new_params, time_runs=args.time_runs)
         out["model"] = ev
         print(
             f"\nmodel: parameter ratio {ev['param_ratio']:.4f}, FLOP ratio {ev['flop_ratio']:.4f}, "
@@ -182,30 +242,77 @@ def cmd_compress(args) -> int:
             + f", measured time ratio {ev['time_ratio']:.3f}"
         )
     if args.out:
-        meta_out = {k: v for k, v in meta.items() if k != "config"}
+        meta_out = dict(src.metadata)
         meta_out["compression"] = out["totals"]
         meta_out["plan"] = plan.to_dict()
-        if config is not None:
-            save_model(args.out, config, new_params, metadata=meta_out, overwrite=args.overwrite)
-        else:
-            save_params(args.out, new_params, metadata=meta_out, overwrite=args.overwrite)
+        with status.phase(f"saving to {args.out}"):
+            if config is not None:
+                save_model(args.out, config, new_params, metadata=meta_out,
+                           overwrite=args.overwrite)
+            else:
+                save_params(args.out, new_params, metadata=meta_out, overwrite=args.overwrite)
         print(f"saved compressed parameters to {args.out} (factors kept, nothing densified)")
-    _write_json(args.json, out)
+    _write_json(args.json, out, command="compress", inputs=_inputs(args), outputs_=(args.out,))
     return 0
 
 
 def cmd_convert(args) -> int:
-    from lowrank_jax.convert import load_pretrained
+    from lowrank_jax.cli.sources import load_source
     from lowrank_jax.io import save_model
     from lowrank_jax.leaves import param_count
 
-    config, params = load_pretrained(args.src, family=args.family)
-    save_model(args.out, config, params, metadata={"source": os.path.abspath(args.src)},
-               overwrite=args.overwrite)
+    status = Status("convert", bars=not args.no_progress)
+    src = load_source(args.src, status=status, family=args.family, huggingface=True)
+    with status.phase(f"saving to {args.out}"):
+        save_model(args.out, src.config, src.params, metadata=src.metadata,
+                   overwrite=args.overwrite)
     print(
-        f"converted {args.src} ({type(config).__name__}, {param_count(params):,} parameters) "
-        f"to {args.out}"
+        f"converted {args.src} ({type(src.config).__name__}, {param_count(src.params):,} "
+        f"parameters) to {args.out}"
     )
+    return 0
+
+
+def _listing(paths: list[str], empty: str, limit: int = 12) -> str:
+    """``'N: a, b, ... (M more, all in --json)'`` or ``empty``."""
+    if not paths:
+        return f"0: {empty}"
+    more = f", ... ({len(paths) - limit} more, all in the --json report)" if len(paths) > limit else ""
+    return f"{len(paths)}: " + ", ".join(paths[:limit]) + more
+
+
+def cmd_export(args) -> int:
+    from lowrank_jax.cli.sources import load_source
+    from lowrank_jax.convert import save_pretrained
+
+    status = Status("export", bars=not args.no_progress)
+    src = load_source(args.model, status=status)
+    if src.config is None:
+        raise ConfigError(
+            f"export: {args.model} is a bare parameter checkpoint (no model config in its "
+            "tree.json metadata); export needs a model checkpoint, as written by "
+            "`lowrank-jax convert` or `compress` of one (lowrank_jax.io.save_model)",
+            where=args.model, expected="a model checkpoint", actual="a parameter checkpoint")
+    with status.phase(f"writing the Hugging Face directory {args.out}"):
+        with outputs.marked_directory(args.out, kind="export", overwrite=args.overwrite,
+                                      who="export", info={"source": os.path.abspath(
+                                          args.model)}) as tmp:
+            inner = os.path.join(tmp, "hf")  # save_pretrained's own temporaries stay inside
+            summary = save_pretrained(src.config, src.params, inner)
+            for name in os.listdir(inner):
+                os.replace(os.path.join(inner, name), os.path.join(tmp, name))
+            os.rmdir(inner)
+    summary["path"] = os.path.abspath(args.out)
+    arch = summary["architecture"] or type(src.config).__name__
+    print(f"exported {args.model} ({summary['family']}, {arch}) to {args.out}: "
+          f"{summary['n_tensors']} tensors, {summary['n_parameters']:,} parameters")
+    print("materialized (densified) "
+          + _listing(summary["materialized"], "none: every weight was dense"))
+    print(f"zero-padded to the config's widths {_listing(summary['widened'], 'none')}")
+    kwargs = "".join(f", {k}={v!r}" for k, v in summary["load_kwargs"].items())
+    print(f"load it with {arch}.from_pretrained({args.out!r}{kwargs})")
+    _write_json(args.json, summary, command="export", inputs=_inputs(args),
+                outputs_=(args.out,))
     return 0
 
 
@@ -235,12 +342,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lowrank-jax", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    a = sub.add_parser("analyze", help="eps-ranks of every weight of a saved parameter tree")
-    a.add_argument("params", help="directory written by lowrank_jax.io.save_params")
+    model_help = ("a lowrank_jax checkpoint (save_params / save_model, `convert`, `compress`) or "
+                  "a Hugging Face directory (config.json + model.safetensors / "
+                  "pytorch_model.bin), converted in memory")
+    family_help = "force the model family of a Hugging Face directory instead of detecting it"
+    a = sub.add_parser("analyze", help="eps-ranks of every weight of a checkpoint or Hugging "
+                                       "Face directory")
+    a.add_argument("params", metavar="MODEL", help=model_help)
     a.add_argument("--eps", type=float, nargs="+", default=[0.01, 0.05, 0.1])
     a.add_argument("--pattern", help="only weights whose path matches this regular expression")
-    a.add_argument("--json", help="write the report as JSON to this path")
-    a.add_argument("--no-progress", action="store_true")
+    a.add_argument("--family", help=family_help)
+    a.add_argument("--json", help="write the report as JSON to this file (replaces only a "
+                                  "previous lowrank-jax report)")
+    a.add_argument("--no-progress", action="store_true", help="no progress bars")
     a.add_argument(
         "--sweep",
         action="store_true",
@@ -259,8 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ranks for --sweep-heads (default: powers of 2 up to d_head)")
     a.set_defaults(func=cmd_analyze)
 
-    c = sub.add_parser("compress", help="truncated-SVD compression of a saved parameter tree")
-    c.add_argument("params", help="directory written by lowrank_jax.io.save_params")
+    c = sub.add_parser("compress", help="compress a checkpoint or Hugging Face directory "
+                                        "(truncated SVD, or a plan)")
+    c.add_argument("params", metavar="MODEL", help=model_help)
     g = c.add_mutually_exclusive_group()
     g.add_argument("--plan", help="a JSON compression plan: {'steps': [{'method', 'rules', "
                    "'settings'}]} (see lowrank_jax.compress.Plan)")
@@ -284,16 +399,20 @@ def build_parser() -> argparse.ArgumentParser:
         default="eps",
         help="with --ratio: one global eps, or ranks by singular-value energy",
     )
-    c.add_argument("--out", help="save the compressed tree to this directory")
-    c.add_argument("--overwrite", action="store_true")
-    c.add_argument("--json", help="write the report as JSON to this path")
+    c.add_argument("--family", help=family_help)
+    c.add_argument("--out", help="save the compressed tree to this directory (a lowrank_jax "
+                                 "checkpoint; never the input or inside it)")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a lowrank_jax checkpoint (nothing else)")
+    c.add_argument("--json", help="write the report as JSON to this file (replaces only a "
+                                  "previous lowrank-jax report)")
     c.add_argument(
         "--no-eval",
         action="store_true",
         help="skip running the model (error, overlap, time ratio) for model checkpoints",
     )
     c.add_argument("--time-runs", type=int, default=20, help="timed forward calls per model")
-    c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=cmd_compress)
 
     v = sub.add_parser(
@@ -302,10 +421,26 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument(
         "src", help="directory with config.json and model.safetensors / pytorch_model.bin"
     )
-    v.add_argument("--out", required=True, help="output directory (a lowrank_jax model checkpoint)")
+    v.add_argument("--out", required=True, help="output directory (a lowrank_jax model "
+                                                "checkpoint; never the input or inside it)")
     v.add_argument("--family", help="force the model family instead of detecting it")
-    v.add_argument("--overwrite", action="store_true")
+    v.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a lowrank_jax checkpoint (nothing else)")
+    v.add_argument("--no-progress", action="store_true", help="no progress bars")
     v.set_defaults(func=cmd_convert)
+
+    e = sub.add_parser(
+        "export", help="lowrank_jax model checkpoint -> Hugging Face directory that the PyTorch "
+                       "class loads (compressed leaves densified, narrower layers zero-padded)")
+    e.add_argument("model", metavar="MODEL", help="a lowrank_jax model checkpoint (or a Hugging "
+                                                  "Face directory, written again)")
+    e.add_argument("--out", required=True, help="output directory (config.json, "
+                                                "model.safetensors and a lowrank-jax marker file)")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace --out if it is a previous export (nothing else)")
+    e.add_argument("--json", help="write the export summary as JSON to this file")
+    e.add_argument("--no-progress", action="store_true", help="no progress bars")
+    e.set_defaults(func=cmd_export)
 
     d = sub.add_parser(
         "demo", help="App. J experiments, rank analysis of a built-in model, and pretraining "
@@ -328,15 +463,61 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _preflight(args) -> None:
+    """Check every output before any work: not an input, not inside one, replaceable only if
+    the tool wrote it (:mod:`lowrank_jax.cli.outputs`)."""
+    from lowrank_jax.io import is_checkpoint
+
+    owners = {"compress": (is_checkpoint, "a lowrank_jax checkpoint"),
+              "convert": (is_checkpoint, "a lowrank_jax checkpoint"),
+              "export": (outputs.owned_by("export"), "a previous lowrank-jax export")}
+    out = getattr(args, "out", None) if args.command in owners else None
+    if out:
+        outputs.check_separate(out, _inputs(args))
+        owned, what = owners[args.command]
+        outputs.check_output_dir(out, overwrite=args.overwrite, owned=owned, what=what)
+    if getattr(args, "json", None):
+        outputs.check_report_path(args.json, _inputs(args), (out,))
+
+
+#: Failures a user can cause (bad input, unreadable or unwritable files); anything else is a
+#: bug and keeps its traceback.
+_EXPECTED = (LowrankJaxError, ValueError, TypeError, OSError, re.error)
+
+_OS_HINTS = (
+    (IsADirectoryError, "expected a file, found a directory"),
+    (NotADirectoryError, "expected a directory, found a file in the path"),
+    (PermissionError, "no permission: check the owner and mode of the path"),
+    (FileNotFoundError, "expected an existing path, found nothing"),
+    (FileExistsError, "expected nothing at the path, found something"),
+)
+
+
+def _message(e: BaseException) -> str:
+    """The user-facing text of an expected failure."""
+    if isinstance(e, LowrankJaxError) or not isinstance(e, OSError):
+        return str(e)
+    names = " -> ".join(str(n) for n in (e.filename, e.filename2) if n is not None)
+    hint = next((h for cls, h in _OS_HINTS if isinstance(e, cls)), None)
+    text = f"{e.strerror or type(e).__name__}" + (f": {names}" if names else "")
+    return text + (f" ({hint})" if hint else "")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        _preflight(args)
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, FileExistsError) as e:
+    except _EXPECTED as e:
         if os.environ.get("LOWRANK_JAX_DEBUG"):
             raise
-        print(f"lowrank-jax {args.command}: error: {e}", file=sys.stderr)
+        print(f"lowrank-jax {args.command}: error: {_message(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if os.environ.get("LOWRANK_JAX_DEBUG"):
+            raise
+        print(f"lowrank-jax {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":  # pragma: no cover

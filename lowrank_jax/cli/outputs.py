@@ -1,0 +1,317 @@
+"""What the ``lowrank-jax`` command may write, and where: nothing it did not write is replaced.
+
+Rules, checked before any work starts (so a long run never ends in a refused write) and again
+when writing:
+
+* **Outputs are separate from inputs.** An output path may not be an input, contain one, or lie
+  inside one (``compress X --out X``, ``convert SRC --out SRC/native``, ``--out .`` when ``.``
+  holds the input, ``--json X/report.json`` inside an input checkpoint or inside ``--out``).
+  Paths are compared after resolving symbolic links.
+* **Only the tool's own outputs are replaced**, and only with ``--overwrite``: a lowrank_jax
+  checkpoint (:func:`lowrank_jax.io.is_checkpoint`) for ``compress`` / ``convert``; for other
+  directory outputs (``export``) a directory holding this module's marker file
+  (:data:`MARKER`) that lists every file the command wrote, and nothing else. An empty directory
+  may always be written into. Anything else is refused and left untouched.
+* **JSON reports** carry a ``"lowrank_jax_report"`` entry (command and version). An existing
+  report file is replaced by the next run without ``--overwrite`` (as before); an empty file
+  too. Any other existing file (a plan, a config, someone's data, an older report without the
+  entry) is refused, and so is a directory. Reports are written to a temporary sibling and
+  renamed, so a reader never sees half a file; temporaries of killed runs are removed by the
+  next write to the same path (:func:`lowrank_jax.io.files.clean_stale`). Non-finite numbers
+  are written as ``null``, so the file is always valid JSON.
+
+Directory outputs are written atomically (:func:`lowrank_jax.io.atomic_directory`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+from typing import Any, Callable, Iterable, Iterator, Mapping
+
+from lowrank_jax.errors import ConfigError, OutputExistsError
+from lowrank_jax.io import atomic_directory, is_checkpoint
+from lowrank_jax.io.files import clean_stale, is_empty_dir, temp_path
+
+#: The marker file a directory output other than a checkpoint carries (``export``, plots).
+MARKER = "lowrank_jax_output.json"
+MARKER_FORMAT = "lowrank_jax.output"
+#: The entry that marks a JSON report as written by ``lowrank-jax``.
+REPORT_KEY = "lowrank_jax_report"
+
+
+def _version() -> str:
+    from lowrank_jax import __version__
+
+    return __version__
+
+
+def _real(path: str | os.PathLike) -> str:
+    return os.path.realpath(os.path.abspath(os.fspath(path)))
+
+
+def _within(inner: str, outer: str) -> bool:
+    """Whether the resolved path ``inner`` is ``outer`` or lies inside it."""
+    return inner == outer or os.path.commonpath([inner, outer]) == outer
+
+
+def check_separate(output: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None], *,
+                   flag: str = "--out") -> None:
+    """Refuse an output that is an input, contains one or lies inside one.
+
+    Args:
+      output: the output path (file or directory; it need not exist).
+      inputs: ``{name for messages: path or None}`` of what the command reads.
+      flag: the option that names ``output``, for messages.
+
+    Raises:
+      ConfigError: naming the flag, the output and the input it overlaps.
+    """
+    out = _real(output)
+    for name, path in inputs.items():
+        if path is None:
+            continue
+        src = _real(path)
+        if out == src:
+            how = "is the input"
+        elif _within(src, out):
+            how = "contains the input"
+        elif _within(out, src):
+            how = "lies inside the input"
+        else:
+            continue
+        raise ConfigError(
+            f"{flag} {output} {how} {name} {path} (resolved: {src}); writing there could "
+            "destroy or change what is being read. Choose an output outside the input",
+            where=flag, expected=f"a path outside {src}", actual=out)
+
+
+def check_parent(path: str | os.PathLike, *, flag: str) -> None:
+    """Refuse an output whose parent cannot be a directory (some ancestor is a file).
+
+    Raises:
+      ConfigError: naming the flag, the path and the ancestor that is not a directory.
+    """
+    p = os.path.dirname(os.path.abspath(os.fspath(path)))
+    while p and not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    if p and os.path.exists(p) and not os.path.isdir(p):
+        raise ConfigError(
+            f"{flag} {path}: cannot create it, {p} is a file, not a directory", where=flag,
+            expected=f"{p} to be a directory", actual="a file")
+
+
+# ---------------------------------------------------------------------------------------------
+# Directory outputs.
+
+def read_marker(path: str | os.PathLike) -> dict | None:
+    """The marker of a directory output, or ``None`` when there is none (or it is unreadable)."""
+    try:
+        with open(os.path.join(os.fspath(path), MARKER), encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("format") == MARKER_FORMAT else None
+
+
+def owned_by(kind: str) -> Callable[[str], bool]:
+    """A predicate for :func:`lowrank_jax.io.atomic_directory`: a directory is this tool's
+    ``kind`` output when its marker says ``kind`` and every entry is a file the marker lists
+    (so a file someone added keeps the directory from being replaced)."""
+
+    def owned(path: str) -> bool:
+        if not os.path.isdir(path) or os.path.islink(path):
+            return False
+        doc = read_marker(path)
+        if doc is None or doc.get("kind") != kind:
+            return False
+        files = set(doc.get("files") or ())
+        return set(os.listdir(path)) <= files | {MARKER}
+
+    return owned
+
+
+def describe(path: str | os.PathLike) -> str:
+    """What is at ``path``, in words (for refusals)."""
+    path = os.fspath(path)
+    if os.path.islink(path):
+        return "a symbolic link"
+    if not os.path.isdir(path):
+        return "a file"
+    if is_checkpoint(path):
+        return "a lowrank_jax checkpoint"
+    doc = read_marker(path)
+    if doc is not None:
+        return f"a lowrank-jax {doc.get('kind')} output with files added by someone else"
+    n = len(os.listdir(path))
+    return f"a directory of {n} entries that lowrank-jax did not write"
+
+
+def check_output_dir(path: str | os.PathLike, *, overwrite: bool, owned: Callable[[str], bool],
+                     what: str, flag: str = "--out") -> None:
+    """Refuse, before any work, a directory output that may not be written.
+
+    Args:
+      path: the output directory.
+      overwrite: ``--overwrite`` was given.
+      owned: whether an existing directory is this command's kind of output.
+      what: that kind, in words ("a lowrank_jax checkpoint").
+      flag: the option, for messages.
+
+    Raises:
+      OutputExistsError: ``path`` exists, is not an empty directory, and ``overwrite`` is not
+        given or ``path`` is not ``what``.
+      ConfigError: an ancestor of ``path`` is a file.
+    """
+    check_parent(path, flag=flag)
+    path = os.fspath(path)
+    if not os.path.lexists(path) or is_empty_dir(path):
+        return
+    is_dir = os.path.isdir(path) and not os.path.islink(path)
+    if not overwrite:
+        hint = ("pass --overwrite to replace it" if is_dir and owned(path) else
+                f"it is {describe(path)}, which --overwrite would not replace either; "
+                "choose another path")
+        raise OutputExistsError(f"{flag} {path} exists: {hint}", where=path,
+                                expected="a missing or empty directory", actual=describe(path))
+    if not is_dir or not owned(path):
+        raise OutputExistsError(
+            f"{flag} {path}: refusing to replace {describe(path)}; --overwrite replaces only "
+            f"{what} or an empty directory. Nothing was changed: remove it yourself or choose "
+            "another path", where=path, expected=what, actual=describe(path))
+
+
+@contextlib.contextmanager
+def marked_directory(path: str | os.PathLike, *, kind: str, overwrite: bool, who: str,
+                     info: Mapping | None = None) -> Iterator[str]:
+    """Write a directory output with a marker, atomically.
+
+    Yields a temporary directory to fill. On success a marker listing every file written
+    (relative paths) is added and the directory is renamed to ``path``, replacing a previous
+    ``kind`` output only when ``overwrite``; on an error nothing changes at ``path``.
+
+    Args:
+      path: the output directory.
+      kind: the kind of output (``'export'``, ``'plots'``).
+      overwrite: replace a previous output of the same kind.
+      who: the command, for messages.
+      info: JSON-able extra fields for the marker.
+    """
+    owned = owned_by(kind)
+    with atomic_directory(path, overwrite=overwrite, owned=owned, who=who) as tmp:
+        yield tmp
+        files = sorted(os.listdir(tmp))
+        doc = {"format": MARKER_FORMAT, "kind": kind, "command": who, "version": _version(),
+               "files": files, **dict(info or {})}
+        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+            json.dump(_finite(doc), f, indent=2, allow_nan=False)
+            f.write("\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# JSON reports.
+
+def _finite(x: Any) -> Any:
+    """``x`` with non-finite floats replaced by ``None`` (JSON has no NaN)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, Mapping):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def is_report(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a file a previous ``--json`` wrote (or an empty file)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path) or os.path.islink(path):
+        return False
+    if os.path.getsize(path) == 0:
+        return True
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get(REPORT_KEY), dict)
+
+
+def check_report_path(path: str | os.PathLike,
+                      inputs: Mapping[str, str | os.PathLike | None] | None = None,
+                      outputs: Iterable[str | os.PathLike | None] = (), *,
+                      flag: str = "--json") -> None:
+    """Refuse, before any work, a JSON report path that may not be written.
+
+    Raises:
+      ConfigError: the path is an input, lies inside an input or an output directory, or an
+        ancestor is a file.
+      OutputExistsError: it is a directory, or an existing file that is not a report.
+    """
+    check_parent(path, flag=flag)
+    check_separate(path, dict(inputs or {}), flag=flag)
+    for out in outputs:
+        if out is not None and _within(_real(path), _real(out)):
+            raise ConfigError(
+                f"{flag} {path} lies inside the output directory {out}; put the report beside "
+                "it (a file inside would make the output something the tool did not write)",
+                where=flag, expected=f"a path outside {out}", actual=os.fspath(path))
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise OutputExistsError(f"{flag} {path} is a directory; expected a file path for the "
+                                "JSON report", where=path, expected="a file", actual="a directory")
+    if os.path.lexists(path) and not is_report(path):
+        raise OutputExistsError(
+            f"{flag} {path} exists and is not a lowrank-jax JSON report (no "
+            f"'{REPORT_KEY}' entry); refusing to replace it. Nothing was changed: choose "
+            "another path or remove the file", where=path, expected="a previous report",
+            actual="another file")
+
+
+def write_report(path: str | os.PathLike, obj: Mapping, *, command: str,
+                 inputs: Mapping[str, str | os.PathLike | None] | None = None,
+                 outputs: Iterable[str | os.PathLike | None] = ()) -> str:
+    """Write ``obj`` as a JSON report to ``path`` (temp file + rename; checked as in
+    :func:`check_report_path`).
+
+    Args:
+      path: the report file.
+      obj: a JSON-able mapping; a ``"lowrank_jax_report"`` entry (command, version) is added
+        in front.
+      command: the command that wrote it.
+      inputs, outputs: as for :func:`check_report_path`.
+
+    Returns:
+      The absolute path written.
+    """
+    outputs = tuple(outputs)
+    check_report_path(path, inputs, outputs)
+    path = os.path.abspath(os.fspath(path))
+    doc = {REPORT_KEY: {"command": command, "version": _version()},
+           **{k: v for k, v in obj.items() if k != REPORT_KEY}}
+    text = json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    clean_stale(path)
+    tmp = temp_path(path, "tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        check_report_path(path, inputs, outputs)  # again: something may have appeared meanwhile
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return path
+
+
+__all__ = ["MARKER", "REPORT_KEY", "check_output_dir", "check_parent", "check_report_path",
+           "check_separate", "describe", "is_report", "marked_directory",
+           "owned_by", "read_marker", "write_report"]

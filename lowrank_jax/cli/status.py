@@ -1,0 +1,85 @@
+"""Status lines and progress for the ``lowrank-jax`` command: no long silent stretch.
+
+Every phase that can take more than a few seconds (reading a checkpoint, converting a Hugging
+Face directory, decompositions, compiling and timing a model, sweeps, saving) is announced on
+stderr before it starts (``lowrank-jax compress: evaluating the model ...``) and reported with
+its duration when it ends. With progress on, a phase without a natural count shows a live line
+with the elapsed time (refreshed every half second); loops with a count get a tqdm bar with an
+estimate of the time left. ``--no-progress`` turns the live lines and bars off and keeps the
+status lines. stdout stays for the results (tables, summaries).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import time
+from typing import Iterable, Iterator
+
+
+class Status:
+    """Status lines and progress bars of one command.
+
+    Args:
+      command: the subcommand's name (prefix of every line).
+      bars: show live bars (``False`` with ``--no-progress``).
+      live_after: seconds a phase runs before its live elapsed-time line appears.
+    """
+
+    def __init__(self, command: str, *, bars: bool = True, live_after: float = 2.0):
+        self.command = command
+        self.bars = bars
+        self.live_after = live_after
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    def say(self, message: str) -> None:
+        """One status line on stderr."""
+        print(f"lowrank-jax {self.command}: {message}", file=self.stream, flush=True)
+
+    @contextlib.contextmanager
+    def phase(self, message: str) -> Iterator[None]:
+        """Announce a phase, show the elapsed time while it runs (with bars on), and report its
+        duration when it ends without an error."""
+        self.say(f"{message} ...")
+        t0 = time.perf_counter()
+        stop = threading.Event()
+        thread = None
+        if self.bars:
+            thread = threading.Thread(target=self._tick, args=(message, t0, stop), daemon=True)
+            thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            if thread is not None:
+                thread.join()
+        self.say(f"{message}: done in {time.perf_counter() - t0:.1f} s")
+
+    def _tick(self, message: str, t0: float, stop: threading.Event) -> None:
+        from tqdm.auto import tqdm
+
+        if stop.wait(self.live_after):  # short phases need no live line
+            return
+        bar = tqdm(total=None, desc=message, bar_format="{desc}: {elapsed} elapsed",
+                   file=self.stream, leave=False)
+        bar.start_t = time.time() - (time.perf_counter() - t0)  # tqdm counts in time.time()
+        try:
+            while not stop.wait(0.5):
+                bar.refresh()
+        finally:
+            bar.close()
+
+    def bar(self, iterable: Iterable, *, desc: str, total: int | None = None,
+            unit: str = "it") -> Iterable:
+        """``iterable`` with a tqdm bar (time left estimated from the items done)."""
+        from tqdm.auto import tqdm
+
+        return tqdm(iterable, desc=desc, total=total, unit=unit, file=self.stream,
+                    disable=not self.bars, leave=False)
+
+
+__all__ = ["Status"]
