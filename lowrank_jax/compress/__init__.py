@@ -48,6 +48,7 @@ query-key objects registers with ``selects="qk"`` and its rules match paths like
 plans with no library change.
 """
 
+from lowrank_jax.compress import partition  # the partition method (registers it)
 from lowrank_jax.compress.evaluate import compare_models, sample_inputs, top_k_jaccard
 from lowrank_jax.compress.factorize import factorize_init, reuse_weights
 from lowrank_jax.compress.plan import Plan, Step, apply_plan, as_plan, validate_plan
@@ -86,7 +87,7 @@ __all__ = [
     "Report", "Row", "Selection", "Step", "StepSummary", "apply_plan", "as_plan",
     "attention_blocks", "compare_models", "compare_truncations", "compress", "eps_sweep",
     "factorize_init", "get_method", "head_rank_sweep", "head_truncated_svd",
-    "interpolation_schedule", "normalize_rules", "power_schedule", "project_inputs",
+    "interpolation_schedule", "normalize_rules", "partition", "power_schedule", "project_inputs",
     "register_method", "registered_methods", "reuse_weights", "sample_inputs", "select",
     "top_k_jaccard", "truncated_svd", "uniform_schedule", "validate_plan",
 ]
