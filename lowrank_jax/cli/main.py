@@ -20,7 +20,8 @@ from lowrank_jax.cli import outputs
 from lowrank_jax.cli.status import Status
 from lowrank_jax.errors import ConfigError, LowrankJaxError
 
-#: Options that name what a command reads, and what it writes, for the checks before any work.
+#: Arguments that name what a command reads (attribute -> name in messages): outputs may not
+#: overlap them (:func:`_preflight`).
 _INPUT_OPTIONS = {"params": "MODEL", "src": "SRC", "model": "MODEL", "plan": "--plan",
                   "config": "CONFIG"}
 

@@ -137,8 +137,13 @@ def check_change(report: Any, params: Any, plan: Any, status: Status) -> dict | 
         result["message"] = lines
         return result
     status.say("computing the singular values of the selected weights for suggestions")
-    cands = svd_truncations(params, plan, status)
-    rows = suggestions(cands) if cands else []
+    try:
+        cands = svd_truncations(params, plan, status)
+        rows = suggestions(cands) if cands else []
+    except PlanError as e:  # a later step's rules may not apply to the original tree
+        lines.append(f"(no suggestions: {e})")
+        result["message"] = lines
+        return result
     per_head = any(c.kind == "svd-per-head" for c in cands)
     lines.append(f"To reach a size, truncate every selected weight the same way (from the "
                  f"singular values of the {len(cands)} weights the svd steps select; "

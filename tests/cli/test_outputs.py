@@ -151,6 +151,10 @@ def test_json_report_replaces_only_a_report(ckpt, tmp_path, capsys):
     line = error_line(capsys.readouterr().err, "analyze")
     assert str(plan) in line and "not a lowrank-jax JSON report" in line
     assert plan.read_text() == '{"steps": []}'
+    # checked before any work, for every command with --json (the demo would run minutes)
+    assert main(["demo", "--quick", "--no-progress", "--json", str(plan)]) == 2
+    assert "not a lowrank-jax JSON report" in error_line(capsys.readouterr().err, "demo")
+    assert plan.read_text() == '{"steps": []}'
     # an empty file, then a previous report: written over; a stale temporary of a killed
     # write is removed
     rep = tmp_path / "rep.json"
