@@ -34,6 +34,7 @@ from lowrank_jax.leaves.masked_binary import (
     top_mask,
 )
 from lowrank_jax.leaves.partitioned import Partitioned
+from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey, augmented_joint
 from lowrank_jax.leaves.query_key import QK, QueryKey, attention_logits
 from lowrank_jax.leaves.sharding import mesh_shardings, partition_specs
 from lowrank_jax.leaves.tree import (
@@ -53,6 +54,7 @@ from lowrank_jax.leaves.tree import (
 )
 
 __all__ = [
+    "BTDQueryKey", "CPQueryKey", "augmented_joint",
     "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
     "MaskedBinary", "Partitioned", "QueryKey", "array_bits", "array_size", "attention_logits", "bias_of",
     "check_bias", "check_tokens", "combine", "data_fields", "flops", "get_path", "head_offsets",
