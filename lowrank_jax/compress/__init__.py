@@ -51,6 +51,12 @@ plans with no library change.
 from lowrank_jax.compress import partition  # the partition method (registers it)
 from lowrank_jax.compress.evaluate import compare_models, sample_inputs, top_k_jaccard
 from lowrank_jax.compress.factorize import factorize_init, reuse_weights
+from lowrank_jax.compress.irregular import (  # truncatt, cp, btd, truncatt_vo (registers them)
+    attention_macs,
+    head_ranks,
+    select_rank,
+    to_query_key,
+)
 from lowrank_jax.compress.plan import Plan, Step, apply_plan, as_plan, validate_plan
 from lowrank_jax.compress.registry import (
     Context,
@@ -83,6 +89,7 @@ from lowrank_jax.compress.svd_method import compress
 from lowrank_jax.compress.sweep import attention_blocks, eps_sweep, head_rank_sweep
 
 __all__ = [
+    "attention_macs", "head_ranks", "select_rank", "to_query_key",
     "ATTENTION_QK", "ATTENTION_QKVO", "ATTENTION_QKV_PER_HEAD", "Context", "Method", "Plan",
     "Report", "Row", "Selection", "Step", "StepSummary", "apply_plan", "as_plan",
     "attention_blocks", "compare_models", "compare_truncations", "compress", "eps_sweep",
