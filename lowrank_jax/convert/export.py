@@ -24,8 +24,15 @@ permuted consistently), likewise its v columns and o rows; MLP hidden channels f
 channels of ``d_ff``; the rest is zero. That is exact: a zero head adds nothing (its values and
 outputs are zero) and a zero hidden channel adds nothing (every activation maps 0 to 0). What
 cannot be exported exactly is refused: more heads than the config, heads wider than its head
-width, a logit scale other than the one the PyTorch class applies. Query-key objects other than
-:class:`~lowrank_jax.QueryKey` (CP or block-term factors) cannot be exported yet.
+width, a logit scale other than the one the PyTorch class applies.
+
+Query-key objects other than :class:`~lowrank_jax.QueryKey` (the CP-SlimAtt and IrrAtt factors
+of "Vision Transformer with Irregular Attention") are rewritten as separate q/k weights per head
+by a float64 SVD of every slice of their query-key tensor, biases included (an augmented constant
+input feature), kept at its numerical rank: exact whenever every slice has rank at most the
+checkpoint's head width (TruncAtt; IrrAtt with a diagonal fusion matrix and ranks <= d_head),
+refused otherwise (a CP model's slices have rank up to R). Their paths are listed as
+materialized.
 """
 
 from __future__ import annotations
@@ -41,9 +48,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from lowrank_jax.compress import to_query_key
 from lowrank_jax.convert.files import CONFIG_NAME, WEIGHTS_NAME
 from lowrank_jax.convert.load import hf_spec
-from lowrank_jax.errors import CheckpointError, LeafTypeError, OutputExistsError, ShapeError
+from lowrank_jax.errors import CheckpointError, OutputExistsError, ShapeError
 from lowrank_jax.leaves import (
     QK,
     Leaf,
@@ -54,6 +62,7 @@ from lowrank_jax.leaves import (
     materialize,
     named_leaves,
     path_str,
+    replace_paths,
 )
 from lowrank_jax.models import family_of
 from lowrank_jax.models.hf import HFRow, Widen
@@ -77,19 +86,24 @@ def _shape(node) -> tuple[int, ...]:
     return tuple(int(d) for d in (node.shape if isinstance(node, Leaf) else np.shape(node)))
 
 
-def _check_query_keys(params) -> None:
-    """Only :class:`QueryKey` objects have q/k weights a checkpoint can hold (for now)."""
+def _exact_query_keys(params, rows) -> Any:
+    """Query-key objects other than :class:`QueryKey` (CP-SlimAtt, IrrAtt factors) replaced by
+    equivalent ``QueryKey`` s, exactly: a float64 SVD of every slice of the block's augmented
+    query-key tensor at its numerical rank (:func:`lowrank_jax.compress.to_query_key`). A slice
+    of rank above the checkpoint's head width cannot be stored as separate q/k weights and is
+    refused with a :class:`~lowrank_jax.errors.ShapeError` naming the path and the heads."""
+    widths = {r.widen.block: r.widen.width for r in rows
+              if r.widen is not None and r.widen.by == "qk"}
     flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda n: isinstance(n, QK))[0]
+    new = {}
     for p, node in flat:
         if isinstance(node, QK) and not isinstance(node, QueryKey):
             where = path_str(p)
-            raise LeafTypeError(
-                f"save_pretrained: the query-key object at {where!r} is a "
-                f"{type(node).__name__}; Hugging Face checkpoints store separate q and k "
-                "weights, and exporting other query-key objects (CP or block-term factors of "
-                "the joint query-key tensor) is not supported yet. Replace it by a QueryKey "
-                "before exporting.", where=where, expected="QueryKey",
-                actual=type(node).__name__)
+            block = where.rsplit("/", 1)[0] if "/" in where else ""
+            new[where] = to_query_key(node, max_width=widths.get(block), where=where)
+            logger.info("export: %s (%s) rewritten as a QueryKey with per-head widths %s",
+                        where, type(node).__name__, new[where].widths)
+    return replace_paths(params, new), sorted(new)
 
 
 class _Widener:
@@ -199,12 +213,13 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
         been checked.
       ShapeError: a layer cannot be exported exactly (more heads than the config, wider heads,
         another logit scale).
-      LeafTypeError: a query-key object other than :class:`~lowrank_jax.QueryKey`.
+      ShapeError: also a factorized query-key object whose slices have rank above the
+        checkpoint's head width.
     """
     family = family_of(config)
     rows = hf_spec(family).key_table(config)
     source = f"<params for {type(config).__name__}>"
-    _check_query_keys(params)
+    params, rewritten = _exact_query_keys(params, rows)
     widener = _Widener(params)
     missing, mismatched, unexpected, wrong_kind = {}, {}, {}, []
     has_bias = {r.path for r in rows if r.kind in ("bias", "zero")}
@@ -291,7 +306,8 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
     for r, node, idx in plan:
         want = _tree_shape(r)
         if r.kind == "linear":
-            if isinstance(node, Leaf) and not is_dense(node):  # reporting only
+            if (isinstance(node, Leaf) and not is_dense(node)) or any(
+                    r.path.startswith(q + "/") for q in rewritten):  # reporting only
                 materialized.append(r.path)
             arr = np.asarray(materialize(node), dtype=np.float32)  # [d_in, d_out]
         else:
