@@ -496,8 +496,8 @@ _OS_HINTS = (
 
 def _message(e: BaseException) -> str:
     """The user-facing text of an expected failure."""
-    if isinstance(e, LowrankJaxError) or not isinstance(e, OSError):
-        return str(e)
+    if isinstance(e, LowrankJaxError) or not isinstance(e, OSError) or e.strerror is None:
+        return str(e)  # a message written for the user (or not an OS error at all)
     names = " -> ".join(str(n) for n in (e.filename, e.filename2) if n is not None)
     hint = next((h for cls, h in _OS_HINTS if isinstance(e, cls)), None)
     text = f"{e.strerror or type(e).__name__}" + (f": {names}" if names else "")

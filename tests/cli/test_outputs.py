@@ -259,6 +259,17 @@ def test_os_errors_are_one_line(ckpt, tmp_path, monkeypatch, capsys):
         main(["analyze", str(ckpt), "--no-progress", "--json", str(rep)])
 
 
+def test_os_error_with_a_message_keeps_it(ckpt, monkeypatch, capsys):
+    import lowrank_jax.analysis
+
+    def missing(*args, **kwargs):
+        raise FileNotFoundError("series file /data/x.csv not found")
+
+    monkeypatch.setattr(lowrank_jax.analysis, "analyze", missing)
+    assert main(["analyze", str(ckpt), "--no-progress"]) == 2
+    assert "series file /data/x.csv not found" in error_line(capsys.readouterr().err, "analyze")
+
+
 def test_a_bug_keeps_its_traceback(ckpt, monkeypatch):
     import lowrank_jax.analysis
 
