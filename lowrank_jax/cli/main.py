@@ -327,15 +327,18 @@ def cmd_demo(args) -> int:
 
 
 def cmd_train(args) -> int:
-    from lowrank_jax.cli.train_cmd import run_train
+    from lowrank_jax.cli.train_cmd import init_distributed, run_train
 
     if args.distributed:
-        import jax
-
-        # Multi-host: coordinator address, process count and id come from the environment
-        # (or the cluster's auto-detection: SLURM, TPU pods, ...).
-        jax.distributed.initialize()
-    run_train(args.config, args.out, progress=not args.no_progress)
+        # Multi-process: the coordinator, process count and id given here, or for those left
+        # out, the cluster's auto-detection (SLURM, TPU pods, ...).
+        init_distributed(args.coordinator, args.num_processes, args.process_id)
+    elif any(v is not None for v in (args.coordinator, args.num_processes, args.process_id)):
+        raise ConfigError("train: --coordinator, --num-processes and --process-id need "
+                          "--distributed", where="--distributed", expected="--distributed",
+                          actual="not given")
+    run_train(args.config, args.out, progress=not args.no_progress,
+              resume_changed_config=args.resume_changed_config)
     return 0
 
 
@@ -456,9 +459,18 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("train", help="pretrain a (compressed-by-design) Chronos-Bolt from a "
                                      "JSON config; resumes from --out/checkpoints")
     t.add_argument("config", help="JSON config file (see lowrank_jax.cli.train_cmd)")
-    t.add_argument("--out", required=True, help="run directory: checkpoints, metrics.jsonl, model")
+    t.add_argument("--out", required=True, help="run directory (run.json, checkpoints, "
+                   "metrics.jsonl, model, summary.json); a rerun resumes it")
+    t.add_argument("--resume-changed-config", action="store_true",
+                   help="continue a run whose stored config differs from CONFIG (refused "
+                   "otherwise); the change is recorded in run.json")
     t.add_argument("--distributed", action="store_true",
-                   help="call jax.distributed.initialize() first (multi-host)")
+                   help="multi-process data parallel: call jax.distributed.initialize() first; "
+                   "run the same command in every process")
+    t.add_argument("--coordinator", help="with --distributed: HOST:PORT of process 0 (default: "
+                   "detected from the cluster)")
+    t.add_argument("--num-processes", type=int, help="with --distributed: number of processes")
+    t.add_argument("--process-id", type=int, help="with --distributed: this process's index")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
     return p
