@@ -180,8 +180,10 @@ class Partitioned(Leaf):
 
     @property
     def shape(self) -> tuple[int, int]:
-        a, c = self.block_shape
-        return (self.machines * a, self.machines * c)
+        # from the blocks present: inside a shard_map manual over mesh_axis, a device's shards
+        # describe the device's part of x @ W
+        k, a, c = (int(v) for v in self.diag.shape)
+        return (k * a, k * c)
 
     # -- compute ----------------------------------------------------------------------------
 
@@ -266,7 +268,8 @@ class Partitioned(Leaf):
     def flops(self, n_tokens: int) -> int:
         m, r = self.machines, self.rank
         a, c = self.block_shape
-        return int(n_tokens) * m * (a * c + a * r + (m - 1) * r * c)
+        send = a * r if m > 1 else 0  # one machine sends nothing
+        return int(n_tokens) * m * (a * c + send + (m - 1) * r * c)
 
     def bytes_sent(self, n_tokens: int = 1) -> int:
         """Bytes one machine broadcasts for ``n_tokens`` tokens: ``r`` numbers each (eq. 34),

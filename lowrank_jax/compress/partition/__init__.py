@@ -50,13 +50,13 @@ from lowrank_jax.compress.partition.keys import (
     key_basis,
     relative_logit_errors,
 )
-from lowrank_jax.compress.partition.method import partition
+from lowrank_jax.compress.partition.method import partition, partition_weights
 
 __all__ = [
     "ASSIGNMENTS", "Collective", "Decomposition", "KeyBasis", "algorithm1", "algorithm1_literal",
     "assign", "assignment_objective", "block_energy", "c_k", "c_qk", "collective_bytes",
     "contiguous_assignment", "counts", "decompose", "error_terms", "format_collectives",
     "full_svd_matrix", "key_basis", "lp_assignment", "machine_order", "machine_traces",
-    "partition", "rank_for_eps", "relative_logit_errors", "relative_output_errors",
+    "partition", "partition_weights", "rank_for_eps", "relative_logit_errors", "relative_output_errors",
     "svd_method_matrix",
 ]

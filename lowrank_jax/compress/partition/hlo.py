@@ -70,6 +70,15 @@ class Collective:
 
 
 def _group_size(args: str) -> tuple[int, str]:
+    """Devices per replica group, in the three spellings XLA prints: explicit groups
+    ``{{0,1},{2,3}}``, iota groups ``[2,2]<=[4]``, and mesh groups
+    ``mesh['a'=2,'b'=4] {'b'}`` (the product of the listed axes)."""
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\S+)?\s*\{([^}]*)\}",
+                  args)
+    if m:
+        sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m.group(1))}
+        axes = re.findall(r"'([^']+)'", m.group(2))
+        return int(np.prod([sizes.get(a, 1) for a in axes], dtype=np.int64)), m.group(0)[15:]
     m = re.search(r"replica_groups=(\{\{[^=]*?\}\}|\{\}|\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?)",
                   args)
     if not m:

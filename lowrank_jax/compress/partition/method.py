@@ -146,6 +146,7 @@ class _Run:
         self.axis = settings.get("mesh_axis", "model")
         self.new: dict[str, Any] = {}
         self.rows: list[Row] = []
+        self.decompositions: dict[str, tuple[Decomposition, int]] = {}
 
     def opts(self, sel: Selection) -> dict:
         s = {**self.settings, **sel.overrides}
@@ -183,6 +184,7 @@ class _Run:
             "macs_machine": cnt.macs_machine, "flops_machine": cnt.flops_machine,
         }
         self.new[sel.path] = leaf
+        self.decompositions[sel.path] = (dec, r)
         self.rows.append(Row.compare(sel.path, sel.node, leaf, rule=sel.rule,
                                      kind="partitioned", error=dec.error(r), details=details))
 
@@ -242,22 +244,26 @@ class _Run:
                                                             "machine order"}))
 
 
-def partition(params: Any, selection: list[Selection], settings: dict,
-              ctx: Context) -> tuple[Any, list[Row]]:
-    """The ``partition`` method (module docstring): ``fn(params, selection, settings, ctx)``.
+def partition_weights(params: Any, selection: list[Selection], settings: dict,
+                      ctx: Context | None = None):
+    """The ``partition`` method, also returning every weight's decomposition.
 
     "Partitioning Transformer Networks with Low Intercommunication", sec. II (Algorithm 1,
-    eqs. 26-34, 100-101, II.F).
+    eqs. 26-34, 100-101, II.F). What is partitioned how: the module docstring.
 
     Args:
       params: the tree (not modified).
-      selection: the selected weight leaves.
+      selection: the selected weight leaves (:func:`lowrank_jax.compress.select`).
       settings: ``machines``, ``rank`` or ``eps``, ``relative``, ``assignment``, ``mesh_axis``.
-      ctx: the step's context.
+      ctx: the step's context (``None``: a fresh one).
 
     Returns:
-      ``(new_params, rows)``.
+      ``(new_params, rows, decompositions)`` with ``decompositions[path] = (Decomposition,
+      rank)`` for every partitioned weight (the weight in machine order; for error-versus-rank
+      curves and bounds).
     """
+    ctx = Context(method="partition") if ctx is None else ctx
+    validate(settings)
     run = _Run(params, settings, ctx)
     mlps: dict[str, dict[str, Selection]] = {}
     singles = []
@@ -276,10 +282,30 @@ def partition(params: Any, selection: list[Selection], settings: dict,
                                             for r in run.rows)})
     order = {sel.path: i for i, sel in enumerate(selection)}
     rows = sorted(run.rows, key=lambda r: order.get(r.path, len(order)))
-    return replace_paths(params, run.new), rows
+    return replace_paths(params, run.new), rows, run.decompositions
+
+
+def partition(params: Any, selection: list[Selection], settings: dict,
+              ctx: Context) -> tuple[Any, list[Row]]:
+    """The ``partition`` plan method: ``fn(params, selection, settings, ctx) -> (params, rows)``
+    (:func:`partition_weights` without the decompositions).
+
+    "Partitioning Transformer Networks with Low Intercommunication", sec. II.
+
+    Args:
+      params: the tree (not modified).
+      selection: the selected weight leaves.
+      settings: see the module docstring.
+      ctx: the step's context.
+
+    Returns:
+      ``(new_params, rows)``.
+    """
+    new, rows, _ = partition_weights(params, selection, settings, ctx)
+    return new, rows
 
 
 register_method("partition", partition, settings=SETTINGS, overrides=OVERRIDES,
                 validate=validate)
 
-__all__ = ["KINDS", "OVERRIDES", "SETTINGS", "partition", "validate"]
+__all__ = ["KINDS", "OVERRIDES", "SETTINGS", "partition", "partition_weights", "validate"]
