@@ -179,9 +179,13 @@ class Plan:
 
         Raises:
           MissingFileError: the file does not exist.
-          PlanError: the file is not a valid plan (the message names the file).
+          PlanError: the path is a directory, or the file is not a valid plan (the message names
+            the file).
         """
         path = os.fspath(path)
+        if os.path.isdir(path):
+            raise PlanError(f"plan file {path} is a directory; expected a JSON file", where=path,
+                            expected="a JSON file", actual="a directory")
         if not os.path.isfile(path):
             raise MissingFileError(f"plan file {path} does not exist", where=path)
         with open(path) as f:

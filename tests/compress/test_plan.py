@@ -81,6 +81,8 @@ def test_json_round_trip_and_file(tmp_path):
     assert Plan.from_json(ex.to_json()) == ex
     with pytest.raises(MissingFileError, match="nope.json"):
         Plan.from_file(tmp_path / "nope.json")
+    with pytest.raises(PlanError, match="is a directory"):
+        Plan.from_file(tmp_path)
     bad = tmp_path / "bad.json"
     bad.write_text('{"steps": [{"method": "svd", "rulez": []}]}')
     with pytest.raises(PlanError, match=r"bad\.json.*steps\[0\].*rulez"):
