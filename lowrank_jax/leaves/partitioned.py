@@ -35,6 +35,7 @@ with a bias, the paper's eq. 43.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -48,8 +49,14 @@ from lowrank_jax.leaves.base import (
     Leaf,
     array_bits,
     array_size,
+    keep_inputs,
+    keep_outputs,
     leaf_dataclass,
+    linear,
+    materialize,
 )
+from lowrank_jax.leaves.heads import as_int_tuple, head_offsets, is_uniform, split_heads
+from lowrank_jax.leaves.query_key import QK
 
 
 def sender_index(machines: np.ndarray, num_machines: int) -> np.ndarray:
@@ -103,6 +110,26 @@ def _machine_outputs(x: Array, diag: Array, send: Array, recv: Array, b: Array |
     if b is not None:
         out = out + b
     return out.reshape(*x.shape[:-1], k * c)
+
+
+def _token_specs(mesh, axis: str, x: Array, token_axis: int | None):
+    """``(spec of x, manual axes)`` for a ``shard_map`` over ``axis``.
+
+    ``axis`` splits the last dimension of ``x`` (features, ``token_axis=None``) or dimension
+    ``token_axis`` (tokens). A collective must not meet an automatic mesh axis (XLA would first
+    replicate its operand over it), so the mesh's other free axes are made manual too and split
+    the leading (batch) dimension of ``x``, as the train step places batches; when it does not
+    divide, they stay automatic.
+    """
+    others = tuple(a for a in mesh.axis_names if a != axis and a not in mesh.manual_axes)
+    size = int(np.prod([mesh.shape[a] for a in others], dtype=np.int64))
+    spec: list = [None] * x.ndim
+    spec[x.ndim - 1 if token_axis is None else token_axis] = axis
+    names = {axis}
+    if others and x.ndim >= 2 and spec[0] is None and x.shape[0] % size == 0:
+        spec[0] = others if len(others) > 1 else others[0]
+        names |= set(others)
+    return P(*spec), names
 
 
 class Partitioned(Leaf):
@@ -200,18 +227,7 @@ class Partitioned(Leaf):
                 f"Partitioned: {self.machines} machines cannot be laid over mesh axis {axis!r} of "
                 f"size {n}; the number of machines must be a multiple of the axis size",
                 where=axis, expected=f"a divisor of {self.machines}", actual=n)
-        # The collective must not meet an automatic axis (XLA would first replicate the
-        # messages over it): the mesh's other free axes are made manual too and split the
-        # leading (batch) dimension of x, as the train step places batches.
-        others = tuple(a for a in mesh.axis_names if a != axis and a not in mesh.manual_axes)
-        size = int(np.prod([mesh.shape[a] for a in others], dtype=np.int64))
-        if others and x.ndim >= 2 and x.shape[0] % size == 0:
-            batch = others if len(others) > 1 else others[0]
-            x_spec = P(batch, *(None,) * (x.ndim - 2), axis)
-            names = {axis, *others}
-        else:  # those axes stay automatic
-            x_spec = P(*(None,) * (x.ndim - 1), axis)
-            names = {axis}
+        x_spec, names = _token_specs(mesh, axis, x, None)
         b_spec = None if self.b is None else P(axis)
         fn = jax.shard_map(
             lambda x, d, s, u, b: self._device(x, d, s, u, b, n),
@@ -330,4 +346,166 @@ class Partitioned(Leaf):
 Partitioned = leaf_dataclass(Partitioned, meta=("mesh_axis",))
 
 
-__all__ = ["Partitioned", "sender_index"]
+class CompressedKeys(QK):
+    """Attention logits from keys compressed to ``K`` numbers per head, tokens split over
+    machines.
+
+    "Partitioning Transformer Networks with Low Intercommunication", sec. III.A: every machine
+    holds the queries and keys of its own tokens and sends, per key and head, the ``K``
+    coefficients ``f(k) = U_h^T k`` (eq. 123) in an orthonormal basis ``U_h`` (from ``C_qk``,
+    eq. 135, or PCA of the keys, eq. 136: :mod:`lowrank_jax.compress.partition.keys`); the
+    logits are estimated as ``g = (q^T U_h)(U_h^T k) + c_h`` (eq. 124, ``c_h`` the expected
+    rest). With ``K = d_head`` and ``c = 0`` they are exact.
+
+    Fields:
+      q, k: weight leaves ``[d_in, heads * d_head]`` (any leaf that is replicated on the mesh;
+        biases allowed).
+      basis: ``[heads, d_head, K]``: ``U_h``'s first ``K`` columns.
+      offset: ``[heads]``: ``c_h``.
+      widths: static per-head widths of ``q``/``k`` (equal: ``d_head``).
+      mesh_axis: static mesh axis the *tokens* are split over when the logits are traced under
+        a mesh that has it: each device projects its queries and keys, one ``all_gather`` of
+        ``K`` numbers per key per head exchanges the compressed keys, and the logits come out
+        split by query ``[b, h, q / n, k]``. (The block's values, which the paper does not
+        compress, are then gathered by XLA: eq. 118 needs every machine's ``V_m'``.) The
+        queries' and keys' lengths must be divisible by the axis size; otherwise the logits
+        are computed as on one device.
+    """
+
+    q: Any
+    k: Any
+    basis: Array
+    offset: Array
+    widths: tuple[int, ...] = ()
+    mesh_axis: str = "model"
+
+    def __post_init__(self):
+        object.__setattr__(self, "widths", as_int_tuple(self.widths, "CompressedKeys widths"))
+        if not is_uniform(self.widths):
+            raise ShapeError(f"CompressedKeys: heads must have equal widths, got {self.widths}",
+                             where="widths", expected="equal widths", actual=self.widths)
+        for name in ("q", "k"):
+            leaf = getattr(self, name)
+            if isinstance(leaf, Leaf) and leaf.d_out != sum(self.widths):
+                raise ShapeError(f"CompressedKeys: '{name}' has {leaf.d_out} outputs but the "
+                                 f"head widths sum to {sum(self.widths)}", where=name,
+                                 expected=sum(self.widths), actual=leaf.d_out)
+        h, w = len(self.widths), (self.widths[0] if self.widths else 0)
+        if isinstance(self.basis, CONCRETE) and (self.basis.ndim != 3
+                                                 or tuple(self.basis.shape[:2]) != (h, w)):
+            raise ShapeError(f"CompressedKeys: basis must be [heads, d_head, K] = [{h}, {w}, K], "
+                             f"got {tuple(self.basis.shape)}", where="basis",
+                             expected=[h, w, "K"], actual=tuple(self.basis.shape))
+        if isinstance(self.offset, CONCRETE) and tuple(self.offset.shape) != (h,):
+            raise ShapeError(f"CompressedKeys: offset must be [heads] = [{h}], got "
+                             f"{tuple(self.offset.shape)}", where="offset", expected=[h],
+                             actual=tuple(self.offset.shape))
+
+    @classmethod
+    def from_query_key(cls, qk: Any, basis, offset, *, mesh_axis: str = "model"):
+        """Compressed keys on the projections of a :class:`~lowrank_jax.QueryKey`.
+
+        Args:
+          qk: a ``QueryKey`` with equal head widths.
+          basis: ``[heads, d_head, K]``.
+          offset: ``[heads]``.
+          mesh_axis: the mesh axis tokens are split over.
+        """
+        from lowrank_jax.leaves.query_key import QueryKey
+
+        if not isinstance(qk, QueryKey):
+            raise ShapeError(f"CompressedKeys.from_query_key: expected a QueryKey (per-head "
+                             f"query and key projections), got {type(qk).__name__}",
+                             where="qk", expected="QueryKey", actual=type(qk).__name__)
+        return cls(q=qk.q, k=qk.k, basis=basis, offset=offset, widths=qk.widths,
+                   mesh_axis=mesh_axis)
+
+    @property
+    def num_heads(self) -> int:
+        return len(self.widths)
+
+    @property
+    def num_coefficients(self) -> int:
+        """``K``: numbers sent per key and head."""
+        return int(self.basis.shape[-1])
+
+    @property
+    def d_q_in(self) -> int:
+        return self.q.d_in
+
+    @property
+    def d_k_in(self) -> int:
+        return self.k.d_in
+
+    def _project(self, leaf, x, mask):
+        y = split_heads(linear(leaf, x), self.widths)  # [b, len, h, d_head]
+        if mask is not None:
+            y = y * mask[:, None, :].astype(y.dtype)
+        return jnp.einsum("blhd,hdk->blhk", y, self.basis)  # eq. 123: U_h^T k
+
+    def _local(self, xq, xkv, q_mask, k_mask, gather) -> Array:
+        fq = self._project(self.q, xq, q_mask)
+        fk = gather(self._project(self.k, xkv, k_mask))  # every machine's compressed keys
+        g = jnp.einsum("bqhk,bshk->bhqs", fq, fk)  # eq. 124, first term
+        return g + self.offset[None, :, None, None].astype(g.dtype)
+
+    def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
+        mesh = jax.sharding.get_abstract_mesh()
+        axis = self.mesh_axis
+        if mesh.empty or axis not in mesh.axis_names or int(mesh.shape[axis]) == 1 or (
+                axis in mesh.manual_axes):
+            return self._local(xq, xkv, q_mask, k_mask, lambda f: f)
+        n = int(mesh.shape[axis])
+        if xq.shape[1] % n or xkv.shape[1] % n:
+            return self._local(xq, xkv, q_mask, k_mask, lambda f: f)
+        q_spec, names = _token_specs(mesh, axis, xq, 1)
+        k_spec, _ = _token_specs(mesh, axis, xkv, 1)
+        out_spec = P(q_spec[0], None, axis, None)
+        rep = lambda tree: jax.tree_util.tree_map(lambda _: P(), tree)  # noqa: E731
+        mask_spec = lambda m: None if m is None else P(axis, None)  # noqa: E731
+
+        def body(me, xq, xkv, q_mask, k_mask):
+            return me._local(xq, xkv, q_mask, k_mask,
+                             lambda f: jax.lax.all_gather(f, axis, axis=1, tiled=True))
+
+        fn = jax.shard_map(body, mesh=mesh, axis_names=names, check_vma=True,
+                           in_specs=(rep(self), q_spec, k_spec, mask_spec(q_mask),
+                                     mask_spec(k_mask)), out_specs=out_spec)
+        return fn(self, xq, xkv, q_mask, k_mask)
+
+    def score_flops(self, q_len, k_len):
+        h, k = self.num_heads, self.num_coefficients
+        d = self.widths[0] if self.widths else 0
+        return int(q_len) * int(k_len) * h * k + (int(q_len) + int(k_len)) * h * d * k
+
+    def joint(self):
+        q, k = materialize(self.q), materialize(self.k)
+        off = head_offsets(self.widths)
+        slices = []
+        for h in range(self.num_heads):
+            u = self.basis[h]
+            slices.append((q[:, off[h]:off[h + 1]] @ u) @ (k[:, off[h]:off[h + 1]] @ u).T)
+        return jnp.stack(slices, axis=-1)  # [d_q, d_k, h]
+
+    def keep_heads(self, idx):
+        idx = [int(i) for i in idx]
+        off = head_offsets(self.widths)
+        cols = np.concatenate([np.arange(off[h], off[h + 1]) for h in idx] or
+                              [np.zeros(0, np.int64)]).astype(np.int64)
+        return CompressedKeys(q=keep_outputs(self.q, cols), k=keep_outputs(self.k, cols),
+                              basis=self.basis[np.asarray(idx, np.int64)],
+                              offset=self.offset[np.asarray(idx, np.int64)],
+                              widths=tuple(self.widths[h] for h in idx), mesh_axis=self.mesh_axis)
+
+    def keep_inputs(self, idx, side):
+        if side not in ("q", "k"):
+            raise ShapeError(f"CompressedKeys.keep_inputs: side must be 'q' or 'k', got {side!r}")
+        q = keep_inputs(self.q, idx) if side == "q" else self.q
+        k = keep_inputs(self.k, idx) if side == "k" else self.k
+        return dataclasses.replace(self, q=q, k=k)
+
+
+CompressedKeys = leaf_dataclass(CompressedKeys, meta=("widths", "mesh_axis"))
+
+
+__all__ = ["CompressedKeys", "Partitioned", "sender_index"]

@@ -82,3 +82,39 @@ def test_bad_inputs():
         pt.key_basis(np.ones((3, 4)), np.ones((3, 4)), method="svd")
     with pytest.raises(ShapeError, match="as many queries as keys"):
         pt.c_qk(np.ones((3, 4)), np.ones((2, 4)), pairs="matched")
+
+
+def test_compress_keys_plan_method():
+    import jax
+
+    import lowrank_jax as lj
+    from lowrank_jax import nn
+    from lowrank_jax.errors import PlanError
+    from lowrank_jax.leaves.partitioned import CompressedKeys
+
+    cfg = nn.AttentionConfig(use_bias=True)
+    params = {"attn": nn.init_attention(jax.random.PRNGKey(0), cfg, d_model=8, num_heads=2)}
+    x = np.random.default_rng(4).normal(size=(3, 5, 8)).astype(np.float32)
+    step = lambda k: lj.Plan((lj.Step("compress_keys", (r"attn/qk$",), {"keys": k}),))  # noqa
+    for num in (1, 4):
+        new, report = lj.apply_plan(params, step(num), inputs={"attn/qk/q": x})
+        ck = new["attn"]["qk"]
+        assert isinstance(ck, CompressedKeys) and ck.num_coefficients == num
+        row = report.row("attn/qk")
+        assert row.kind == "compressed-keys" and row.details["bytes_per_key"] == num * 2 * 4
+        # the basis and the constant are key_basis' on the calibration activations, per head
+        q = np.asarray(lj.linear(params["attn"]["qk"].q, x)).reshape(-1, 2, 4)
+        k = np.asarray(lj.linear(params["attn"]["qk"].k, x)).reshape(-1, 2, 4)
+        logits = np.asarray(lj.attention_logits(ck, x.reshape(1, 15, 8), x.reshape(1, 15, 8)))
+        for h in range(2):
+            b = pt.key_basis(q[:, h], k[:, h])
+            want = b.estimate(q[:, h], b.compress(k[:, h], num), num)
+            np.testing.assert_allclose(logits[0, h], want, rtol=1e-4, atol=1e-4)
+            err = np.abs(q[:, h] @ k[:, h].T - want).mean()
+            assert err <= row.details["bound"][h] + 1e-6  # eq. 134
+    assert row.error < 1e-6  # K = d_head: exact
+    y = nn.apply_attention(dict(params["attn"], qk=ck), x, cfg)
+    want = nn.apply_attention(params["attn"], x, cfg)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), atol=1e-5)
+    with pytest.raises(PlanError, match="estimated from data"):
+        lj.apply_plan(params, step(2))

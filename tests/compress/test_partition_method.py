@@ -34,9 +34,11 @@ def layer():
     params = nn.init_encoder_layer(jax.random.PRNGKey(0), CFG, d_model=D_MODEL,
                                    sizes=nn.LayerSizes(HEADS, D_MODEL // HEADS, D_FF))
     # non-zero biases so that their permutation is checked too
+    rng = np.random.default_rng(7)
+
     def bias(path, n):
         if isinstance(n, lj.Leaf):
-            return n.with_bias(0.1 * jax.random.normal(jax.random.PRNGKey(len(path)), (n.d_out,)))
+            return n.with_bias(jnp.asarray(0.1 * rng.normal(size=n.d_out), jnp.float32))
         return n
     params = lj.map_with_path(bias, params)
     x = np.random.default_rng(0).normal(size=(2, 5, D_MODEL)).astype(np.float32)
@@ -52,8 +54,8 @@ def partitioned(layer):
 def test_full_rank_keeps_the_layer(layer):
     params, x = layer
     full, report = lj.apply_plan(params, plan(rank=1000))  # capped at d* = exact
-    want = nn.apply_encoder_layer(params, x, CFG)
-    got = nn.apply_encoder_layer(full, x, CFG)
+    fn = jax.jit(lambda p, x: nn.apply_encoder_layer(p, x, CFG))
+    want, got = fn(params, x), fn(full, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     for row in report.rows:
         assert row.kind == "partitioned" and row.error < 1e-6

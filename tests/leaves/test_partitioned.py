@@ -104,7 +104,7 @@ def leaf8():
 
 @pytest.mark.parametrize("m", [2, 4, 8])
 def test_shard_map_equals_single_device(m):
-    leaf = random_leaf(m, 3, 2, 2, seed=10 + m)
+    leaf = random_leaf(m, 3, 2, 2, bias=m != 2, seed=10 + m)
     x = np.random.default_rng(m).normal(size=(2, 5, 3 * m)).astype(np.float32)
     single = np.asarray(lj.linear(leaf, x))
     mesh = Mesh(np.array(jax.devices()[:m]), ("model",))
@@ -155,3 +155,73 @@ def test_save_load_round_trip(tmp_path, leaf8):
     back = load_params(tmp_path / "p")["w"]
     assert isinstance(back, Partitioned) and back.mesh_axis == "model"
     np.testing.assert_array_equal(np.asarray(back.recv), np.asarray(leaf8.recv))
+
+
+# -- CompressedKeys: sec. III.A, tokens split over machines ------------------------------------
+
+def compressed_keys(num, *, seed=0):
+    from lowrank_jax.leaves.partitioned import CompressedKeys
+
+    rng = np.random.default_rng(seed)
+    q = lj.Dense(jnp.asarray(rng.normal(size=(12, 8)), jnp.float32),
+                 jnp.asarray(rng.normal(size=8), jnp.float32))
+    k = lj.Dense(jnp.asarray(rng.normal(size=(12, 8)), jnp.float32),
+                 jnp.asarray(rng.normal(size=8), jnp.float32))
+    u = np.stack([np.linalg.qr(rng.normal(size=(4, 4)))[0] for _ in range(2)])  # 2 heads of 4
+    off = rng.normal(size=2) if num < 4 else np.zeros(2)
+    return CompressedKeys(q=q, k=k, basis=jnp.asarray(u[:, :, :num], jnp.float32),
+                          offset=jnp.asarray(off, jnp.float32), widths=(4, 4)), u, off
+
+
+def reference_logits(ck, u, off, num, xq, xk):
+    """(q_h U_h)(k_h U_h)^T + c_h per head (eqs. 123-124), in float64."""
+    q = xq.astype(np.float64) @ np.asarray(ck.q.w, np.float64) + np.asarray(ck.q.b)
+    k = xk.astype(np.float64) @ np.asarray(ck.k.w, np.float64) + np.asarray(ck.k.b)
+    out = []
+    for h in range(2):
+        fq = q[..., 4 * h:4 * h + 4] @ u[h, :, :num]
+        fk = k[..., 4 * h:4 * h + 4] @ u[h, :, :num]
+        out.append(np.einsum("bqk,bsk->bqs", fq, fk) + off[h])
+    return np.stack(out, axis=1)
+
+
+def test_compressed_keys_against_numpy_and_exact_at_full_width():
+    rng = np.random.default_rng(1)
+    xq = rng.normal(size=(2, 4, 12)).astype(np.float32)
+    xk = rng.normal(size=(2, 6, 12)).astype(np.float32)
+    for num in (1, 4):
+        ck, u, off = compressed_keys(num)
+        got = np.asarray(lj.attention_logits(ck, xq, xk))
+        want = reference_logits(ck, u, off, num, xq, xk)
+        assert rel(got, want) <= 1e-5
+        assert ck.score_flops(4, 6) == 4 * 6 * 2 * num + (4 + 6) * 2 * 4 * num
+        joint = np.asarray(ck.joint())
+        for h in range(2):
+            wq = np.asarray(ck.q.w)[:, 4 * h:4 * h + 4] @ u[h, :, :num]
+            wk = np.asarray(ck.k.w)[:, 4 * h:4 * h + 4] @ u[h, :, :num]
+            np.testing.assert_allclose(joint[..., h], wq @ wk.T, rtol=1e-5, atol=1e-5)
+    exact = lj.attention_logits(lj.QueryKey(q=ck.q, k=ck.k, widths=(4, 4)), xq, xk)
+    assert rel(lj.attention_logits(ck, xq, xk), exact) <= 1e-5  # K = d_head: exact
+    one = ck.keep_heads([1])
+    assert rel(lj.attention_logits(one, xq, xk), np.asarray(exact)[:, 1:]) <= 1e-5
+    with pytest.raises(ShapeError, match="basis"):
+        type(ck)(q=ck.q, k=ck.k, basis=ck.basis[:, :3], offset=ck.offset, widths=(4, 4))
+
+
+def test_compressed_keys_split_tokens_over_machines():
+    ck, _, _ = compressed_keys(2)
+    x = np.random.default_rng(2).normal(size=(2, 8, 12)).astype(np.float32)
+    single = np.asarray(lj.attention_logits(ck, x, x))
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    from lowrank_jax.compress.partition import collective_bytes
+
+    fn = jax.jit(lambda c, x: lj.attention_logits(c, x, x))
+    with jax.set_mesh(mesh):
+        xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+        got = fn(ck, xs)
+        cols = collective_bytes(fn.lower(ck, xs).compile())
+    assert rel(got, single) <= 1e-5
+    assert tuple(got.sharding.spec) == ("data", None, "model")  # rows: this machine's queries
+    # one all-gather: K = 2 numbers per key per head, 2 of the 8 keys of 1 sequence per device
+    assert [c.kind for c in cols] == ["all-gather"]
+    assert cols[0].bytes == 1 * 2 * 2 * 2 * 4 and cols[0].group_size == 4

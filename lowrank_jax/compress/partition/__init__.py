@@ -17,7 +17,8 @@ on a mesh); this package decides and measures it:
   PCA, eqs. 123-136);
 * :mod:`.hlo` -- :func:`collective_bytes`: every collective of a compiled program with its
   bytes;
-* :mod:`.method` -- the ``partition`` plan method.
+* :mod:`.method` -- the ``partition`` plan method; :mod:`.keys_method` -- the
+  ``compress_keys`` plan method (:class:`~lowrank_jax.leaves.partitioned.CompressedKeys`).
 """
 
 from lowrank_jax.compress.partition import counts
@@ -50,11 +51,13 @@ from lowrank_jax.compress.partition.keys import (
     key_basis,
     relative_logit_errors,
 )
+from lowrank_jax.compress.partition.keys_method import compress_keys
 from lowrank_jax.compress.partition.method import partition, partition_weights
 
 __all__ = [
     "ASSIGNMENTS", "Collective", "Decomposition", "KeyBasis", "algorithm1", "algorithm1_literal",
     "assign", "assignment_objective", "block_energy", "c_k", "c_qk", "collective_bytes",
+    "compress_keys",
     "contiguous_assignment", "counts", "decompose", "error_terms", "format_collectives",
     "full_svd_matrix", "key_basis", "lp_assignment", "machine_order", "machine_traces",
     "partition", "partition_weights", "rank_for_eps", "relative_logit_errors", "relative_output_errors",
