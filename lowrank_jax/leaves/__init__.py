@@ -33,7 +33,7 @@ from lowrank_jax.leaves.masked_binary import (
     keep_count,
     top_mask,
 )
-from lowrank_jax.leaves.partitioned import Partitioned
+from lowrank_jax.leaves.partitioned import CompressedKeys, Partitioned
 from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey, augmented_joint
 from lowrank_jax.leaves.query_key import QK, QueryKey, attention_logits
 from lowrank_jax.leaves.sharding import mesh_shardings, partition_specs
@@ -56,7 +56,8 @@ from lowrank_jax.leaves.tree import (
 __all__ = [
     "BTDQueryKey", "CPQueryKey", "augmented_joint",
     "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
-    "MaskedBinary", "Partitioned", "QueryKey", "array_bits", "array_size", "attention_logits", "bias_of",
+    "CompressedKeys", "Partitioned",
+    "MaskedBinary", "QueryKey", "array_bits", "array_size", "attention_logits", "bias_of",
     "check_bias", "check_tokens", "combine", "data_fields", "flops", "get_path", "head_offsets",
     "init_dense", "init_head_lowrank", "init_lowrank", "init_masked_binary", "is_leaf",
     "is_dense", "is_uniform", "keep_count", "keep_inputs", "keep_outputs", "layer_index", "leaf_dataclass",
