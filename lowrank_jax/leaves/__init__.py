@@ -22,10 +22,24 @@ from lowrank_jax.leaves.base import (
     require_leaf,
     slice_bias,
 )
+from lowrank_jax.leaves.channel_masked import (
+    ChannelMasked,
+    ChannelPruned,
+    channel_masks,
+    count_rows,
+    is_channel_masked,
+    kept_counts,
+    mask_leaf,
+    mask_partition,
+    pruned_leaf,
+    unmask,
+    with_channel_masks,
+)
 from lowrank_jax.leaves.dense import Dense, LowRank, is_dense
 from lowrank_jax.leaves.head_lowrank import HeadLowRank
 from lowrank_jax.leaves.heads import HeadLayout, head_offsets, is_uniform, merge_heads, split_heads
 from lowrank_jax.leaves.init import init_dense, init_head_lowrank, init_lowrank
+from lowrank_jax.leaves.lora import LoRA, add_lora, init_lora, is_lora, merge_lora
 from lowrank_jax.leaves.masked_binary import (
     FrozenBinary,
     MaskedBinary,
@@ -54,6 +68,9 @@ from lowrank_jax.leaves.tree import (
 )
 
 __all__ = [
+    "ChannelMasked", "ChannelPruned", "LoRA", "add_lora", "channel_masks", "count_rows",
+    "init_lora", "is_channel_masked", "is_lora", "kept_counts", "mask_leaf", "mask_partition",
+    "merge_lora", "pruned_leaf", "unmask", "with_channel_masks",
     "BTDQueryKey", "CPQueryKey", "augmented_joint",
     "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
     "CompressedKeys", "Partitioned",
