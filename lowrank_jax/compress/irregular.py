@@ -208,7 +208,7 @@ def select_rank(qk: str, flops_ratio: float, *, n_tokens: int, d_model: int, num
     kw = dict(n_tokens=n_tokens, d_model=d_model, num_heads=num_heads, d_head=d_head,
               vo_rank=vo_rank, d_kv_in=d_kv_in, d_out=d_out)
     if before is None:
-        before = attention_macs("dense", **kw)["total"]
+        before = attention_macs("dense", **{**kw, "vo_rank": None})["total"]
     if max_rank is None:
         max_rank = d_head if qk == "truncatt" else (d_model + 1) * ((d_kv_in or d_model) + 1)
     lo = 1 if qk == "cp" else 0
@@ -287,10 +287,11 @@ def query_key_from_slices(y_aug: np.ndarray, ranks: Sequence[int], *, dtype=jnp.
     return qk, (math.sqrt(tail) / norm if norm > 0 else 0.0)
 
 
-def numerical_ranks(y_aug: np.ndarray, *, rtol: float = 1e-10) -> list[int]:
+def numerical_ranks(y_aug: np.ndarray, *, rtol: float = 1e-10, svds=None) -> list[int]:
     """Rank of every slice of a float64 tensor: singular values above ``rtol`` times the
-    largest of the whole tensor."""
-    svs = [np.linalg.svd(y_aug[:, :, h], compute_uv=False) for h in range(y_aug.shape[2])]
+    largest of the whole tensor (``svds``: the slices' SVDs if already computed)."""
+    svs = ([np.linalg.svd(y_aug[:, :, h], compute_uv=False) for h in range(y_aug.shape[2])]
+           if svds is None else [s for _, s, _ in svds])
     top = max((float(s[0]) for s in svs if s.size), default=0.0)
     return [int(np.sum(s > rtol * top)) if top > 0 else 0 for s in svs]
 
@@ -497,7 +498,7 @@ def truncatt(params, selection, settings, ctx):
         qb, kb = _bias_rows(y)
         core = _core(y, qb, kb)
         svds = _slice_svds(core)
-        caps = numerical_ranks(core)
+        caps = numerical_ranks(core, svds=svds)
         rank, info = _target("truncatt", sel, params, s, max(caps, default=0))
         # a slice has no more than its numerical rank (at most d_head) to keep
         ranks = [min(r, c) for r, c in zip(_per_head(rank, qk.num_heads, f"{sel.path}: rank"),
@@ -651,7 +652,7 @@ def truncatt_vo(params, selection, settings, ctx):
     head layout change with them. Head ``h`` keeps ``r_h`` singular triplets of the
     ``[d_kv_in, d_out]`` product (at most its value width: the product has no higher rank):
     ``v_h = U sqrt(S)``, ``o_h = sqrt(S) V^T``. The value bias is folded into the output bias
-    (exact because softmax rows sum to one). Rows: one for ``v`` and one for ``o``; ``error``
+    (exact because softmax rows sum to one; the value leaf keeps a zero bias). Rows: one for ``v`` and one for ``o``; ``error``
     is ``||Y - Y_r||_F / ||Y||_F`` over all heads' products.
 
     Args:
@@ -692,7 +693,10 @@ def truncatt_vo(params, selection, settings, ctx):
             b_out = np.zeros(wo.shape[1]) if bo is None else np.asarray(bo, np.float64)
             if bv is not None:
                 b_out = b_out + np.asarray(bv, np.float64) @ wo
-        nv = Dense(w=jnp.asarray(np.concatenate(vs, axis=1), dtype))
+        # the value bias now lives in the output bias; a zero one keeps the tree's structure
+        # (checkpoints with value biases expect one)
+        nv = Dense(w=jnp.asarray(np.concatenate(vs, axis=1), dtype),
+                   b=None if bv is None else jnp.zeros((sum(widths),), dtype))
         no = Dense(w=jnp.asarray(np.concatenate(os_, axis=0), dtype),
                    b=None if b_out is None else jnp.asarray(b_out, dtype))
         layout = HeadLayout(ids=heads.ids, v=tuple(widths), scale=heads.scale)
