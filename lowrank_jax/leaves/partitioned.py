@@ -80,9 +80,11 @@ def sender_index(machines: np.ndarray, num_machines: int) -> np.ndarray:
 def _received(every: Array, first, k: int) -> Array:
     """``[..., M, r]`` (every machine's message) -> ``[..., k, M - 1, r]``: for each of the
     ``k`` machines ``first, ..., first + k - 1`` held here, the messages of the others in
-    :func:`sender_index` order. Contiguous slices of ``[every, every]`` (no gather: the
-    partitioner keeps the batch dimensions sharded through them)."""
+    :func:`sender_index` order. A static ``first`` (one device) is one gather; a traced one
+    (the device's index under ``shard_map``) takes contiguous slices of ``[every, every]``."""
     m = every.shape[-2]
+    if isinstance(first, (int, np.integer)):  # one device: a static gather (fewer, larger ops)
+        return every[..., sender_index(np.arange(first, first + k), m), :]
     twice = jnp.concatenate([every, every], axis=-2)
     return jnp.stack([jax.lax.dynamic_slice_in_dim(twice, (first + j + 1) % m, m - 1,
                                                    axis=twice.ndim - 2)
