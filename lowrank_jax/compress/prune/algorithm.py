@@ -1,0 +1,255 @@
+"""Progressive global pruning ("Less is More", Algorithm 1).
+
+"Less is More: Unlocking Specialization of Time Series Foundation Models via Structured
+Pruning" (arXiv:2505.23195), sec. 4.3 and Algorithm 1: for each batch ``j = 1..B``, forecast
+with the current masks, compute the importance of every channel (eq. 6, per-sample gradients
+averaged over the batch), update its EMA, and remove the ``K`` channels with the lowest EMA
+among those still alive, ranked *globally* across all layers. The input and the output
+channels of every weight are pruning units of their own (sec. 4.1).
+
+**Schedule for K.** The paper removes a fixed "pruning ratio per epoch" (App. A.2, Table 6)
+and states the target only as the fraction of parameters left. Here the target is a fraction of
+the prunable parameters (or of their FLOPs) to remove, and batch ``j`` removes as many of the
+lowest-EMA units as it takes for the *measured* removed fraction (of the physically pruned
+model: dependency groups included, :class:`~lowrank_jax.compress.prune.structure.Structure`)
+to reach the scheduled fraction
+
+* ``'cubic'`` (default): ``f_j = target (1 - (1 - j/B)^3)`` (the gradual schedule of Zhu &
+  Gupta, "To prune, or not to prune", 2017): ``K`` is large on the first batches and shrinks
+  as the model gets smaller, so the last removals are made with the best EMA estimates;
+* ``'linear'``: ``f_j = target j / B`` (about the same number of parameters per batch, the
+  paper's fixed ratio per epoch).
+
+``K_j`` is the smallest number of units that reaches ``f_j`` (found by bisection, since the
+measured fraction only grows with the units removed); it is recorded in the history. After
+batch ``B`` the target is reached exactly up to one unit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Iterable
+
+import jax
+import numpy as np
+
+from lowrank_jax.compress.prune.importance import make_scorer, mask_paths
+from lowrank_jax.compress.prune.structure import Removal, Structure
+from lowrank_jax.errors import ConfigError
+from lowrank_jax.leaves.channel_masked import mask_partition, with_channel_masks
+
+SCHEDULES = ("cubic", "linear")
+MEASURES = ("params", "flops")
+
+
+def scheduled_fraction(step: int, steps: int, target: float, schedule: str = "cubic") -> float:
+    """The removed fraction to reach after batch ``step`` of ``steps`` (module docstring).
+
+    Args:
+      step: batch number, ``1..steps``.
+      steps: number of pruning batches ``B``.
+      target: the final fraction to remove.
+      schedule: ``'cubic'`` or ``'linear'``.
+    """
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"prune: schedule must be one of {SCHEDULES}, got {schedule!r}",
+                          where="schedule", expected=SCHEDULES, actual=schedule)
+    t = min(max(step / steps, 0.0), 1.0)
+    if schedule == "linear":
+        return target * t
+    return target * (1.0 - (1.0 - t) ** 3)
+
+
+@dataclasses.dataclass
+class PruneResult:
+    """What :func:`progressive_prune` did.
+
+    Fields:
+      params: the tree with its final masks (still masked: :func:`remove_masked` makes it
+        smaller).
+      structure: the dependency structure of the masked weights.
+      removal: what physical removal keeps under the final masks.
+      params_fraction, flops_fraction: removed fractions of the prunable parameters and of
+        their FLOPs per sample (FLOPs only with token counts).
+      history: one dict per batch: ``step``, ``loss`` (mean per-sample loss with the masks the
+        batch was scored with), ``k`` (units removed), ``scheduled``, ``params_fraction``,
+        ``flops_fraction``, ``removed`` (``[mask path, unit]`` of every unit removed, lowest
+        EMA first).
+      ema: ``{mask path: EMA of the unit scores}``.
+      alive: ``{mask path: bool per unit}``.
+    """
+
+    params: Any
+    structure: Structure
+    removal: Removal
+    params_fraction: float
+    flops_fraction: float
+    history: list
+    ema: dict
+    alive: dict
+
+
+def _check(target, steps, alpha, by) -> None:
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target < 1:
+        raise ConfigError(f"prune: target must be a fraction in [0, 1), got {target!r}",
+                          where="target", expected="[0, 1)", actual=target)
+    if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
+        raise ConfigError(f"prune: steps (pruning batches) must be an int >= 1, got {steps!r}",
+                          where="steps", expected="int >= 1", actual=steps)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= 1:
+        raise ConfigError(f"prune: alpha (EMA coefficient) must be in (0, 1], got {alpha!r}",
+                          where="alpha", expected="(0, 1]", actual=alpha)
+    if by not in MEASURES:
+        raise ConfigError(f"prune: by must be one of {MEASURES}, got {by!r}", where="by",
+                          expected=MEASURES, actual=by)
+
+
+class _Units:
+    """Pruning units: every mask array split into units of its granularity, flattened."""
+
+    def __init__(self, struct: Structure, paths: list[str]):
+        self.paths = paths
+        self.owner, self.side, self.size, self.count = [], [], [], []
+        for p in paths:
+            weight, side = p.rsplit("/", 1)
+            g_in, g_out = struct.granularity(weight)
+            d_in, d_out = struct.members[weight].shape
+            g, d = (g_in, d_in) if side == "m_in" else (g_out, d_out)
+            self.owner.append(weight)
+            self.side.append(side)
+            self.size.append(g)
+            self.count.append(d // g)
+        self.offsets = np.concatenate([[0], np.cumsum(self.count)]).astype(np.int64)
+        self.total = int(self.offsets[-1])
+
+    def split(self, flat: np.ndarray) -> list[np.ndarray]:
+        return [flat[self.offsets[i]:self.offsets[i + 1]] for i in range(len(self.paths))]
+
+    def keep(self, alive: np.ndarray) -> dict[str, list]:
+        out: dict[str, list] = {}
+        for i, a in enumerate(self.split(alive)):
+            pair = out.setdefault(self.owner[i], [None, None])
+            pair[0 if self.side[i] == "m_in" else 1] = np.repeat(a, self.size[i])
+        return out
+
+    def label(self, u: int) -> list:
+        i = int(np.searchsorted(self.offsets, u, side="right") - 1)
+        return [self.paths[i], int(u - self.offsets[i])]
+
+
+def progressive_prune(params: Any, loss_fn: Callable, batches: Callable[[int], dict] | Iterable,
+                      *, target: float, steps: int, by: str = "params", alpha: float = 0.5,
+                      schedule: str = "cubic", tokens: dict | None = None, config: Any = None,
+                      key=None, progress: bool = False,
+                      callback: Callable[[dict], None] | None = None) -> PruneResult:
+    """"Less is More", Algorithm 1 (pruning part): progressive global pruning of masked weights.
+
+    Args:
+      params: a tree whose weights to prune are :class:`~lowrank_jax.leaves.ChannelMasked`
+        (:func:`~lowrank_jax.compress.prune.add_channel_masks`); masks already at 0 stay
+        removed.
+      loss_fn: ``loss_fn(params, batch, key) -> (loss, aux)``, the mean of per-sample losses
+        (a family's default loss).
+      batches: ``batches(j) -> batch`` for ``j = 0..steps-1``, or an iterable of batches
+        (dicts of ``[N, ...]`` arrays; fixed shapes compile once).
+      target: fraction of the prunable parameters (``by='params'``) or FLOPs (``by='flops'``)
+        to remove, in ``[0, 1)``. The prunable weights are the masked ones and their
+        partners in attention and MLP blocks.
+      steps: number of pruning batches ``B``.
+      by: ``'params'`` or ``'flops'`` (needs ``tokens``).
+      alpha: EMA coefficient (the paper tunes it in ``{0.1, ..., 0.8}``, Table 6).
+      schedule: ``'cubic'`` or ``'linear'`` (module docstring).
+      tokens: ``{path: rows per sample}`` (:func:`~lowrank_jax.leaves.count_rows` on one
+        sample) for FLOP counts.
+      config: the model config (refuses fixed Q/K/V activation masks on attention).
+      key: PRNG key passed to the loss (default ``PRNGKey(0)``).
+      progress: show a progress bar.
+      callback: called with each history entry.
+
+    Returns:
+      A :class:`PruneResult`.
+    """
+    _check(target, steps, alpha, by)
+    if by == "flops" and tokens is None:
+        raise ConfigError("prune: by='flops' needs token counts (tokens=count_rows(...))",
+                          where="tokens", expected="{path: rows}", actual=None)
+    struct = Structure(params, tokens=tokens, config=config)
+    masks, rest = mask_partition(params)
+    paths = mask_paths(masks)
+    units = _Units(struct, paths)
+    scorer = make_scorer(loss_fn, units.size)
+    key = jax.random.PRNGKey(0) if key is None else key
+    # masks already at zero (a model pruned before) stay removed
+    start = [np.asarray(m).reshape(-1, g).any(1)
+             for m, g in zip(jax.tree_util.tree_leaves(masks), units.size, strict=True)]
+    alive = np.concatenate(start) if start else np.zeros(0, bool)
+    ema_flat = np.zeros(units.total, np.float64)
+    measure = 0 if by == "params" else 1
+
+    def fractions(alive_now: np.ndarray) -> tuple[Removal, float, float]:
+        removal = struct.removal(units.keep(alive_now))
+        fp, ff = struct.fractions(removal)
+        return removal, fp, ff
+
+    it = None if callable(batches) else iter(batches)
+    history = []
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="prune", unit="batch", leave=False)
+    try:
+        for j in range(1, steps + 1):
+            batch = batches(j - 1) if it is None else next(it)
+            scores, loss = scorer(masks, rest, batch, key)
+            if not math.isfinite(float(loss)):
+                raise ConfigError(f"prune: the loss of pruning batch {j} is {float(loss)}; check "
+                                  "the data and the model", where=f"batch {j}",
+                                  expected="a finite loss", actual=float(loss))
+            s = np.concatenate([np.asarray(x, np.float64) for x in scores])
+            ema_flat = alpha * s + (1.0 - alpha) * ema_flat
+            goal = scheduled_fraction(j, steps, float(target), schedule)
+            idx = np.flatnonzero(alive)
+            order = idx[np.argsort(ema_flat[idx], kind="stable")]
+
+            def reached(k: int, order=order, goal=goal) -> bool:
+                trial = alive.copy()
+                trial[order[:k]] = False
+                return fractions(trial)[1 + measure] >= goal - 1e-12
+
+            lo, hi = 0, order.size
+            if not reached(hi):
+                lo = hi  # the goal cannot be reached: remove everything that is left
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if reached(mid):
+                    hi = mid
+                else:
+                    lo = mid + 1
+            k = lo
+            alive[order[:k]] = False
+            removal, fp, ff = fractions(alive)
+            keep = units.keep(alive)
+            params = with_channel_masks(params, {p: (a, b) for p, (a, b) in keep.items()})
+            masks, rest = mask_partition(params)
+            entry = {"step": j, "loss": float(loss), "k": int(k), "scheduled": goal,
+                     "params_fraction": fp, "flops_fraction": ff,
+                     "removed": [units.label(u) for u in order[:k]]}
+            history.append(entry)
+            if callback is not None:
+                callback(entry)
+            if bar is not None:
+                bar.update(1)
+                bar.set_postfix(loss=f"{float(loss):.4f}", removed=f"{fp if not measure else ff:.3f}")
+    finally:
+        if bar is not None:
+            bar.close()
+    removal, fp, ff = fractions(alive)
+    return PruneResult(params=params, structure=struct, removal=removal, params_fraction=fp,
+                       flops_fraction=ff, history=history,
+                       ema=dict(zip(paths, units.split(ema_flat), strict=True)),
+                       alive=dict(zip(paths, units.split(alive), strict=True)))
+
+
+__all__ = ["MEASURES", "PruneResult", "SCHEDULES", "progressive_prune", "scheduled_fraction"]
