@@ -30,6 +30,9 @@ diagonal blocks, the ``r`` numbers each machine sends (eq. 29; the paper's eqs. 
 them out, its eq. 46 counts them for the baseline) and the received low-rank products. This is
 the paper's ``N_2`` (eq. 59). Parameters: ``d_in d_out / M + r d_in + (M - 1) r d_out + d_out``
 with a bias, the paper's eq. 43.
+
+:class:`CompressedKeys` is the paper's sec. III.A for attention: a query-key object whose
+tokens are split over the machines, each machine sending ``K`` numbers per key and head.
 """
 
 from __future__ import annotations

@@ -21,6 +21,8 @@ Every selected weight becomes a :class:`~lowrank_jax.leaves.partitioned.Partitio
   boundaries), so the per-head logits, softmax and weighted values need no communication.
   ``q``, ``k``, ``v`` read the residual partition and write the machine's heads; ``o`` reads
   the heads and writes the residual partition. (Assigning heads by Algorithm 1 is not done.)
+  The paper's own attention scheme, tokens split over machines with compressed keys, is the
+  ``compress_keys`` method (:mod:`.keys_method`).
 * **Any other weight**: both sides in contiguous blocks, the order kept (its consumer is not
   partitioned with it).
 
