@@ -49,6 +49,7 @@ plans with no library change.
 """
 
 from lowrank_jax.compress import partition  # the partition method (registers it)
+from lowrank_jax.compress import prune as prune  # the prune and lora methods (registers them)
 from lowrank_jax.compress.evaluate import compare_models, sample_inputs, top_k_jaccard
 from lowrank_jax.compress.factorize import factorize_init, reuse_weights
 from lowrank_jax.compress.irregular import (  # truncatt, cp, btd, truncatt_vo (registers them)
@@ -95,6 +96,6 @@ __all__ = [
     "attention_blocks", "compare_models", "compare_truncations", "compress", "eps_sweep",
     "factorize_init", "get_method", "head_rank_sweep", "head_truncated_svd",
     "interpolation_schedule", "normalize_rules", "partition", "power_schedule", "project_inputs",
-    "register_method", "registered_methods", "reuse_weights", "sample_inputs", "select",
+    "prune", "register_method", "registered_methods", "reuse_weights", "sample_inputs", "select",
     "top_k_jaccard", "truncated_svd", "uniform_schedule", "validate_plan",
 ]
