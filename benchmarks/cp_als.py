@@ -1,0 +1,152 @@
+"""Seconds per CP-ALS iteration: ``lowrank_jax.decomp.cp_als`` against tensorly's ``parafac``.
+
+Both decompose the same tensor from the same initial factors (``lowrank_jax.decomp.init_cp``
+with ``init='svd'``, handed to tensorly as ``init=(weights, factors)`` in float64) for the same
+number of iterations (``tol=0``), and both compute the relative error every iteration.
+lowrank_jax runs in float32 (jit-compiled; the compile is excluded by a warm-up call with the
+same shapes), tensorly with its NumPy backend in float64. Runs are interleaved (ours, then
+tensorly's, ``--runs`` times) and the medians reported. Goal: faster than tensorly with the same
+final relative error to 1e-4.
+
+The tensors are query-key tensors of "Vision Transformer with Irregular Attention" with the bias
+row and column (``augmented_joint``): ``385 x 385 x 6`` (DeiT-S: d = 384, 6 heads) at rank 96
+and ``769 x 769 x 12`` (DeiT-B) at rank 168. No pretrained DeiT can be downloaded here, so the
+attention weights are random (every slice then has rank 64, as a trained one does).
+
+Usage::
+
+    python benchmarks/cp_als.py --json cp_als.json           # both sizes
+    python benchmarks/cp_als.py --quick                      # DeiT-S size, few iterations
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+
+try:
+    import lowrank_jax as lj
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import lowrank_jax as lj
+
+from lowrank_jax import nn  # noqa: E402
+from lowrank_jax.decomp import cp_als, cp_to_tensor, init_cp  # noqa: E402
+from lowrank_jax.leaves import Dense, QueryKey, augmented_joint  # noqa: E402
+
+CASES = {"deit-s": (384, 6, 96), "deit-b": (768, 12, 168)}
+# default (iterations, runs) per case: tensorly takes seconds per iteration here
+DEFAULTS = {"deit-s": (10, 3), "deit-b": (4, 2)}
+
+
+def qk_tensor(d_model: int, heads: int, seed: int = 0) -> np.ndarray:
+    """The augmented query-key tensor of a random biased attention block, float64."""
+    cfg = nn.AttentionConfig(use_bias=True)
+    p = nn.init_attention(jax.random.PRNGKey(seed), cfg, d_model=d_model, num_heads=heads)
+    rng = np.random.default_rng(seed)
+
+    def with_bias(leaf):
+        return Dense(w=leaf.w, b=jnp.asarray(0.1 * rng.normal(size=leaf.d_out), jnp.float32))
+
+    qk = QueryKey(q=with_bias(p["qk"].q), k=with_bias(p["qk"].k), widths=p["qk"].widths)
+    return augmented_joint(qk)
+
+
+def run_case(name: str, iters: int, runs: int) -> dict:
+    import tensorly as tl
+    from tensorly.decomposition import parafac
+
+    d, heads, rank = CASES[name]
+    t64 = qk_tensor(d, heads)
+    t32 = jnp.asarray(t64, jnp.float32)
+    _, init = init_cp(t32, rank)  # SVD initialisation (the third mode is padded randomly)
+    init64 = [np.asarray(f, np.float64) for f in init]
+
+    def ours():
+        res = cp_als(t32, rank, init=(None, init), n_iter_max=iters, tol=0.0)
+        jax.block_until_ready(res.errors)
+        return res
+
+    def theirs():
+        return parafac(t64, rank, init=(np.ones(rank), [f.copy() for f in init64]),
+                       n_iter_max=iters, tol=0, return_errors=True)
+
+    ours()  # compile
+    t_ours, t_theirs = [], []
+    res = ref = None
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        res = ours()
+        t_ours.append((time.perf_counter() - t0) / iters)
+        t0 = time.perf_counter()
+        ref = theirs()
+        t_theirs.append((time.perf_counter() - t0) / iters)
+    (_, ref_factors), ref_errors = ref
+    err_ours = float(res.errors[iters - 1])
+    err_theirs = float(ref_errors[-1])
+    # the reported errors, checked against the factors (NumPy, float64)
+    rec = np.asarray(cp_to_tensor(None, [np.asarray(f, np.float64) for f in res.factors]))
+    err_check = float(np.linalg.norm(t64 - rec) / np.linalg.norm(t64))
+    err_ref_check = float(np.linalg.norm(t64 - tl.cp_to_tensor((np.ones(rank), ref_factors))) /
+                          np.linalg.norm(t64))
+    so, st = statistics.median(t_ours), statistics.median(t_theirs)
+    return {
+        "case": name, "shape": list(t64.shape), "rank": rank, "iterations": iters, "runs": runs,
+        "seconds_per_iter_lowrank_jax": so, "seconds_per_iter_tensorly": st,
+        "speedup": st / so,
+        "final_error_lowrank_jax": err_ours, "final_error_tensorly": err_theirs,
+        "error_difference": abs(err_ours - err_theirs),
+        "final_error_lowrank_jax_recomputed": err_check,
+        "final_error_tensorly_recomputed": err_ref_check,
+        "dtype_lowrank_jax": "float32", "dtype_tensorly": "float64",
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="DeiT-S size only, 5 iterations, 1 run")
+    ap.add_argument("--iters", type=int, help="ALS iterations per run (default: 10 for "
+                                               "deit-s, 4 for deit-b)")
+    ap.add_argument("--runs", type=int, help="interleaved runs, medians reported (default: 3 "
+                                              "for deit-s, 2 for deit-b)")
+    ap.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES))
+    args = ap.parse_args(argv)
+    if args.quick:
+        plan = [("deit-s", 5, 1)]
+    else:
+        plan = [(c, args.iters or DEFAULTS[c][0], args.runs or DEFAULTS[c][1]) for c in args.cases]
+    before = cpu_snapshot()
+    rows = [run_case(c, iters, runs) for c, iters, runs in plan]
+    load = other_load(before, cpu_snapshot())
+    head = (f"{'case':8} {'shape':>14} {'R':>4} {'ours s/it':>10} {'tensorly s/it':>14} "
+            f"{'speedup':>8} {'err ours':>10} {'err tensorly':>13} {'|diff|':>9}")
+    print(head)
+    for r in rows:
+        print(f"{r['case']:8} {'x'.join(map(str, r['shape'])):>14} {r['rank']:>4} "
+              f"{r['seconds_per_iter_lowrank_jax']:>10.4f} {r['seconds_per_iter_tensorly']:>14.4f} "
+              f"{r['speedup']:>8.2f} {r['final_error_lowrank_jax']:>10.6f} "
+              f"{r['final_error_tensorly']:>13.6f} {r['error_difference']:>9.2e}")
+    if load is not None:
+        print(f"other processes used {100 * load:.0f}% of the machine's CPU during the run")
+    out = {"rows": rows, "other_load": load, "machine": platform.platform(),
+           "cpus": os.cpu_count(), "jax": jax.__version__, "lowrank_jax": lj.__version__,
+           "command": " ".join(sys.argv)}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
