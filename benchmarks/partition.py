@@ -16,10 +16,10 @@ Thill & Divsalar) at CPU scale, on 8 simulated devices.
 3. **Bytes per token** read from the compiled HLO (``collective_bytes``) next to the formula
    ``r`` float32 numbers per machine per token per layer (eq. 34), for the digits layer at every
    ``r`` and for every collective of a partitioned encoder layer.
-4. **Time** of the partitioned hidden layer on 8 simulated devices (``shard_map``) against the
-   same leaf on one device and the dense layer, interleaved, median of ``--runs``. Simulated
-   devices share the same CPU cores, so this measures the overhead of the exchange, not a
-   speed-up.
+4. **Time** of the partitioned digits layer (64 x 64, r = 2) and of a random 768 x 768 layer
+   (r = 16) on 8 simulated devices (``shard_map``) against the same leaf on one device and the
+   dense layer, interleaved, median of ``--runs``. Simulated devices share the same CPU cores,
+   so this measures the overhead of the exchange, not a speed-up.
 
 Usage::
 
@@ -244,11 +244,13 @@ def encoder_collectives(rank: int) -> dict:
                        "x 4 bytes"}
 
 
-def timing(params, rank: int, tokens: int, runs: int) -> dict:
-    w = lj.materialize_host(params["mlp"]["wi"])
+def timing(w: np.ndarray, rank: int, tokens: int, runs: int) -> dict:
+    """Median ms of the dense layer, the partitioned leaf on one device and on 8 simulated
+    devices, interleaved."""
     leaf = pt.decompose(w, M).leaf(rank)
     dense = lj.Dense(jnp.asarray(w, jnp.float32))
-    x = jnp.asarray(np.random.default_rng(0).random((tokens, 64)), jnp.float32)
+    d = w.shape[0]
+    x = jnp.asarray(np.random.default_rng(0).random((tokens, d)), jnp.float32)
     mesh = Mesh(np.array(jax.devices()[:M]), ("model",))
     single = jax.jit(lj.linear)
     with jax.set_mesh(mesh):
@@ -268,7 +270,7 @@ def timing(params, rank: int, tokens: int, runs: int) -> dict:
             times[k].append(time.perf_counter() - t0)
     load = other_load(before, cpu_snapshot())
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    return {"rank": rank, "tokens": tokens, "runs": runs, "median_ms": med,
+    return {"d": d, "rank": rank, "tokens": tokens, "runs": runs, "median_ms": med,
             "ratio_8_devices_to_1": med["partitioned_8_devices"] / med["partitioned_1_device"],
             "ratio_1_device_to_dense": med["partitioned_1_device"] / med["dense"],
             "flop_ratio_to_dense": leaf.flops(1) / dense.flops(1), "other_load": load}
@@ -319,17 +321,21 @@ def main(argv=None) -> dict:
     for c in enc["collectives"]:
         print(f"  {c['kind']:<11} {str(c['result']):<18} group {c['group']}  "
               f"{c['bytes_per_token']:g} B/token  ({c['formula']})")
-    tm = timing(params, rank=2, tokens=4096, runs=runs)
-    load = "n/a" if tm["other_load"] is None else f"{100 * tm['other_load']:.0f}%"
-    print(f"\n# time, 4096 tokens, r = 2, median of {runs} interleaved runs (other load {load}): "
-          + ", ".join(f"{k} {v:.3f} ms" for k, v in tm["median_ms"].items())
-          + f"; 8 devices / 1 device {tm['ratio_8_devices_to_1']:.2f}, 1 device / dense "
-          f"{tm['ratio_1_device_to_dense']:.2f} (FLOP ratio {tm['flop_ratio_to_dense']:.3f})")
+    w768 = np.random.default_rng(1).normal(size=(768, 768)) / np.sqrt(768)
+    tms = [timing(lj.materialize_host(params["mlp"]["wi"]), 2, 4096, runs),
+           timing(w768, 16, 512 if args.quick else 2048, runs)]
+    print(f"\n# time, median of {runs} interleaved runs (8 simulated devices share the CPU cores)")
+    for tm in tms:
+        load = "n/a" if tm["other_load"] is None else f"{100 * tm['other_load']:.0f}%"
+        print(f"  d {tm['d']}, r {tm['rank']}, {tm['tokens']} tokens (other load {load}): "
+              + ", ".join(f"{k} {v:.3f} ms" for k, v in tm["median_ms"].items())
+              + f"; 8 devices / 1 device {tm['ratio_8_devices_to_1']:.2f}, 1 device / dense "
+              f"{tm['ratio_1_device_to_dense']:.2f} (FLOP ratio {tm['flop_ratio_to_dense']:.3f})")
     setup = {"jax": jax.__version__, "devices": len(jax.devices()), "cpu_count": os.cpu_count(),
              "machine": platform.processor() or platform.machine(), "quick": args.quick,
              "train_steps": steps, "seconds": time.time() - t0}
     result = {"setup": setup, "mlp": mlp, "keys": keys, "bytes": bytes_rows, "encoder": enc,
-              "time": tm}
+              "time": tms}
     print(f"# {setup['seconds']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
