@@ -61,6 +61,16 @@ from lowrank_jax.leaves.tree import map_with_path, named_leaves, partition
 # ---------------------------------------------------------------------------------------------
 # The masked leaf (eq. 4).
 
+def rebuild(node: Any, **children: Any) -> Any:
+    """``node`` with some children replaced, rebuilt through its pytree definition (not its
+    constructor, whose checks need arrays): for trees of bools such as :meth:`Leaf.trainable`."""
+    from lowrank_jax.leaves.base import data_fields
+
+    _, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda c: c is not node)
+    return jax.tree_util.tree_unflatten(
+        treedef, [children.get(f, getattr(node, f)) for f in data_fields(node)])
+
+
 class ChannelMasked(Leaf):
     """A weight leaf with an input and an output channel mask ("Less is More", eq. 4).
 
@@ -119,7 +129,7 @@ class ChannelMasked(Leaf):
         return self.base.flops(n_tokens)
 
     def trainable(self) -> "ChannelMasked":
-        return dataclasses.replace(self, base=self.base.trainable(), m_in=False, m_out=False)
+        return rebuild(self, base=self.base.trainable(), m_in=False, m_out=False)
 
     @property
     def bias(self):
@@ -234,7 +244,7 @@ class ChannelPruned(Leaf):
         return self.base.flops(n_tokens)
 
     def trainable(self) -> "ChannelPruned":
-        return dataclasses.replace(self, base=self.base.trainable())
+        return rebuild(self, base=self.base.trainable())
 
     @property
     def bias(self):
@@ -369,10 +379,8 @@ def mask_selector(tree: Any) -> Any:
 
 
 def _selected(node: ChannelMasked):
-    # rebuilt through the pytree (not the constructor): the children are bools here
-    _, treedef = jax.tree_util.tree_flatten(node, is_leaf=lambda c: c is not node)
-    base = jax.tree_util.tree_map(lambda _: False, node.base)
-    return jax.tree_util.tree_unflatten(treedef, [base, True, True])
+    return rebuild(node, base=jax.tree_util.tree_map(lambda _: False, node.base), m_in=True,
+                   m_out=True)
 
 
 def mask_partition(tree: Any) -> tuple[Any, Any]:
@@ -624,5 +632,6 @@ def count_rows(fn: Callable[[Any], Any], tree: Any, paths: Iterable[str] | None 
 __all__ = [
     "ChannelMasked", "ChannelPruned", "channel_masks", "count_rows", "input_granularity",
     "is_channel_masked", "kept_counts", "mask_leaf", "mask_partition", "mask_selector",
-    "output_granularity", "pruned_leaf", "surgery_form", "unmask", "with_channel_masks",
+    "output_granularity", "pruned_leaf", "rebuild", "surgery_form", "unmask",
+    "with_channel_masks",
 ]

@@ -32,7 +32,7 @@ from lowrank_jax.leaves.base import (
     linear,
     materialize,
 )
-from lowrank_jax.leaves.channel_masked import ChannelMasked, ChannelPruned
+from lowrank_jax.leaves.channel_masked import ChannelMasked, ChannelPruned, rebuild
 from lowrank_jax.leaves.dense import Dense
 
 
@@ -102,7 +102,7 @@ class LoRA(Leaf):
 
     def trainable(self) -> "LoRA":
         frozen = jax.tree_util.tree_map(lambda _: False, self.base)
-        return dataclasses.replace(self, base=frozen, a=True, b=True)
+        return rebuild(self, base=frozen, a=True, b=True)
 
     @property
     def bias(self):
