@@ -95,6 +95,12 @@ def _check(args) -> dict:
         outputs.check_output_dir(args.out, overwrite=args.overwrite, owned=is_checkpoint,
                                  what="a lowrank_jax checkpoint", flag="--out")
     if args.plots:
+        import importlib.util
+
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("--plots needs matplotlib: pip install 'lowrank-jax[plot]'",
+                              where="--plots", expected="matplotlib installed",
+                              actual="not installed")
         outputs.check_separate(args.plots, inputs, flag="--plots")
         outputs.check_output_dir(args.plots, overwrite=args.overwrite,
                                  owned=outputs.owned_by("plots"),
