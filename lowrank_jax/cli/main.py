@@ -318,11 +318,15 @@ def cmd_export(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from lowrank_jax.cli.demo import run_demo
+    from lowrank_jax.cli.demo import check_plots_dir, run_demo
+    from lowrank_jax.cli.pretrain_demo import check_seed, check_steps
 
+    check_steps(args.steps, "--steps")  # before minutes of work: 0 is an error, not "default"
+    check_seed(args.seed, "--seed")
+    check_plots_dir(args.plots)
     result = run_demo(quick=args.quick, plots_dir=args.plots, progress=not args.no_progress,
-                      steps=args.steps)
-    _write_json(args.json, result)
+                      steps=args.steps, seed=args.seed)
+    _write_json(args.json, result)  # strict JSON: NaN or inf are written as null
     return 0
 
 
@@ -449,8 +453,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo", help="App. J experiments, rank analysis of a built-in model, and pretraining "
                      "compressed Chronos-Bolt models against compressing a dense one")
-    d.add_argument("--quick", action="store_true", help="smaller sizes and few training steps")
-    d.add_argument("--steps", type=int, help="training steps per pretrained model (default 600)")
+    d.add_argument("--quick", action="store_true",
+                   help="smaller sizes, a 2+1 layer model, 40 training steps (under a minute)")
+    d.add_argument("--steps", type=int,
+                   help="training steps per pretrained model, >= 1 (default 600; --quick: 40)")
+    d.add_argument("--seed", type=int, default=0,
+                   help="seed of the pretraining part, >= 0 (initialization, batches, factors)")
     d.add_argument("--json", help="write the results as JSON to this path")
     d.add_argument("--plots", help="directory for PNG plots")
     d.add_argument("--no-progress", action="store_true")
