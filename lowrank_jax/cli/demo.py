@@ -1,29 +1,55 @@
 """``lowrank-jax demo``: the App. J experiments of "Understanding Transformers for Time Series",
-then rank analysis and compression of a built-in model.
+then rank analysis and compression of a built-in model, then pretraining compressed
+Chronos-Bolt models against compressing a dense one.
 
 Offline and self-contained. Part 1 runs the App. J experiments (Theorem 3 slope, Theorem 4 rank
-growth with heads). Part 2 takes the built-in patch encoder
+growth with heads) at reduced sizes (:func:`lowrank_jax.analysis.run_appendix_j` runs the
+paper's). Part 2 takes the built-in patch encoder
 (:mod:`lowrank_jax.models.patch_encoder`, randomly initialized), feeds it windows of real series
 shipped with ``aeon`` (synthetic sinusoids/exponentials/noise if aeon is absent), and shows
 what the paper predicts: the embedded inputs are low-rank, the rank grows with depth
 (flow-of-ranks), and because the inputs are low-rank the attention weights can be compressed
-with Theorem 3's data-aware projection far below what their own spectra allow.
+with Theorem 3's data-aware projection far below what their own spectra allow. Part 3 is
+:mod:`lowrank_jax.cli.pretrain_demo`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
 import jax
 import numpy as np
 
-from lowrank_jax.analysis import analyze, embedding_rank, run_appendix_j
+from lowrank_jax.analysis import (
+    analyze,
+    embedding_rank,
+    theorem3_experiment,
+    theorem3_width_experiment,
+    theorem4_experiment,
+)
+from lowrank_jax.cli.pretrain_demo import check_seed, check_steps, run_pretraining_demo
+from lowrank_jax.cli.status import Status
 from lowrank_jax.compress import compress
-from lowrank_jax.datasets import builtin_series, windows
-from lowrank_jax.leaves import param_count
+from lowrank_jax.datasets import builtin_datasets, windows
+from lowrank_jax.errors import ConfigError
+from lowrank_jax.leaves import Dense, Leaf, bias_of, map_with_path, materialize, param_count
 from lowrank_jax.models import patch_encoder as pe
 from lowrank_jax.nn import apply_norm
+
+# App. J sizes: Theorem 3 (d, tokens), its width sweep (widths, tokens, seeds) and Theorem 4
+# (head counts). The paper's d = 512, N = 4096 takes minutes on 2 cores; the slope is the same
+# at these sizes. Every size and head count is one more compile of the attention block.
+APPENDIX_J_SIZES = {
+    True: {"t3": {"d": 128, "n_tokens": 1024},
+           "t3w": {"widths": (32, 64, 128), "n_tokens": 512, "seeds": 1},
+           "t4": {"heads": (1, 2, 8, 32)}},
+    False: {"t3": {"d": 256, "n_tokens": 2048},
+            "t3w": {"widths": (32, 64, 128, 256), "n_tokens": 1024, "seeds": 2},
+            "t4": {"heads": (1, 2, 4, 8, 16, 32)}},
+}
+COMPRESSION_RANKS = (4, 8, 16, 32)
 
 
 def _rel(a, b) -> float:
@@ -31,8 +57,33 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(a))
 
 
-def _print_appendix_j(res: dict) -> dict:
-    t3, t3w, t4 = res["theorem3"], res["theorem3_width"], res["theorem4"]
+@contextlib.contextmanager
+def one_blas_thread():
+    """Host linear algebra (NumPy/LAPACK) on one thread, when threadpoolctl is installed.
+
+    The demo's host SVDs are of small matrices (at most a few thousand by 256). With OpenBLAS's
+    default of one thread per core, its threads compete with XLA's on a 2-core machine: we
+    measured a 128 x 128 SVD at 80-170 ms instead of 3 ms on one thread (machine under load).
+    """
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn / aeon
+        yield
+        return
+    with threadpool_limits(limits=1, user_api="blas"):
+        yield
+
+
+def _appendix_j(quick: bool, status: Status) -> dict:
+    sizes = APPENDIX_J_SIZES[bool(quick)]
+    t3s, t3ws = sizes["t3"], sizes["t3w"]
+    with status.phase(f"App. J: Theorem 3 at d={t3s['d']}, {t3s['n_tokens']} tokens (the paper: "
+                      "d=512, 4096)"):
+        t3 = theorem3_experiment(**t3s)
+    with status.phase(f"App. J: Theorem 3 error vs width {tuple(t3ws['widths'])}"):
+        t3w = theorem3_width_experiment(**t3ws)
+    with status.phase(f"App. J: Theorem 4, eps-rank vs number of heads {sizes['t4']['heads']}"):
+        t4 = theorem4_experiment(**sizes["t4"])
     print("== App. J of \"Understanding Transformers for Time Series\": numerical experiments ==")
     print(f"Theorem 3: log-log slope of ||Y - Y~||_F vs sigma_(d~+1) = {t3.slope:.3f} (paper: 1)")
     print(
@@ -46,32 +97,71 @@ def _print_appendix_j(res: dict) -> dict:
             f"  {e:>8g} {t4.input_eps_rank[e]:>6d} "
             + " ".join(f"{r:<6d}" for r in t4.output_eps_rank[e])
         )
-    return {"theorem3": t3.to_dict(), "theorem3_width": t3w.to_dict(), "theorem4": t4.to_dict()}
+    return {"theorem3": t3.to_dict(), "theorem3_width": t3w.to_dict(), "theorem4": t4.to_dict(),
+            "sizes": {k: {a: list(v) if isinstance(v, tuple) else v for a, v in s.items()}
+                      for k, s in sizes.items()}}
+
+
+def _dense_copy(tree):
+    """Every weight leaf as a ``Dense`` of its materialized matrix (and its bias).
+
+    The compressed encoders of part 2 are only compared for accuracy, so they run as dense
+    copies of their (exact) products: every variant then has the original tree's shapes and
+    reuses one compiled forward instead of compiling one per rank.
+    """
+    return map_with_path(
+        lambda _, n: Dense(materialize(n), bias_of(n)) if isinstance(n, Leaf) else n, tree)
 
 
 def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool = True,
-             steps: int | None = None) -> dict:
+             steps: int | None = None, seed: int = 0) -> dict:
     """Run the demo, print its report, and return it as a JSON-able dict.
 
     ``rows`` holds the pretraining comparison (keys ``method``, ``size_ratio``, ``time_ratio``,
     ``wql``, ``mase``, relative to the dense model); ``appendix_j`` and ``model`` the first two
-    parts.
-    """
-    from lowrank_jax.cli.pretrain_demo import run_pretraining_demo
+    parts; ``seconds`` the wall time of each part.
 
+    Args:
+      quick: smaller sizes, a 2 + 1 layer model and 40 training steps (under a minute).
+      plots_dir: save PNG plots there.
+      progress: tqdm progress bars (status lines are printed either way).
+      steps: training steps per pretrained model, an int >= 1 (default 600; quick: 40).
+      seed: seed of the pretraining part (initialization, batch order, factor draws).
+
+    Raises:
+      ConfigError: ``steps`` or ``seed`` out of range (before anything runs).
+    """
+    steps = check_steps(steps)
+    seed = check_seed(seed)
+    check_plots_dir(plots_dir)
+    status = Status("demo", bars=bool(progress))
+    with one_blas_thread():
+        return _run_demo(bool(quick), plots_dir, status, steps, seed)
+
+
+def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | None,
+              seed: int) -> dict:
     t0 = time.perf_counter()
-    result: dict = {"appendix_j": _print_appendix_j(run_appendix_j(quick=quick))}
+    seconds = {}
+    status.say("part 1 of 3: the App. J experiments")
+    result: dict = {"appendix_j": _appendix_j(quick, status)}
+    seconds["appendix_j"] = time.perf_counter() - t0
 
     # Part 2: the built-in model on real series.
+    t1 = time.perf_counter()
+    status.say("part 2 of 3: rank analysis and compression of the built-in patch encoder")
+    with status.phase("loading the built-in series"):
+        groups, source = builtin_datasets()
+    series = [s for g in groups.values() for s in g]
     cfg = pe.PatchEncoderConfig()
-    params = pe.init(jax.random.PRNGKey(0), cfg)
-    series, source = builtin_series()
     context = 128
     x = windows(series, context, 64 if quick else 256)
-    apply = jax.jit(lambda p, s: pe.encode(p, s, cfg, return_hidden=True))
-    y, hidden = apply(params, x)
-    patches = pe.patchify(x, cfg)
-    emb = pe.embed(params, patches, cfg)
+    with status.phase("patch encoder: initializing, compiling and running its forward"):
+        params = pe.init(jax.random.PRNGKey(0), cfg)
+        apply = jax.jit(lambda p, s: pe.encode(p, s, cfg, return_hidden=True))
+        y, hidden = apply(params, x)
+        patches = pe.patchify(x, cfg)
+        emb = pe.embed(params, patches, cfg)
     print(
         f"\n== Built-in model: {cfg.num_layers}-layer patch encoder, d_model={cfg.d_model}, "
         f"{cfg.num_heads} heads, patch={cfg.patch} =="
@@ -84,12 +174,13 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
         + f" out of d_model={cfg.d_model} (patch size {cfg.patch}; Theorem 2 of [1])"
     )
 
-    report = analyze(
-        params["encoder"],
-        eps=(0.01, 0.05, 0.1),
-        hidden=hidden,
-        pattern=r"attn/(qk/q|qk/k|v|o)$",
-    )
+    with status.phase("spectra of the weights and of the hidden states"):
+        report = analyze(
+            params["encoder"],
+            eps=(0.01, 0.05, 0.1),
+            hidden=hidden,
+            pattern=r"attn/(qk/q|qk/k|v|o)$",
+        )
     print("\nflow-of-ranks: eps-rank of the hidden states entering each layer")
     for h in report.hidden:
         print(
@@ -112,62 +203,39 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
         for name in ("qk/q", "qk/k", "v"):
             inputs[f"layers/{i}/attn/{name}"] = np.asarray(xin).reshape(-1, cfg.d_model)
     rules = (r"attn/(qk/q|qk/k|v)$",)
-    rows = []
 
     def qkv_size(layers) -> int:
         return param_count([(lp["attn"]["qk"], lp["attn"]["v"]) for lp in layers])
 
     full = qkv_size(layers)
-    print("\ncompressing attention q/k/v (no fine-tuning): final-state error on the windows")
-    print(f"  {'method':<26} {'rank':>5} {'size ratio':>11} {'rel. error':>11}")
-    for rank in (4, 8, 16, 32):
-        for method, extra in (
-            ("truncated SVD", {}),
-            ("input projection (Thm 3)", {"inputs": inputs}),
-        ):
-            new_enc, rep = compress(
-                params["encoder"],
-                rules=rules,
-                rank=rank,
-                progress=False,
-                keep_dense_if_larger=False,
-                **extra,
-            )
-            y_c, _ = apply({**params, "encoder": new_enc}, x)
-            size = qkv_size(new_enc["layers"])
-            row = {
-                "method": method,
-                "rank": rank,
-                "size_ratio": size / full,
-                "rel_error": _rel(y, y_c),
-            }
-            rows.append(row)
-            print(f"  {method:<26} {rank:>5d} {row['size_ratio']:>11.3f} {row['rel_error']:>11.4f}")
     # Flow-of-ranks ([1] sec. 5): per-layer ranks from the hidden states' eps-rank at
     # eps = 0.1, against one uniform rank with (about) the same total, both by projection.
     sched = [max(1, min(h.eps_ranks[0.1], cfg.d_model // 2 - 1)) for h in report.hidden]
     uniform = [max(1, round(sum(sched) / len(sched)))] * len(sched)
+    jobs = [(method, rank, {"rank": rank, **extra}) for rank in COMPRESSION_RANKS
+            for method, extra in (("truncated SVD", {}),
+                                  ("input projection (Thm 3)", {"inputs": inputs}))]
+    jobs += [(label, ranks, {"schedule": ranks, "inputs": inputs})
+             for label, ranks in (("flow-of-ranks schedule", sched), ("uniform", uniform))]
+    rows = []
+    status.say(f"compressing q/k/v {len(jobs)} ways and running each compressed encoder")
+    for method, rank, settings in status.bar(jobs, desc="compress", unit="model"):
+        new_enc, _ = compress(params["encoder"], rules=rules, progress=False,
+                              keep_dense_if_larger=False, **settings)
+        y_c, _ = apply({**params, "encoder": _dense_copy(new_enc)}, x)
+        rows.append({"method": method if isinstance(rank, int) else f"{method} {rank}",
+                     "rank": rank, "size_ratio": qkv_size(new_enc["layers"]) / full,
+                     "rel_error": _rel(y, y_c)})
+    print("\ncompressing attention q/k/v (no fine-tuning): final-state error on the windows")
+    print(f"  {'method':<26} {'rank':>5} {'size ratio':>11} {'rel. error':>11}")
+    for row in rows[:2 * len(COMPRESSION_RANKS)]:
+        print(f"  {row['method']:<26} {row['rank']:>5d} {row['size_ratio']:>11.3f} "
+              f"{row['rel_error']:>11.4f}")
     print(
         "\nrank per layer from the flow-of-ranks vs uniform at the same budget (input projection)"
     )
-    for label, ranks in (("flow-of-ranks schedule", sched), ("uniform", uniform)):
-        new_enc, rep = compress(
-            params["encoder"],
-            rules=rules,
-            schedule=ranks,
-            inputs=inputs,
-            progress=False,
-            keep_dense_if_larger=False,
-        )
-        y_c, _ = apply({**params, "encoder": new_enc}, x)
-        size = qkv_size(new_enc["layers"])
-        row = {
-            "method": f"{label} {ranks}",
-            "rank": ranks,
-            "size_ratio": size / full,
-            "rel_error": _rel(y, y_c),
-        }
-        rows.append(row)
+    for (label, ranks, _), row in zip(jobs[2 * len(COMPRESSION_RANKS):],
+                                      rows[2 * len(COMPRESSION_RANKS):], strict=True):
         print(
             f"  {label:<24} ranks={str(ranks):<18} size ratio {row['size_ratio']:.3f}  "
             f"rel. error {row['rel_error']:.4f}"
@@ -183,13 +251,21 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     }
     if plots_dir:
         result["plots"] = _plots(plots_dir, report, result["appendix_j"])
+    seconds["model"] = time.perf_counter() - t1
 
-    pre = run_pretraining_demo(quick=quick, steps=steps, plots_dir=plots_dir, progress=progress)
+    t2 = time.perf_counter()
+    status.say("part 3 of 3: pretraining compressed Chronos-Bolt models")
+    pre = run_pretraining_demo(quick=quick, steps=steps, seed=seed, plots_dir=plots_dir,
+                               progress=status.bars, datasets=(groups, source), status=status)
     result["rows"] = pre.pop("rows")
     result["pretraining"] = pre
     if plots_dir:
         result["plots"] += pre.pop("plots")
-    print(f"\ndemo finished in {time.perf_counter() - t0:.1f} s")
+    seconds["pretraining"] = time.perf_counter() - t2
+    seconds["total"] = time.perf_counter() - t0
+    result["seconds"] = seconds
+    print(f"\ndemo finished in {seconds['total']:.1f} s (App. J {seconds['appendix_j']:.0f} s, "
+          f"built-in model {seconds['model']:.0f} s, pretraining {seconds['pretraining']:.0f} s)")
     return result
 
 
@@ -222,3 +298,15 @@ def _plots(plots_dir: str, report, appj: dict) -> list[str]:
     for p in paths:
         print(f"wrote {p}")
     return paths
+
+
+
+def check_plots_dir(plots_dir: str | None) -> None:
+    """Refuse, before the demo runs for minutes, a ``--plots`` path that is not a directory.
+
+    Raises:
+      ConfigError: ``plots_dir`` exists and is not a directory.
+    """
+    if plots_dir and os.path.exists(plots_dir) and not os.path.isdir(plots_dir):
+        raise ConfigError(f"demo: --plots must be a directory, got the file {plots_dir!r}",
+                          where="--plots", expected="a directory", actual=plots_dir)
