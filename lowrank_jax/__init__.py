@@ -21,6 +21,8 @@ from lowrank_jax.compress import (
 )
 from lowrank_jax.leaves import (
     QK,
+    BTDQueryKey,
+    CPQueryKey,
     Dense,
     FrozenBinary,
     HeadLayout,
@@ -55,6 +57,7 @@ from lowrank_jax.leaves import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BTDQueryKey", "CPQueryKey",
     "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
     "MaskedBinary", "Plan", "QueryKey", "Step", "analyze", "apply_plan", "attention_logits",
     "combine", "eps_rank", "factorize_init",
