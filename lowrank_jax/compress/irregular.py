@@ -652,8 +652,8 @@ def truncatt_vo(params, selection, settings, ctx):
     head layout change with them. Head ``h`` keeps ``r_h`` singular triplets of the
     ``[d_kv_in, d_out]`` product (at most its value width: the product has no higher rank):
     ``v_h = U sqrt(S)``, ``o_h = sqrt(S) V^T``. The value bias is folded into the output bias
-    (exact because softmax rows sum to one; the value leaf keeps a zero bias). Rows: one for ``v`` and one for ``o``; ``error``
-    is ``||Y - Y_r||_F / ||Y||_F`` over all heads' products.
+    (exact because softmax rows sum to one; the value leaf keeps a zero bias). Rows: one for
+    ``v`` and one for ``o``; ``error`` is ``||Y - Y_r||_F / ||Y||_F`` over all heads' products.
 
     Args:
       params, selection, settings, ctx: the method signature. Settings: ``rank`` (an int, or
@@ -721,6 +721,27 @@ def head_ranks(report) -> dict[str, list[int]]:
     return out
 
 
+def save_head_rank_plot(report, path: str, *, title: str | None = None) -> str | None:
+    """Save the layer x head heat map of the ranks a report's ``truncatt`` / ``cp`` / ``btd``
+    rows chose (:func:`lowrank_jax.analysis.plots_heads.plot_head_ranks`; needs matplotlib).
+
+    Args:
+      report: a :class:`~lowrank_jax.compress.Report`.
+      path: the PNG file to write.
+      title: figure title (default: the methods of those rows).
+
+    Returns:
+      ``path``, or ``None`` when the report has no such rows.
+    """
+    from lowrank_jax.analysis.plots_heads import plot_head_ranks
+
+    ranks = head_ranks(report)
+    if not ranks:
+        return None
+    kinds = sorted({r.kind for r in report.rows if r.path in ranks})
+    return plot_head_ranks(ranks, path, title=title or f"query-key rank per head ({', '.join(kinds)})")
+
+
 def _is_qk(node) -> bool:
     return isinstance(node, QK)
 
@@ -736,5 +757,6 @@ register_method("truncatt_vo", truncatt_vo, selects="weights", settings=("rank",
 
 __all__ = [
     "attention_macs", "attention_param_count", "btd", "cp", "head_ranks", "numerical_ranks",
-    "query_key_from_slices", "select_rank", "to_query_key", "truncatt", "truncatt_vo",
+    "query_key_from_slices", "save_head_rank_plot", "select_rank", "to_query_key", "truncatt",
+    "truncatt_vo",
 ]

@@ -440,3 +440,9 @@ def test_heat_map_of_the_chosen_ranks(irregular_vit, tmp_path):
     np.testing.assert_array_equal(grid, np.array([ranks[p] for p in labels], float))
     out = plot_head_ranks(ranks, str(tmp_path / "ranks.png"))
     assert (tmp_path / "ranks.png").stat().st_size > 1000 and out.endswith("ranks.png")
+    from lowrank_jax.compress.irregular import save_head_rank_plot
+
+    assert save_head_rank_plot(rep, str(tmp_path / "r2.png")) == str(tmp_path / "r2.png")
+    svd_only, rep2 = lj.apply_plan(tiny_vit()[1], lj.Plan((lj.Step("svd", (r"mlp/",),
+                                                                   {"rank": 2}),)))
+    assert save_head_rank_plot(rep2, str(tmp_path / "none.png")) is None
