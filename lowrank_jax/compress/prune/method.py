@@ -18,6 +18,7 @@ in time, so that later data stays unseen) or any name given to :func:`register_b
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import Any, Callable, Mapping
 
@@ -55,6 +56,13 @@ def register_batches(name: str, make: Callable) -> None:
     _SOURCES[name] = make
 
 
+@functools.lru_cache(maxsize=1)
+def _builtin_series() -> tuple:
+    from lowrank_jax.datasets import builtin_series
+
+    return tuple(builtin_series()[0])
+
+
 def builtin_batches(config: Any, *, batch_size: int, seed: int = 0,
                     train_fraction: float = 0.7, max_context: int = 512) -> Callable:
     """Batches of windows of the built-in real series (:func:`lowrank_jax.datasets.builtin_datasets`)
@@ -75,7 +83,6 @@ def builtin_batches(config: Any, *, batch_size: int, seed: int = 0,
     Raises:
       DataError: the family is not a forecaster, or no series is long enough.
     """
-    from lowrank_jax.datasets import builtin_series
     from lowrank_jax.models import family_of
 
     fam = family_of(config)
@@ -85,8 +92,7 @@ def builtin_batches(config: Any, *, batch_size: int, seed: int = 0,
                         expected="a forecasting family", actual=fam.name)
     ctx = int(min(config.context_length, max_context))
     horizon = int(config.prediction_length)
-    series, _ = builtin_series()
-    parts = [s[: int(round(s.size * train_fraction))] for s in series]
+    parts = [s[: int(round(s.size * train_fraction))] for s in _builtin_series()]
     parts = [s for s in parts if s.size >= ctx + horizon]
     if not parts:
         raise DataError(f"prune: no built-in series has {ctx + horizon} values in its first "
