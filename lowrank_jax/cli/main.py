@@ -1,5 +1,6 @@
-"""The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert``, ``export``, ``train``
-and ``demo``.
+"""The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert``, ``export``, ``train``,
+``demo``, and the method commands ``prune`` (:mod:`~lowrank_jax.cli.prune_cmd`) and
+``partition`` (:mod:`~lowrank_jax.cli.partition_cmd`).
 
 User errors (bad arguments, missing, unreadable or malformed files, outputs that may not be
 written) print one line (a list of keys may follow) naming the file, key or option, what was
@@ -481,6 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--process-id", type=int, help="with --distributed: this process's index")
     t.add_argument("--no-progress", action="store_true")
     t.set_defaults(func=cmd_train)
+
+    # Method commands live in their own modules (each adds its parser and sets its func).
+    from lowrank_jax.cli import partition_cmd, prune_cmd
+
+    prune_cmd.add_parser(sub)
+    partition_cmd.add_parser(sub)
     return p
 
 
