@@ -41,8 +41,10 @@ from lowrank_jax.leaves.heads import HeadLayout, head_offsets, is_uniform, merge
 from lowrank_jax.leaves.init import init_dense, init_head_lowrank, init_lowrank
 from lowrank_jax.leaves.lora import LoRA, add_lora, init_lora, is_lora, merge_lora
 from lowrank_jax.leaves.masked_binary import (
+    FixedBias,
     FrozenBinary,
     MaskedBinary,
+    alpha_divisor,
     init_masked_binary,
     keep_count,
     top_mask,
@@ -82,4 +84,5 @@ __all__ = [
     "mesh_shardings", "meta_fields", "named_leaves", "node_types", "param_count", "partition",
     "partition_specs", "path_str", "qualified_name", "replace_paths", "require_leaf",
     "slice_bias", "split_heads", "storage_bits", "top_mask", "trainable_mask",
+    "FixedBias", "alpha_divisor",
 ]

@@ -4,6 +4,7 @@ Modeling", sec. 3.2, eqs. 1-2) and their frozen form."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -43,25 +44,54 @@ def top_mask(scores: Array, keep: float) -> Array:
     return jnp.zeros((n,), scores.dtype).at[idx].set(1).reshape(scores.shape)
 
 
+def alpha_divisor(n: int, keep: float) -> int:
+    """Divisor of the Biprop gain: ``floor(keep * n)`` (at least 1).
+
+    The reference Biprop code (``GetQuantnet_binary``: ``num_unpruned = int(k * numel)``)
+    divides ``||M * W||_1`` by ``floor(k n)``, not by the number of kept entries
+    ``n - floor((1 - k) n)`` (:func:`keep_count`); the two differ by one when ``k n`` is not an
+    integer (``n = 35, k = 0.3``: 10 vs 11). lowrank_jax follows the reference, so a trained
+    model gives the reference's outputs. ``max(1, .)`` only guards ``k n < 1``, where the
+    reference divides by zero.
+    """
+    return max(1, int(keep * n))
+
+
 class MaskedBinary(Leaf):
-    """Biprop weight: ``W_eff = alpha * sign(w) * M`` with ``M`` chosen by scores.
+    """Biprop weight: ``W_eff = alpha * sign(w) * M`` with ``M`` chosen by scores
+    ("Sparse Binary Transformers for Multivariate Time Series Modeling", Gorbett et al.,
+    arXiv:2308.04637, sec. 3.2 eqs. 1-2; Biprop from "Multi-Prize Lottery Ticket Hypothesis",
+    Diffenderfer & Kailkhura, arXiv:2103.09377).
 
     Fields:
       w: float weights ``[d_in, d_out]`` (random, frozen in Biprop: :meth:`trainable` marks them
         ``False``, so :func:`~lowrank_jax.partition` keeps them out of ``jax.grad``).
       s: scores ``[d_in, d_out]`` (trained).
-      b: optional bias ``[d_out]`` (trained, kept in float).
-      keep: static fraction of weights kept; the count is :func:`keep_count`.
+      b: optional bias ``[d_out]`` (trained, kept in float). For a frozen bias (the SBT's
+        attention projections) wrap the leaf in :class:`FixedBias`.
+      keep: static fraction of weights kept (``1 - p`` in the paper's prune rate ``p``).
 
-    Forward (eqs. 1-2): ``M`` is 1 on the top-|s| entries of the layer,
-    ``alpha = ||M * w||_1 / ||M||_1``. ``sign(0)`` is taken as ``+1`` so every kept weight is
-    exactly ``+-alpha`` (one bit). Backward: straight-through estimator: the gradient of ``M``
-    passes unchanged to ``|s|`` (hence ``sign(s)`` to ``s``), and ``alpha`` is computed from the
-    straight-through ``M``.
+    Forward (eqs. 1-2, as the reference code computes them): ``M`` is 1 on the
+    :func:`keep_count` ``= n - floor((1 - keep) n)`` largest ``|s|`` of the layer and
+    ``alpha = ||M * w||_1 / floor(keep n)`` (:func:`alpha_divisor`; the paper writes
+    ``||M||_1``, the code divides by ``floor(k n)``, which can be one less). ``sign(0)`` is
+    taken as ``+1`` so every kept weight is exactly ``+-alpha`` (one bit).
+
+    Backward: exactly the reference Biprop estimator (chrundle/biprop ``GetQuantnet_binary``,
+    also used by the paper's code): with ``G = dL/dW_eff``, the scores receive
+    ``dL/ds = (G * w) * sign(s)``; no gradient flows through ``alpha`` and none reaches ``w``.
+    It is implemented as ``W_eff = sign(w) * q`` with
+    ``q = sg(alpha) M + (|s| |w| - sg(|s| |w|))``, whose value is ``alpha M`` exactly and whose
+    derivative in ``s`` is ``|w| sign(s)``. (lowrank_jax 0.1 instead passed ``alpha sign(w) G``
+    to ``|s|`` plus a term through ``alpha``; no result depended on it, so it was dropped in
+    favour of the estimator the paper's numbers were obtained with.)
 
     Counts: ``param_count = n_keep + 1`` (alpha) plus bias; ``storage_bits = n_keep`` bits + one
-    float32 alpha + bias, the accounting of sec. 5.1 (mask positions are not counted, as in the
-    paper); ``flops = n_tokens * n_keep`` non-zero multiply-adds (Table 5).
+    float32 alpha + bias, the accounting of sec. 5.1 (mask positions are not counted here; the
+    paper's own Table 6 counts every position, see
+    :mod:`lowrank_jax.analysis.sbt_accounting`, and :class:`~lowrank_jax.leaves.PackedBinary`
+    stores what it takes to run); ``flops = n_tokens * n_keep`` non-zero multiply-adds
+    (Table 5).
 
     Surgery: removing channels would change which scores are in the top fraction and the
     gain; :meth:`keep_inputs` / :meth:`keep_outputs` therefore first :meth:`freeze` the leaf
@@ -97,18 +127,24 @@ class MaskedBinary(Leaf):
         """The hard 0/1 mask ``M`` (no gradient path)."""
         return top_mask(jax.lax.stop_gradient(self.s), self.keep)
 
-    def effective_weight(self) -> Array:
-        a = jnp.abs(self.s)
-        m = top_mask(jax.lax.stop_gradient(self.s), self.keep)
-        m = m + (a - jax.lax.stop_gradient(a))  # straight-through: value M, gradient to |s|
-        w = jax.lax.stop_gradient(self.w)
-        alpha = jnp.sum(jnp.abs(w) * m) / jnp.sum(m)
-        sign = jnp.where(w >= 0, 1.0, -1.0).astype(w.dtype)
-        return alpha * sign * m
-
     def alpha(self) -> Array:
+        """``||M * w||_1 / floor(keep n)`` (no gradient path)."""
+        w = jax.lax.stop_gradient(self.w)
+        return jnp.sum(jnp.abs(w) * self.mask()) / alpha_divisor(self.d_in * self.d_out,
+                                                                 self.keep)
+
+    def signs(self) -> Array:
+        """``sign(w)`` with ``sign(0) = +1``, in ``w``'s dtype."""
+        w = jax.lax.stop_gradient(self.w)
+        return jnp.where(w >= 0, 1.0, -1.0).astype(w.dtype)
+
+    def effective_weight(self) -> Array:
+        w = jax.lax.stop_gradient(self.w)
         m = self.mask()
-        return jnp.sum(jnp.abs(self.w) * m) / jnp.sum(m)
+        a = jnp.abs(self.s) * jnp.abs(w)
+        # value: alpha * M exactly (a - sg(a) == 0); gradient in s: |w| sign(s) (reference).
+        q = self.alpha() * m + (a - jax.lax.stop_gradient(a))
+        return self.signs() * q
 
     def apply(self, x: Array) -> Array:
         y = x @ self.effective_weight()
@@ -141,7 +177,7 @@ class MaskedBinary(Leaf):
         ``alpha``, fixed. ``linear`` gives bit-identical outputs."""
         m = self.mask()
         sign = jnp.where(self.w >= 0, 1, -1).astype(jnp.int8)
-        signs = (sign * m.astype(jnp.int8)).astype(jnp.int8)
+        signs = (sign * m.astype(jnp.int8)).astype(jnp.int8)  # alpha: the reference divisor
         return FrozenBinary(signs=signs, alpha=jnp.asarray(self.alpha(), self.w.dtype), b=self.b,
                             n_keep=self.n_keep)
 
@@ -235,22 +271,105 @@ FrozenBinary = leaf_dataclass(FrozenBinary, meta=("n_keep",))
 
 def init_masked_binary(key: Array, d_in: int, d_out: int, keep: float, *, bias: bool = False,
                        dtype=jnp.float32) -> MaskedBinary:
-    """A fresh Biprop leaf: Kaiming-normal weights and scores ("Sparse Binary Transformers",
-    sec. 3.2).
+    """A fresh Biprop leaf: weights and scores drawn independently from
+    ``U(-1/sqrt(d_in), 1/sqrt(d_in))``.
+
+    "Sparse Binary Transformers for Multivariate Time Series Modeling" (arXiv:2308.04637,
+    sec. 3.2) says Kaiming normal, but its configurations leave the weight and score inits
+    unset, so its code draws both from PyTorch's ``nn.Linear`` default ``U(+-1/sqrt(fan_in))``;
+    we follow the code, whose numbers the paper reports. Every call draws its own weights and
+    scores (the reference deep-copies one encoder layer, so its layers start identical; that
+    is not reproduced: give every layer its own ``key``).
 
     Args:
       key: PRNG key.
-      d_in, d_out: matrix shape.
+      d_in, d_out: matrix shape (``fan_in = d_in``).
       keep: fraction of weights kept.
-      bias: whether to add a zero bias.
+      bias: add a bias drawn from the same uniform (``nn.Linear``'s default), trainable.
     """
-    kw, ks = jax.random.split(key)
-    std = np.sqrt(2.0 / d_in)
-    w = std * jax.random.normal(kw, (d_in, d_out), dtype)
-    s = std * jax.random.normal(ks, (d_in, d_out), dtype)
-    b = jnp.zeros((d_out,), dtype) if bias else None
+    for name, val in (("d_in", d_in), ("d_out", d_out)):
+        if isinstance(val, bool) or not isinstance(val, (int, np.integer)) or val < 1:
+            raise ConfigError(f"init_masked_binary: {name} must be a positive int, got {val!r}",
+                              where=name, expected="int >= 1", actual=val)
+    kw, ks, kb = jax.random.split(key, 3)
+    bound = 1.0 / np.sqrt(d_in)
+    w = jax.random.uniform(kw, (d_in, d_out), dtype, -bound, bound)
+    s = jax.random.uniform(ks, (d_in, d_out), dtype, -bound, bound)
+    b = jax.random.uniform(kb, (d_out,), dtype, -bound, bound) if bias else None
     return MaskedBinary(w=w, s=s, b=b, keep=keep)
 
 
-__all__ = ["ALPHA_BITS", "FrozenBinary", "MaskedBinary", "init_masked_binary", "keep_count",
-           "top_mask"]
+class FixedBias(Leaf):
+    """Any weight leaf plus a *frozen* bias: ``linear(FixedBias(leaf, b), x) = linear(leaf, x)
+    + b``.
+
+    The sparse binary transformer's reference code keeps the random biases of the Q, K, V and
+    output projections of every attention block and never trains them ("Sparse Binary
+    Transformers for Multivariate Time Series Modeling", arXiv:2308.04637; the code's
+    ``MultiheadAttention(bias=True)`` with only scores trainable). :meth:`trainable` marks
+    ``b`` ``False`` and defers to the wrapped leaf for the rest.
+
+    Counts: the wrapped leaf's plus ``d_out`` float parameters (``32 d_out`` bits for
+    float32). Surgery slices the wrapped leaf and the bias together.
+    """
+
+    leaf: Any
+    b: Array
+
+    def __post_init__(self):
+        if not isinstance(self.leaf, Leaf):
+            raise ShapeError(f"FixedBias: leaf must be a weight leaf, got "
+                             f"{type(self.leaf).__name__}", where="leaf")
+        if self.leaf.bias is not None:
+            raise ShapeError("FixedBias: the wrapped leaf already has a bias; pass it without one",
+                             where="leaf/b")
+        check_bias("FixedBias", self.b, self.leaf.d_out)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.leaf.shape
+
+    def apply(self, x: Array) -> Array:
+        return self.leaf.apply(x) + self.b
+
+    def to_dense(self) -> Array:
+        return self.leaf.to_dense()
+
+    def param_count(self) -> int:
+        return self.leaf.param_count() + array_size(self.b)
+
+    def storage_bits(self) -> int:
+        return self.leaf.storage_bits() + array_bits(self.b)
+
+    def flops(self, n_tokens: int) -> int:
+        return self.leaf.flops(n_tokens)
+
+    def trainable(self) -> "FixedBias":
+        inner = self.leaf.trainable()
+        obj = object.__new__(FixedBias)
+        object.__setattr__(obj, "leaf", inner)
+        object.__setattr__(obj, "b", False)
+        return obj
+
+    @property
+    def bias(self):
+        return self.b
+
+    def with_bias(self, b):
+        return self.leaf if b is None else FixedBias(self.leaf, b)
+
+    def keep_inputs(self, idx):
+        return FixedBias(self.leaf.keep_inputs(idx), self.b)
+
+    def keep_outputs(self, idx):
+        return FixedBias(self.leaf.keep_outputs(idx), slice_bias(self.b, idx))
+
+    def logical_axes(self):
+        return {"b": ("out",)}
+
+
+FixedBias = leaf_dataclass(FixedBias)
+
+
+__all__ = ["ALPHA_BITS", "FixedBias", "FrozenBinary", "MaskedBinary", "alpha_divisor",
+           "init_masked_binary", "keep_count", "top_mask"]

@@ -1,5 +1,7 @@
-"""FrozenBinary: what a trained MaskedBinary becomes (``freeze``), its counts, and that its signs
-and gain stay out of ``jax.grad`` through ``partition`` / ``combine``."""
+"""MaskedBinary's reference Biprop forward/backward (against hand-derived NumPy), its
+U(+-1/sqrt(fan_in)) init, FixedBias (a frozen bias), and FrozenBinary: what a trained
+MaskedBinary becomes (``freeze``), its counts, and that its signs and gain stay out of
+``jax.grad`` through ``partition`` / ``combine``."""
 
 import jax
 import jax.numpy as jnp
@@ -26,10 +28,12 @@ def test_freeze_is_bit_identical_and_counts_match():
     fb = mb.freeze()
     assert isinstance(fb, lj.FrozenBinary) and fb.signs.dtype == jnp.int8
     assert fb.alpha.dtype == mb.w.dtype and fb.alpha.shape == ()
-    # Reference: the signs of the kept entries and alpha = ||M w||_1 / ||M||_1 (NumPy).
+    # Reference: the signs of the kept entries and alpha = ||M w||_1 / floor(k n) (NumPy; the
+    # reference divisor: floor(0.3 * 35) = 10 while 11 entries are kept).
     w, m = np.asarray(mb.w, np.float64), np.asarray(mb.mask(), np.float64)
+    assert m.sum() == 11 and lj.alpha_divisor(35, 0.3) == 10
     np.testing.assert_array_equal(np.asarray(fb.signs), np.where(w >= 0, 1, -1) * m)
-    np.testing.assert_allclose(float(fb.alpha), np.sum(np.abs(w) * m) / m.sum(), rtol=1e-6)
+    np.testing.assert_allclose(float(fb.alpha), np.sum(np.abs(w) * m) / 10, rtol=1e-6)
     x = jnp.asarray(f32(10, (4, 7)))
     np.testing.assert_array_equal(np.asarray(lj.linear(fb, x)), np.asarray(lj.linear(mb, x)))
     np.testing.assert_array_equal(np.asarray(lj.materialize(fb)),
@@ -99,3 +103,113 @@ def test_frozen_binary_jit_and_trainable_tree_has_no_bools():
                                   np.asarray(lj.linear(fb, x)))
     train, _ = lj.partition({"fb": fb})
     assert all(a.dtype != jnp.bool_ for a in jax.tree_util.tree_leaves(train))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference Biprop estimator.
+
+def biprop_forward_np(w, s, keep):
+    """chrundle/biprop GetQuantnet_binary.forward in NumPy (float64): M on the top
+    n - floor((1-k) n) |s|, alpha = sum(|w| M) / floor(k n), W_eff = sign(w) alpha M."""
+    n = w.size
+    j = int((1 - keep) * n)
+    order = np.argsort(np.abs(s).reshape(-1), kind="stable")
+    m = np.zeros(n)
+    m[order[j:]] = 1
+    m = m.reshape(w.shape)
+    alpha = np.sum(np.abs(w) * m) / int(keep * n)
+    return np.where(w >= 0, 1.0, -1.0) * alpha * m, m
+
+
+def test_gradient_matches_hand_derived_reference_two_layers():
+    """L = sum((relu(x W1 + b1) W2)^2) with both W masked-binary: the score gradients are
+    (dL/dW_eff * W) * sign(S) per layer (no alpha path, nothing to W), derived by hand."""
+    r = np.random.default_rng(3)
+    w1, s1 = r.normal(size=(6, 8)), r.normal(size=(6, 8))
+    w2, s2 = r.normal(size=(8, 3)), r.normal(size=(8, 3))
+    b1 = r.normal(size=(8,))
+    x = r.normal(size=(5, 6))
+    k1, k2 = 0.3, 0.5
+    l1 = lj.MaskedBinary(jnp.asarray(w1, jnp.float32), jnp.asarray(s1, jnp.float32),
+                         jnp.asarray(b1, jnp.float32), keep=k1)
+    l2 = lj.MaskedBinary(jnp.asarray(w2, jnp.float32), jnp.asarray(s2, jnp.float32), keep=k2)
+    params = {"l1": l1, "l2": l2}
+    train, frozen = lj.partition(params)
+    assert train["l1"].w is None and frozen["l1"].s is None
+
+    def loss(t):
+        p = lj.combine(t, frozen)
+        h = jax.nn.relu(lj.linear(p["l1"], jnp.asarray(x, jnp.float32)))
+        return jnp.sum(lj.linear(p["l2"], h) ** 2)
+
+    g = jax.grad(loss)(train)
+    # NumPy, float64, by hand.
+    w1e, _ = biprop_forward_np(w1, s1, k1)
+    w2e, _ = biprop_forward_np(w2, s2, k2)
+    z = x @ w1e + b1
+    h = np.maximum(z, 0)
+    y = h @ w2e
+    gy = 2 * y
+    g_w2e = h.T @ gy
+    gz = (gy @ w2e.T) * (z > 0)
+    g_w1e = x.T @ gz
+    np.testing.assert_allclose(np.asarray(g["l2"].s), g_w2e * w2 * np.sign(s2), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g["l1"].s), g_w1e * w1 * np.sign(s1), rtol=1e-5,
+                               atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g["l1"].b), gz.sum(0), rtol=1e-5, atol=1e-5)
+    # The forward value is eq. 2 with the reference divisor.
+    np.testing.assert_allclose(np.asarray(lj.materialize(l1)), w1e, rtol=1e-6, atol=1e-7)
+
+
+def test_optax_step_changes_scores_only_and_mask_size():
+    import optax
+
+    leaf = lj.init_masked_binary(jax.random.PRNGKey(4), 10, 7, keep=0.5)
+    assert int(np.asarray(leaf.mask()).sum()) == 70 - int(0.5 * 70)
+    train, frozen = lj.partition({"l": leaf})
+    opt = optax.adam(1e-2)
+    st = opt.init(train)
+    x = jnp.ones((3, 10))
+    g = jax.grad(lambda t: jnp.sum(lj.linear(lj.combine(t, frozen)["l"], x) ** 3))(train)
+    upd, _ = opt.update(g, st, train)
+    new = lj.combine(optax.apply_updates(train, upd), frozen)["l"]
+    assert new.w is leaf.w
+    assert not np.array_equal(np.asarray(new.s), np.asarray(leaf.s))
+
+
+def test_init_uniform_fan_in_and_independent_draws():
+    a = lj.init_masked_binary(jax.random.PRNGKey(0), 64, 128, keep=0.5, bias=True)
+    b = lj.init_masked_binary(jax.random.PRNGKey(1), 64, 128, keep=0.5)
+    bound = 1 / np.sqrt(64)
+    for arr in (a.w, a.s, a.b):
+        v = np.asarray(arr)
+        assert np.all(np.abs(v) <= bound) and np.abs(v).max() > 0.95 * bound
+    w = np.asarray(a.w).ravel()
+    # U(-c, c): mean 0, variance c^2/3 (8192 draws: generous 5-sigma bounds)
+    assert abs(w.mean()) < 5 * bound / np.sqrt(3 * w.size)
+    assert abs(w.var() / (bound**2 / 3) - 1) < 0.05
+    assert not np.array_equal(np.asarray(a.w), np.asarray(a.s))
+    assert not np.array_equal(np.asarray(a.w), np.asarray(b.w))
+    with pytest.raises(lj_errors().ConfigError):
+        lj.init_masked_binary(jax.random.PRNGKey(0), 0, 3, keep=0.5)
+
+
+def lj_errors():
+    import lowrank_jax.errors as e
+    return e
+
+
+def test_fixed_bias_is_frozen_and_adds():
+    inner = lj.init_masked_binary(jax.random.PRNGKey(2), 5, 4, keep=0.5)
+    b = jnp.asarray(f32(1, (4,)))
+    leaf = lj.FixedBias(inner, b)
+    x = jnp.asarray(f32(2, (3, 5)))
+    ref = np.asarray(x, np.float64) @ np.asarray(lj.materialize(inner), np.float64) + np.asarray(b)
+    np.testing.assert_allclose(np.asarray(lj.linear(leaf, x)), ref, atol=TOL)
+    train, frozen = lj.partition({"l": leaf})
+    assert train["l"].b is None and train["l"].leaf.w is None and train["l"].leaf.s is not None
+    assert lj.param_count(leaf) == lj.param_count(inner) + 4
+    assert lj.storage_bits(leaf) == lj.storage_bits(inner) + 4 * 32
+    with pytest.raises(lj_errors().ShapeError):
+        lj.FixedBias(inner, jnp.zeros((3,)))

@@ -34,7 +34,7 @@ def biprop_np(w, s, keep):
     m = np.zeros(n)
     m[order[j:]] = 1
     m = m.reshape(w.shape)
-    alpha = np.sum(np.abs(w) * m) / np.sum(m)
+    alpha = np.sum(np.abs(w) * m) / max(1, int(keep * n))  # reference divisor floor(k n)
     return alpha * np.where(w >= 0, 1.0, -1.0) * m
 
 
