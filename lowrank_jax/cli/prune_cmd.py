@@ -74,7 +74,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--finetune-steps", type=int, default=0,
                    help="fine-tuning steps after pruning (default 0)")
     p.add_argument("--lr", type=float, default=1e-4,
-                   help="peak learning rate of the fine-tuning (AdamW, warmup-cosine; 1e-4)")
+                   help="peak learning rate of the fine-tuning (AdamW, warmup over 5%% of the "
+                        "steps, cosine decay; default 1e-4)")
     p.add_argument("--lora", type=int, default=0, metavar="RANK",
                    help="fine-tune LoRA updates of this rank instead of all weights")
     p.add_argument("--rule", action="append",
@@ -281,7 +282,13 @@ def run(args) -> int:
         token_counts,
     )
     from lowrank_jax.models import family_of
-    from lowrank_jax.train import WindowConfig, WindowSampler, fit, full_params
+    from lowrank_jax.train import (
+        WindowConfig,
+        WindowSampler,
+        default_optimizer,
+        fit,
+        full_params,
+    )
 
     status = Status("prune", bars=not args.no_progress)
     src = load_source(args.params, status=status, family=args.family)
@@ -368,10 +375,11 @@ def run(args) -> int:
                                 key=jax.random.PRNGKey(args.seed + 1))
         status.say(f"fine-tuning {'LoRA updates of rank ' + str(args.lora) if args.lora else 'all'}"
                    f" weights: {args.finetune_steps} steps")
+        opt = default_optimizer(learning_rate=args.lr, total_steps=args.finetune_steps,
+                                warmup_steps=args.finetune_steps // 20)
         state, hist = fit(fam.loss(cfg), tuned, train_s, steps=args.finetune_steps,
-                          key=jax.random.PRNGKey(args.seed), batch_fn=batch_of,
-                          learning_rate=args.lr, progress=not args.no_progress,
-                          desc="fine-tune")
+                          key=jax.random.PRNGKey(args.seed), batch_fn=batch_of, optimizer=opt,
+                          progress=not args.no_progress, desc="fine-tune")
         final = full_params(state)
         report["finetune_loss"] = [h["loss"] for h in hist]
         report["finetuned"] = evaluate(final, "the fine-tuned model")

@@ -12,9 +12,11 @@ Public API:
 * :func:`default_optimizer` -- AdamW with warmup-cosine; :func:`shard_batch`,
   :func:`replicate`, :func:`replicate_for_pmap`, :func:`unreplicate` -- placement helpers.
 * :class:`WindowConfig`, :class:`WindowSampler`, :func:`load_ett_csv`, :func:`default_series`,
-  :func:`prefetch_to_device` -- data windows.
+  :func:`prefetch_to_device` -- data windows; :class:`ProcessPart` -- a process's part of each
+  batch (multi-process data parallelism).
 * :class:`Checkpointer` -- orbax train-state checkpoints with exact resume.
-* :func:`fit`, :func:`evaluate_forecaster` -- a small training loop and forecast evaluation.
+* :func:`fit`, :func:`evaluate_forecaster` -- a small training loop (durable JSON-lines log cut
+  back on resume, :class:`NonFiniteError` on a NaN loss) and forecast evaluation.
 * The losses and metrics of :mod:`lowrank_jax.losses` (re-exported).
 """
 
@@ -33,6 +35,7 @@ from lowrank_jax.train.checkpoint import (
     IncompatibleCheckpointError,
 )
 from lowrank_jax.train.data import (
+    ProcessPart,
     WindowConfig,
     WindowSampler,
     default_series,
@@ -40,7 +43,13 @@ from lowrank_jax.train.data import (
     prefetch_to_device,
     split_bounds,
 )
-from lowrank_jax.train.loop import evaluate_forecaster, fit, window_batch
+from lowrank_jax.train.loop import (
+    NonFiniteError,
+    evaluate_forecaster,
+    fit,
+    truncate_log,
+    window_batch,
+)
 from lowrank_jax.train.state import (
     TrainState,
     check_optimizer,
@@ -62,10 +71,11 @@ from lowrank_jax.train.step import (
 
 __all__ = [
     "IGNORE_INDEX", "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError",
-    "PmapTrainStep", "TrainState", "TrainStep", "WindowConfig", "WindowSampler",
+    "NonFiniteError", "PmapTrainStep", "ProcessPart", "TrainState", "TrainStep", "WindowConfig",
+    "WindowSampler",
     "check_optimizer", "default_optimizer", "default_series", "evaluate_forecaster", "fit",
     "full_params", "geometric_mean_relative", "init_train_state", "load_ett_csv",
     "make_pmap_train_step", "make_train_step", "mase", "mse", "prefetch_to_device",
     "quantile_loss", "replicate", "replicate_for_pmap", "shard_batch", "split_bounds",
-    "split_params", "token_cross_entropy", "unreplicate", "window_batch", "wql",
+    "split_params", "token_cross_entropy", "truncate_log", "unreplicate", "window_batch", "wql",
 ]

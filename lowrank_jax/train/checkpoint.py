@@ -28,7 +28,8 @@ NumPy leaves come back as NumPy arrays. Typed PRNG keys (``jax.random.key``) are
 their key data and rewrapped.
 
 Integrity: orbax writes a step into a temporary directory and renames it when complete, so an
-interrupted save never shows up as a step (``latest_step()`` ignores it). On restore the CRC32
+interrupted save never shows up as a step (``latest_step()`` ignores it), and the next
+:class:`Checkpointer` on the directory removes its temporary directory. On restore the CRC32
 of every array is checked against the one recorded at save time (``verify=True``), so a
 truncated, deleted or bit-flipped file gives :class:`CorruptCheckpointError` naming the step
 directory, and older steps remain restorable (``restore(step=...)``, or ``restore(
@@ -41,14 +42,18 @@ reads version 1 (the first release, whose ``TrainState`` had no ``model_state``)
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
 import re
+import shutil
+import signal
+import threading
 import warnings
 import zlib
-from typing import Any
+from typing import Any, Iterator
 
 import jax
 import numpy as np
@@ -155,7 +160,9 @@ def _is_key(x: Any) -> bool:
 
 def _crc(x: Any) -> int | None:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
-        return None  # multi-host: not every process sees every shard
+        if not x.is_fully_replicated:
+            return None  # multi-process: no process sees every shard
+        x = x.addressable_data(0)  # a whole copy lives in every process
     a = np.ascontiguousarray(np.asarray(x)).reshape(-1)
     return zlib.crc32(a.view(np.uint8))
 
@@ -190,10 +197,18 @@ class Checkpointer:
       verify: check array checksums on restore (costs one host copy of the state).
       async_save: let orbax write in the background (call :meth:`wait_until_finished`
         before relying on the files); synchronous by default.
+      clean: remove the temporary directories of saves that were interrupted (a killed
+        process leaves ``<step>.orbax-checkpoint-tmp-*`` behind; such a step was never
+        finalized and is not restorable). Done once, here, by process 0. Pass ``False`` when
+        another live process may be saving into ``directory``.
+
+    Multi-process (``jax.distributed``): every process creates the checkpointer on the same
+    (shared) directory and calls :meth:`save` and :meth:`restore` with its part of the global
+    arrays; orbax writes each shard once.
     """
 
     def __init__(self, directory: str | os.PathLike, max_to_keep: int | None = 3, *,
-                 verify: bool = True, async_save: bool = False):
+                 verify: bool = True, async_save: bool = False, clean: bool = True):
         ocp = _ocp()
         if max_to_keep is not None and (not isinstance(max_to_keep, int) or max_to_keep < 1):
             raise ConfigError(f"Checkpointer: max_to_keep must be an int >= 1 or None, got "
@@ -201,6 +216,10 @@ class Checkpointer:
                               actual=max_to_keep)
         self.directory = os.path.abspath(os.fspath(directory))
         self.verify = verify
+        if clean and jax.process_index() == 0:
+            self.removed_temporaries = _remove_temporaries(self.directory)
+        else:
+            self.removed_temporaries = []
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(
@@ -324,13 +343,14 @@ class Checkpointer:
                 "data_position": position, "treedef": _treedef_str(treedef),
                 "leaves": entries, "metadata": metadata or {}, "config": _config_json(config)}
         try:
-            json.dumps(meta)
+            json.dumps(meta, allow_nan=False)  # orbax would write NaN, which is not JSON
         except (TypeError, ValueError) as e:
             raise ConfigError(f"Checkpointer.save: metadata or config is not JSON-serializable: "
                               f"{e}", where="metadata") from e
-        self._manager.save(step, args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}),
-            force=True)
+        with _interrupts_deferred():
+            self._manager.save(step, args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardSave(arrays), _META: ocp.args.JsonSave(meta)}),
+                force=True)
         return step
 
     # -----------------------------------------------------------------------------------------
@@ -535,6 +555,48 @@ class Checkpointer:
                 a = {"bool": bool, "int": int, "float": float}[kind](np.asarray(a).item())
             leaves.append(a)
         return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+@contextlib.contextmanager
+def _interrupts_deferred() -> Iterator[None]:
+    """Hold Ctrl-C (SIGINT) back until the block is done, then raise ``KeyboardInterrupt``.
+
+    An interrupt in the middle of an orbax save leaves its writer threads running into
+    interpreter shutdown (each prints a traceback) and the step unfinished; a save takes a
+    fraction of a second, so it is allowed to finish. Only the main thread can install signal
+    handlers; elsewhere, or when SIGINT is not Python's default handler, nothing changes.
+    """
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    received = []
+    signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if received:
+        raise KeyboardInterrupt
+
+
+_TMP_MARK = ".orbax-checkpoint-tmp"
+
+
+def _remove_temporaries(directory: str) -> list[str]:
+    """Delete the unfinished step directories of interrupted saves in ``directory``."""
+    if not os.path.isdir(directory):
+        return []
+    removed = []
+    for name in sorted(os.listdir(directory)):
+        if _TMP_MARK in name:
+            path = os.path.join(directory, name)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                os.remove(path)
+            removed.append(path)
+    return removed
 
 
 def _short(e: BaseException, n: int = 300) -> str:

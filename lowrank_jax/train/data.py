@@ -411,6 +411,59 @@ def default_series() -> tuple[list[np.ndarray], str]:
     return builtin_series()
 
 
+class ProcessPart:
+    """This process's part of every batch of a batch source, for multi-process data parallelism.
+
+    With ``count`` processes, batch ``p`` of ``source`` (``batch_size`` rows) is split into
+    ``count`` consecutive blocks of ``batch_size / count`` rows and process ``index`` gets block
+    ``index``: every process feeds its own rows and together they make the global batch
+    (the train step assembles it with ``jax.make_array_from_process_local_data``). Every array
+    of a batch is split along its first dimension.
+
+    Args:
+      source: a deterministic batch source (``batch(position)``, ``position``), e.g. a
+        :class:`WindowSampler` built identically in every process.
+      index: this process (default ``jax.process_index()``).
+      count: the number of processes (default ``jax.process_count()``).
+
+    Raises:
+      ConfigError: ``index`` is not in ``[0, count)``.
+      DataError: (from :meth:`batch`) a batch's size is not divisible by ``count``.
+    """
+
+    def __init__(self, source: Any, index: int | None = None, count: int | None = None):
+        self.source = source
+        self.index = jax.process_index() if index is None else int(index)
+        self.count = jax.process_count() if count is None else int(count)
+        if not 0 <= self.index < self.count:
+            raise ConfigError(f"ProcessPart: index {self.index} is not in [0, {self.count})",
+                              where="index", expected=f"0 <= index < {self.count}",
+                              actual=self.index)
+        self.position = source.position
+
+    def batch(self, position: int) -> Any:
+        """Rows ``index * b / count ... (index + 1) * b / count - 1`` of ``source.batch(position)``.
+
+        Args:
+          position: the batch position.
+
+        Returns:
+          The batch with every array cut to this process's rows.
+        """
+        full = self.source.batch(position)
+        flat, treedef = jax.tree_util.tree_flatten(full)
+        sizes = {np.shape(x)[0] for x in flat}
+        size = sizes.pop() if len(sizes) == 1 else None
+        if size is None or size % self.count:
+            raise DataError(f"ProcessPart: batch {position} has batch sizes {sorted(sizes)}; "
+                            f"need one size divisible by the {self.count} processes",
+                            where=f"batch {position}", expected=f"a multiple of {self.count}",
+                            actual=size)
+        n = size // self.count
+        return jax.tree_util.tree_unflatten(
+            treedef, [x[self.index * n:(self.index + 1) * n] for x in flat])
+
+
 # ---------------------------------------------------------------------------------------------
 # Prefetch.
 
@@ -501,5 +554,5 @@ def prefetch_to_device(iterator: Iterable, size: int = 2, sharding: Any = None) 
     return _Prefetcher(iterator, size, sharding)
 
 
-__all__ = ["WindowConfig", "WindowSampler", "default_series", "load_ett_csv",
+__all__ = ["ProcessPart", "WindowConfig", "WindowSampler", "default_series", "load_ett_csv",
            "prefetch_to_device", "split_bounds"]

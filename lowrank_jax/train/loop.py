@@ -7,25 +7,41 @@ bar, periodic evaluation and metrics written as JSON lines. It knows nothing abo
 the loss, the batch construction and the evaluation are arguments. A model family supplies them
 (``family.loss(cfg)``, ``family.batch_from_windows``).
 
+Durability: the log is appended and fsynced record by record and cut back to the restored step
+on resume; a state is checkpointed only when every value in it is finite; a NaN or infinite
+loss stops training with :class:`NonFiniteError`.
+
 :func:`evaluate_forecaster` computes WQL and MASE (Chronos' metrics) of any forecasting family
 (``family_of(config).forecast``) over a whole split.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
+import os
 import time
+import warnings
 from typing import Any, Callable, Mapping, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import ConfigError
+from lowrank_jax.errors import ConfigError, LowrankJaxError
+from lowrank_jax.leaves import path_str
 from lowrank_jax.losses import mase, wql
 from lowrank_jax.models import family_of
 from lowrank_jax.train.state import TrainState, full_params, init_train_state
 from lowrank_jax.train.step import default_optimizer, make_train_step
+
+
+class NonFiniteError(LowrankJaxError, ValueError):
+    """Training produced a NaN or infinite loss, gradient or state; nothing non-finite was saved.
+
+    ``where`` is ``'step N'``, ``actual`` the offending value or parameter path.
+    """
 
 
 class BatchSource(Protocol):
@@ -51,6 +67,14 @@ def window_batch(raw: Mapping[str, Any]) -> dict:
       ``{'context': [b, context_length], 'target': [b, horizon]}``.
     """
     return {"context": jnp.asarray(raw["context"]), "target": jnp.asarray(raw["target"])}
+
+
+@functools.lru_cache(maxsize=8)
+def _forecast_fn(config: Any) -> Callable:
+    """The jitted forecast of ``config``'s family, made once per config (periodic evaluations
+    during training then trace it once)."""
+    fam = family_of(config)
+    return jax.jit(lambda p, c: fam.forecast(p, c, config))
 
 
 def evaluate_forecaster(config: Any, params: Any, sampler, *, season: int = 1,
@@ -85,7 +109,10 @@ def evaluate_forecaster(config: Any, params: Any, sampler, *, season: int = 1,
                           "(its ModelFamily has no forecast)", where="config",
                           expected="a forecasting family", actual=fam.name)
     levels = tuple(float(q) for q in fam.forecast_levels(config))
-    fwd = jax.jit(lambda p, c: fam.forecast(p, c, config))
+    try:
+        fwd = _forecast_fn(config)
+    except TypeError:  # an unhashable config: no reuse
+        fwd = jax.jit(lambda p, c: fam.forecast(p, c, config))
     first = sampler.batch(0)
     horizon = np.shape(first["target"])[1]
     length = jax.eval_shape(fwd, params, jnp.asarray(first["context"])).shape[-1]  # no compile
@@ -113,6 +140,78 @@ def evaluate_forecaster(config: Any, params: Any, sampler, *, season: int = 1,
         "mase": float(mase(median, target, context, season=season)),
         "n_windows": int(pred.shape[0]),
     }
+
+
+def _finite_or_none(value: Any) -> Any:
+    """An evaluation value as JSON can hold it: scalars (NumPy and JAX ones included) become
+    Python numbers, non-finite ones ``None``; anything else is left as it is."""
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    a = np.asarray(value) if isinstance(value, (float, np.generic, np.ndarray, jax.Array)) \
+        else None
+    if a is None or a.ndim != 0 or a.dtype.kind not in "biuf":
+        return value
+    if a.dtype.kind == "b":
+        return bool(a)
+    if a.dtype.kind in "iu":
+        return int(a)
+    return float(a) if math.isfinite(float(a)) else None
+
+
+def truncate_log(path: str, step: int) -> int:
+    """Cut a JSON-lines log back to the records of steps ``<= step``.
+
+    Records are kept from the start of the file up to the first one that is incomplete (a
+    killed write), unreadable, or of a later step; the rest is removed, so a resumed run
+    appends exactly the records an uninterrupted run would have.
+
+    Args:
+      path: the log file (nothing happens when it does not exist).
+      step: the step the run resumes from (0 for a fresh run: everything is removed).
+
+    Returns:
+      The number of records kept.
+    """
+    if not os.path.exists(path):
+        return 0
+    with open(path, "rb") as f:
+        data = f.read()
+    keep, kept, pos = 0, 0, 0
+    while pos < len(data):
+        end = data.find(b"\n", pos)
+        if end < 0:
+            break  # a partial last line
+        try:
+            rec = json.loads(data[pos:end])
+        except ValueError:
+            break
+        if not isinstance(rec, dict) or not isinstance(rec.get("step"), int) or rec["step"] > step:
+            break
+        pos = keep = end + 1
+        kept += 1
+    if keep < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    return kept
+
+
+def _finite_flags(tree: Any) -> tuple[list[str], Callable]:
+    """The paths of the float arrays of ``tree`` and a jitted function giving, for each, whether
+    all its values are finite (one boolean vector, computed where the arrays live)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    idx = [i for i, (_, x) in enumerate(flat)
+           if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)]
+    paths = [path_str(flat[i][0]) for i in idx]
+
+    @jax.jit
+    def flags(t):
+        leaves = jax.tree_util.tree_leaves(t)
+        return jnp.stack([jnp.all(jnp.isfinite(leaves[i])) for i in idx]) if idx else \
+            jnp.ones((0,), bool)
+
+    return paths, flags
 
 
 def _check_positive(name: str, value: Any, *, zero_ok: bool = False) -> None:
@@ -174,7 +273,13 @@ def fit(
       eval_fn: run every ``eval_every`` steps and at the end: ``eval_fn(params) -> dict``, or
         ``eval_fn(params, model_state) -> dict`` for a stateful model.
       eval_every: evaluation period in steps (0: never).
-      log_path: append one JSON object per step (loss, step time, eval metrics).
+      log_path: the run's JSON-lines log: one object per step (``step``, ``loss``, ``step_s``
+        -- the wall-clock time of the step --, and ``eval_*`` metrics where evaluated; a
+        non-finite evaluation value is written as ``null``). Each record is appended, flushed
+        and fsynced before the checkpoint of its step is saved. On start the file is cut back
+        to the records of steps up to the restored one (:func:`truncate_log`; a fresh run
+        empties it), so a run resumed after a kill or Ctrl-C leaves the same file as an
+        uninterrupted one (apart from ``step_s``).
       progress: show a tqdm progress bar.
       desc: the progress bar's label.
 
@@ -183,8 +288,18 @@ def fit(
       (:func:`~lowrank_jax.train.full_params` gives the parameters, ``state.model_state`` the
       model state) and one dict per step run.
 
+    Multi-process (``jax.distributed``): give a ``mesh`` over the devices of all processes;
+    every process calls ``fit`` with the same arguments except ``sampler``, which yields this
+    process's part of each global batch (see :func:`~lowrank_jax.train.make_train_step`).
+    Process 0 writes the log and shows the progress bar; all processes take part in the
+    checkpoints.
+
     Raises:
-      ConfigError: a bad option (before anything is compiled).
+      ConfigError: a bad option (before anything is compiled), or a restored state beyond
+        ``steps``.
+      NonFiniteError: the loss or the gradient norm of a step is NaN or infinite, or the state
+        about to be checkpointed holds a non-finite value. Nothing of that step is saved
+        (neither its log record nor a checkpoint); earlier checkpoints are kept.
     """
     _check_positive("steps", steps)
     _check_positive("checkpoint_every", checkpoint_every, zero_ok=True)
@@ -214,13 +329,37 @@ def fit(
         return eval_fn(*args)
 
     start = int(state.step)
+    if start > steps:
+        where = checkpointer.directory if checkpointer is not None else "state"
+        raise ConfigError(f"fit: the restored state is at step {start}, beyond steps={steps} "
+                          f"({where}); give steps >= {start}", where="steps",
+                          expected=f">= {start}", actual=steps)
+    primary = jax.process_index() == 0  # one process writes the log and shows progress
     history: list[dict] = []
-    log = open(log_path, "a") if log_path else None
+    log = None
+    if log_path and primary:
+        kept = truncate_log(log_path, start)
+        if kept < start:
+            warnings.warn(f"fit: {log_path} holds {kept} records but the run resumes at step "
+                          f"{start}; the records of the missing steps cannot be recreated",
+                          stacklevel=2)
+        log = open(log_path, "a", encoding="utf-8")
     bar = None
-    if progress:
+    if progress and primary:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, initial=start, desc=desc, unit="step", leave=False)
+    finite_paths, finite_flags = None, None
+
+    def stop(step: int, what: str, actual: Any) -> NonFiniteError:
+        last = checkpointer.latest_step() if checkpointer is not None else None
+        kept = (f"the last good checkpoint, step {last} in {checkpointer.directory}, is kept"
+                if last is not None else "no checkpoint was saved")
+        return NonFiniteError(
+            f"training stopped at step {step}: {what} is {actual}, not finite; nothing of this "
+            f"step was saved and {kept}. Lower the learning rate or check the data",
+            where=f"step {step}", expected="finite values", actual=actual)
+
     try:
         for _ in range(start, steps):
             batch = batch_fn(sampler.batch(int(state.data_position)))
@@ -228,12 +367,19 @@ def fit(
             state, metrics = step_fn(state, batch, None)
             state = state._replace(data_position=state.data_position + 1)
             step = int(state.step)
-            row = {"step": step, "loss": float(metrics["loss"]), "step_s": time.perf_counter() - t0}
+            loss = float(metrics["loss"])
+            if not math.isfinite(loss):
+                raise stop(step, "the loss", loss)
+            if "grad_norm" in metrics and not math.isfinite(float(metrics["grad_norm"])):
+                raise stop(step, "the gradient norm", float(metrics["grad_norm"]))
+            row = {"step": step, "loss": loss, "step_s": time.perf_counter() - t0}
             if eval_fn is not None and eval_every and (step % eval_every == 0 or step == steps):
-                row.update({f"eval_{k}": v for k, v in evaluate(state).items()})
+                row.update({f"eval_{k}": _finite_or_none(v) for k, v in evaluate(state).items()})
             history.append(row)
-            if log:
-                log.write(json.dumps(row) + "\n")
+            if log:  # the record reaches the file before a checkpoint of its step exists
+                log.write(json.dumps(row, allow_nan=False) + "\n")
+                log.flush()
+                os.fsync(log.fileno())
             if bar is not None:
                 bar.update(1)
                 bar.set_postfix(loss=f"{row['loss']:.4f}")
@@ -242,6 +388,12 @@ def fit(
                 and checkpoint_every
                 and (step % checkpoint_every == 0 or step == steps)
             ):
+                if finite_flags is None:
+                    finite_paths, finite_flags = _finite_flags(state)
+                ok = np.asarray(finite_flags(state))
+                if not ok.all():
+                    raise stop(step, f"'{finite_paths[int(np.argmin(ok))]}' of the state",
+                               "not finite")
                 checkpointer.save(state)
     finally:
         if bar is not None:
@@ -251,4 +403,5 @@ def fit(
     return state, history
 
 
-__all__ = ["BatchSource", "evaluate_forecaster", "fit", "window_batch"]
+__all__ = ["BatchSource", "NonFiniteError", "evaluate_forecaster", "fit", "truncate_log",
+           "window_batch"]

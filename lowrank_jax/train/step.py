@@ -34,6 +34,10 @@ The global batch is split on its leading dimension over ``batch_axis`` (replicat
 other mesh axes); XLA inserts the collectives. Sharded and single-device steps compute the same
 update up to float reduction order.
 
+Multi-process (``jax.distributed``, one mesh over the devices of every process): every process
+calls the step with its own part of the global batch (:func:`shard_batch`), and with the same
+initial state, which each process places on its own devices' shards.
+
 :func:`make_pmap_train_step` is the same update under ``jax.pmap`` with gradients averaged by
 ``lax.pmean``, for code bases that still use ``pmap``; its state carries a leading device axis
 (:func:`replicate_for_pmap`). Its model state is averaged over devices with ``pmean`` after
@@ -171,18 +175,51 @@ def _check_batch(batch: Any, n_devices: int, who: str, what: str) -> int:
 
 def _put(x: Any, sharding: Any) -> Any:
     """``device_put`` unless ``x`` already lies as ``sharding`` says: a step's outputs go
-    straight back in (their buffers are donated, not copied, and the step does not retrace)."""
+    straight back in (their buffers are donated, not copied, and the step does not retrace).
+
+    Over a mesh that spans several processes, a value this process holds whole (a NumPy
+    array, or a ``jax.Array`` on its own devices) is taken to be the same value in every
+    process (the state of a run initialised from the same key): each process fills its own
+    devices' shards from it.
+    """
     if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(sharding, x.ndim):
         return x
-    return jax.device_put(x, sharding)
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        data = _put(jax.random.key_data(x), sharding)
+        return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+    value = np.asarray(x)
+    return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+
+def _multiprocess(mesh: Mesh) -> bool:
+    """Whether ``mesh`` spans devices of more than one process."""
+    return len({d.process_index for d in mesh.devices.flat}) > 1
+
+
+def _batch_devices(mesh: Mesh, batch_axis: str) -> int:
+    """How many parts of the batch this process feeds: the number of distinct positions along
+    ``batch_axis`` held by its devices (all of them when the mesh is in one process)."""
+    if not _multiprocess(mesh):
+        return int(mesh.shape[batch_axis])
+    axis = mesh.axis_names.index(batch_axis)
+    me = jax.process_index()
+    local = {idx[axis] for idx, d in np.ndenumerate(mesh.devices) if d.process_index == me}
+    return len(local)
 
 
 def shard_batch(batch: Any, mesh: Mesh, batch_axis: str = "data") -> Any:
     """Place a global batch on ``mesh``, split along its leading dimension over ``batch_axis``
     (replicated over the mesh's other axes).
 
+    When ``mesh`` spans several processes (``jax.distributed``), ``batch`` is this process's
+    part of the global batch (its rows, in process order, e.g. from
+    :class:`~lowrank_jax.train.ProcessPart`); the global array is assembled with
+    ``jax.make_array_from_process_local_data``. Arrays that are already global pass through.
+
     Args:
-      batch: a pytree of arrays ``[batch, ...]``.
+      batch: a pytree of arrays ``[batch, ...]`` (process-local over a multi-process mesh).
       mesh: the device mesh.
       batch_axis: the mesh axis of the data split.
 
@@ -190,13 +227,24 @@ def shard_batch(batch: Any, mesh: Mesh, batch_axis: str = "data") -> Any:
       The batch as ``jax.Array`` s sharded ``P(batch_axis)``.
 
     Raises:
-      ShapeError: the batch size is not divisible by the size of ``batch_axis``.
+      ShapeError: the batch size is not divisible by the size of ``batch_axis`` (over a
+        multi-process mesh: by the number of positions along it that this process holds).
       ConfigError: ``batch_axis`` is not an axis of ``mesh``.
     """
-    n = _check_mesh(mesh, batch_axis, "shard_batch")
-    _check_batch(batch, n, "shard_batch", f"mesh axis {batch_axis!r}")
+    _check_mesh(mesh, batch_axis, "shard_batch")
+    n = _batch_devices(mesh, batch_axis)
+    _check_batch(batch, n, "shard_batch", f"mesh axis {batch_axis!r}"
+                 + (" held by this process" if _multiprocess(mesh) else ""))
     sharding = NamedSharding(mesh, P(batch_axis))
-    return jax.tree_util.tree_map(lambda x: _put(x, sharding), batch)
+    if not _multiprocess(mesh):
+        return jax.tree_util.tree_map(lambda x: _put(x, sharding), batch)
+
+    def assemble(x):
+        if isinstance(x, jax.Array) and not x.is_fully_addressable:
+            return _put(x, sharding)  # already global
+        return jax.make_array_from_process_local_data(sharding, np.asarray(x))
+
+    return jax.tree_util.tree_map(assemble, batch)
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
@@ -442,12 +490,11 @@ class TrainStep:
           ``(new_state, metrics)``.
         """
         _check_state(state, self.stateful, "train step")
-        n_dev = 1 if self.mesh is None else int(self.mesh.shape[self.batch_axis])
-        _check_batch(batch, n_dev, "train step",
-                     "the mesh" if self.mesh is None else f"mesh axis {self.batch_axis!r}")
-        if self.mesh is not None:
+        if self.mesh is None:
+            _check_batch(batch, 1, "train step", "the mesh")
+        else:
+            batch = shard_batch(batch, self.mesh, self.batch_axis)  # checks the batch first
             state = jax.tree_util.tree_map(_put, state, self.state_shardings(state))
-            batch = shard_batch(batch, self.mesh, self.batch_axis)
             if key is not None:
                 key = _put(key, NamedSharding(self.mesh, P()))
         rng = state.rng

@@ -384,3 +384,41 @@ def test_checkpoint_errors_are_checkpoint_errors_naming_the_step(tmp_path):
     assert err.value.where == str(tmp_path / "2")
     with pytest.raises(ConfigError, match="max_to_keep"):
         Checkpointer(tmp_path, max_to_keep=0)
+
+
+# -- interrupted saves: no temporaries left, Ctrl-C waits for the save ------------------------
+
+def test_temporaries_of_interrupted_saves_are_removed_on_start(tmp_path):
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(_state(), step=1)
+    # what a save killed in the middle leaves: orbax's unfinished step directory
+    tmp = tmp_path / "ck" / "2.orbax-checkpoint-tmp-1731000000123456"
+    os.makedirs(tmp / "state")
+    (tmp / "state" / "partial").write_bytes(b"\0" * 10)
+    kept = Checkpointer(tmp_path / "ck", clean=False)  # a live writer may own it
+    assert kept.removed_temporaries == [] and tmp.exists() and kept.all_steps() == [1]
+    ck = Checkpointer(tmp_path / "ck")
+    assert ck.removed_temporaries == [str(tmp)] and sorted(os.listdir(tmp_path / "ck")) == ["1"]
+    ck.save(_state(), step=2)  # the step can be saved again
+    assert ck.all_steps() == [1, 2]
+
+
+def test_ctrl_c_during_a_save_takes_effect_after_the_save(tmp_path):
+    import signal
+
+    ck = Checkpointer(tmp_path / "ck")
+    save = ck._manager.save
+
+    def interrupted_save(*args, **kwargs):
+        signal.raise_signal(signal.SIGINT)  # Ctrl-C arrives in the middle of the save
+        return save(*args, **kwargs)
+
+    ck._manager.save = interrupted_save
+    state = _state()
+    with pytest.raises(KeyboardInterrupt):
+        ck.save(state, step=3)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert Checkpointer(tmp_path / "ck").all_steps() == [3]  # complete, not a temporary
+    assert not glob.glob(str(tmp_path / "ck" / "*tmp*"))
+    like = jax.eval_shape(lambda: _state())
+    _assert_trees_equal(Checkpointer(tmp_path / "ck").restore(like=like), state)

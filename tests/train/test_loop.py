@@ -20,11 +20,13 @@ from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.nn import BatchNormConfig, apply_batch_norm, init_batch_norm
 from lowrank_jax.train import (
     Checkpointer,
+    NonFiniteError,
     TrainState,
     WindowConfig,
     WindowSampler,
     evaluate_forecaster,
     fit,
+    init_train_state,
 )
 
 KEY = jax.random.key(5)
@@ -249,3 +251,119 @@ def test_evaluate_forecaster_errors():
         evaluate_forecaster(BOLT, numpy_init(chronos_bolt.init, BOLT), sampler)
     with pytest.raises(ConfigError, match="'t5' is not a forecaster"):
         evaluate_forecaster(BOLT.t5, {}, sampler)
+
+
+# -- the log survives interruptions; a NaN stops training and nothing non-finite is saved -----
+
+def _strict_records(path):
+    """The log's records, parsed as strict JSON (NaN or Infinity raise)."""
+    def refuse(name):
+        raise ValueError(f"{name} in the log")
+
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+class CrashAt(RandomRegression):
+    """Dies when asked for batch ``crash`` (after the records of the steps before it)."""
+
+    def __init__(self, crash):
+        self.crash = crash
+
+    def batch(self, position):
+        if position == self.crash:
+            raise KeyboardInterrupt
+        return super().batch(position)
+
+
+def test_log_is_cut_back_to_the_restored_step_on_resume(tmp_path):
+    params, ms = bn_model()
+    common = dict(steps=6, key=KEY, batch_fn=to_batch, model_state=ms, optimizer=optax.adam(1e-2),
+                  eval_fn=bn_eval, eval_every=2, progress=False)
+    fit(bn_loss, params, RandomRegression(), log_path=str(tmp_path / "straight.jsonl"), **common)
+    log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
+    # interrupted after step 5 was logged; the newest checkpoint is step 4
+    with pytest.raises(KeyboardInterrupt):
+        fit(bn_loss, params, CrashAt(5), log_path=str(log), checkpointer=Checkpointer(ck),
+            checkpoint_every=2, **common)
+    assert [r["step"] for r in _strict_records(log)] == [1, 2, 3, 4, 5]
+    with open(log, "a") as f:  # and a kill in the middle of writing step 6's record
+        f.write('{"step": 6, "loss": 0.12')
+    resumed, hist = fit(bn_loss, params, RandomRegression(), log_path=str(log),
+                        checkpointer=Checkpointer(ck), checkpoint_every=2, **common)
+    assert [h["step"] for h in hist] == [5, 6]
+
+    def no_clock(records):
+        return [{k: v for k, v in r.items() if k != "step_s"} for r in records]
+
+    want = no_clock(_strict_records(tmp_path / "straight.jsonl"))
+    assert no_clock(_strict_records(log)) == want  # no duplicate, no gap, no partial line
+    assert [r["step"] for r in want] == [1, 2, 3, 4, 5, 6]
+    assert [r["step"] for r in want if "eval_w_norm" in r] == [2, 4, 6]
+    # a fresh run (nothing to resume) starts a fresh log
+    fit(bn_loss, params, RandomRegression(), log_path=str(log), **dict(common, steps=2))
+    assert [r["step"] for r in _strict_records(log)] == [1, 2]
+
+
+class Poisoned(RandomRegression):
+    """Batch ``at`` makes the step non-finite: inputs with inf (``'loss'``), or a finite loss
+    whose gradient is NaN (``'grad'``)."""
+
+    def __init__(self, at, how):
+        self.at, self.how = at, how
+
+    def batch(self, position):
+        b = super().batch(position)
+        b["gate"] = np.ones((16,), np.float32)
+        if position == self.at and self.how == "loss":
+            b["inputs"][3, 2] = np.inf
+        if position == self.at and self.how == "grad":
+            b["gate"][:] = 0.0
+        return b
+
+
+def gated_loss(params, batch, key):
+    del key
+    y = linear(params["l1"], jax.nn.relu(linear(params["l0"], batch["x"])))
+    mse = jnp.mean(jnp.square(y - batch["y"]))
+    # sqrt(0) has an infinite derivative: with the gate shut the loss is finite (mse) and the
+    # gradient of the root is inf * 0 = NaN
+    root = jnp.sqrt(jnp.mean(batch["gate"]) * jnp.sum(jnp.square(params["l1"].w)))
+    return mse + 0.0 * root, {}
+
+
+def gated_batch(raw):
+    return {"x": raw["inputs"], "y": raw["labels"], "gate": raw["gate"]}
+
+
+def _dense_model():
+    k0, k1 = jax.random.split(jax.random.key(3))
+    return {"l0": init_dense(k0, 6, 12), "l1": init_dense(k1, 12, 3)}
+
+
+@pytest.mark.parametrize("how, lr, step, what", [
+    ("loss", 1e-2, 3, "the loss is nan"),
+    ("grad", 1e-2, 3, "the gradient norm is nan"),
+    # float32(1e39) = inf: a finite loss and finite gradients make non-finite parameters
+    (None, 1e39, 1, "'params/l0/w' of the state is not finite"),
+])
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")
+def test_nonfinite_values_stop_training_and_are_never_saved(tmp_path, how, lr, step, what):
+    log, ck = tmp_path / "log.jsonl", tmp_path / "ck"
+    with pytest.raises(NonFiniteError, match=f"stopped at step {step}: {what}") as e:
+        fit(gated_loss, _dense_model(), Poisoned(2, how), steps=6, key=KEY,
+            batch_fn=gated_batch, optimizer=optax.sgd(lr), checkpointer=Checkpointer(ck),
+            checkpoint_every=1, log_path=str(log), progress=False)
+    assert e.value.where == f"step {step}" and "\n" not in str(e.value)
+    checkpointer = Checkpointer(ck)
+    assert checkpointer.all_steps() == list(range(1, step))
+    if step > 1:
+        assert f"the last good checkpoint, step {step - 1} in {ck}, is kept" in str(e.value)
+    else:
+        assert "no checkpoint was saved" in str(e.value)
+    like = jax.eval_shape(lambda: init_train_state(_dense_model(), optax.sgd(lr), key=KEY))
+    for s in checkpointer.all_steps():
+        state = checkpointer.restore(s, like=like)
+        assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))
+    # the log is valid JSON (no NaN) and holds the steps before the stop, the last one's
+    # record included only if its loss was finite
+    assert [r["step"] for r in _strict_records(log)] == list(range(1, step + (how is None)))
