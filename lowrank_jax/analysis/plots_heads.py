@@ -63,12 +63,15 @@ def plot_head_ranks(ranks: Mapping[str, Sequence[int]], path: str | None = None,
     """
     labels, grid = head_rank_grid(ranks)
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(1.2 + 0.45 * grid.shape[1], 1.0 + 0.35 * grid.shape[0]))
+    shown = [lab.removesuffix("/qk") for lab in labels]
+    # room for the row labels (about 0.07 inch a character) and the colour bar
+    width = 2.2 + 0.07 * max(len(lab) for lab in shown) + 0.45 * grid.shape[1]
+    fig, ax = plt.subplots(figsize=(width, 1.4 + 0.35 * grid.shape[0]))
     im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis")
     ax.set_xticks(range(grid.shape[1]))
     ax.set_xlabel("head")
     ax.set_yticks(range(len(labels)))
-    ax.set_yticklabels([lab.removesuffix("/qk") for lab in labels], fontsize="small")
+    ax.set_yticklabels(shown, fontsize="small")
     ax.set_title(title)
     if annotate:
         top = np.nanmax(grid) if np.isfinite(grid).any() else 0.0

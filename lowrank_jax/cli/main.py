@@ -200,6 +200,23 @@ def _check_compress_flags(args) -> None:
     if args.time_runs < 1:
         raise ConfigError(f"--time-runs must be >= 1, got {args.time_runs}", where="--time-runs",
                           expected=">= 1", actual=args.time_runs)
+    if args.plots:
+        import importlib.util
+
+        if not args.plan:
+            raise ConfigError("--plots draws the query-key ranks per head of a plan's truncatt, "
+                              "cp or btd steps; give --plan", where="--plots",
+                              expected="--plan with such a step", actual=None)
+        if importlib.util.find_spec("matplotlib") is None:
+            raise ConfigError("--plots needs matplotlib: pip install 'lowrank-jax[plot]'",
+                              where="--plots", expected="matplotlib installed",
+                              actual="not installed")
+        outputs.check_separate(args.plots, {**_inputs(args), "--out": args.out}, flag="--plots")
+        outputs.check_output_dir(args.plots, overwrite=args.overwrite,
+                                 owned=outputs.owned_by("plots"),
+                                 what="a previous lowrank-jax plots directory", flag="--plots")
+        if args.json:
+            outputs.check_report_path(args.json, _inputs(args), (args.out, args.plots))
 
 
 def cmd_compress(args) -> int:
@@ -213,6 +230,12 @@ def cmd_compress(args) -> int:
     status = Status("compress", bars=not args.no_progress)
     _check_compress_flags(args)
     plan = Plan.from_file(args.plan) if args.plan else None
+    if args.plots and not any(s.method in ("truncatt", "cp", "btd") for s in plan.steps):
+        raise ConfigError(f"--plots draws the query-key ranks per head of truncatt, cp or btd "
+                          f"steps; the plan {args.plan} has none (its methods: "
+                          f"{', '.join(s.method for s in plan.steps) or 'none'})", where="--plots",
+                          expected="a truncatt, cp or btd step",
+                          actual=[s.method for s in plan.steps])
     src = load_source(args.params, status=status, family=args.family)
     config, params = src.config, src.params
     if plan is None:
@@ -224,6 +247,11 @@ def cmd_compress(args) -> int:
     print(report.format_table())
     out = report.to_dict()
     out["plan"] = plan.to_dict()
+    from lowrank_jax.compress.irregular import format_layer_table, head_ranks, layer_table
+
+    if head_ranks(report):  # query-key methods: ranks per head, block ratios and errors
+        out["attention_blocks"] = layer_table(report, params, new_params, seed=args.seed)
+        print("\n" + format_layer_table(out["attention_blocks"]))
     note = check_change(report, params, plan, status)
     if note is not None:
         print("\n" + "\n".join(note["message"]))
@@ -243,6 +271,15 @@ def cmd_compress(args) -> int:
             + (f", top-10 Jaccard {ev['top10_jaccard']:.3f}" if "top10_jaccard" in ev else "")
             + f", measured time ratio {ev['time_ratio']:.3f}"
         )
+    if args.plots:
+        from lowrank_jax.compress.irregular import save_head_rank_plot
+
+        with status.phase(f"plotting to {args.plots}"), outputs.marked_directory(
+                args.plots, kind="plots", overwrite=args.overwrite, who="compress") as tmp:
+            written = save_head_rank_plot(report, os.path.join(tmp, "head_ranks.png"))
+        out["plots"] = [os.path.join(args.plots, os.path.basename(written))] if written else []
+        print(f"wrote plots to {args.plots}" if written else
+              f"no query-key ranks per head to plot (nothing matched); {args.plots} is empty")
     if args.out:
         meta_out = dict(src.metadata)
         meta_out["compression"] = out["totals"]
@@ -254,7 +291,8 @@ def cmd_compress(args) -> int:
             else:
                 save_params(args.out, new_params, metadata=meta_out, overwrite=args.overwrite)
         print(f"saved compressed parameters to {args.out} (factors kept, nothing densified)")
-    _write_json(args.json, out, command="compress", inputs=_inputs(args), outputs_=(args.out,))
+    _write_json(args.json, out, command="compress", inputs=_inputs(args),
+                outputs_=(args.out, args.plots))
     return 0
 
 
@@ -411,8 +449,11 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--family", help=family_help)
     c.add_argument("--out", help="save the compressed tree to this directory (a lowrank_jax "
                                  "checkpoint; never the input or inside it)")
+    c.add_argument("--plots", help="with a plan of truncatt/cp/btd steps: write the layer x head "
+                   "heat map of the query-key ranks (head_ranks.png) to this directory")
     c.add_argument("--overwrite", action="store_true",
-                   help="replace --out if it is a lowrank_jax checkpoint (nothing else)")
+                   help="replace --out if it is a lowrank_jax checkpoint, --plots if lowrank-jax "
+                   "wrote it (nothing else)")
     c.add_argument("--json", help="write the report as JSON to this file (replaces only a "
                                   "previous lowrank-jax report)")
     c.add_argument(
