@@ -49,6 +49,14 @@ from lowrank_jax.leaves.masked_binary import (
     keep_count,
     top_mask,
 )
+from lowrank_jax.leaves.packed_binary import (
+    PackedBinary,
+    pack_binary_tree,
+    pack_bits,
+    pack_pm1,
+    unpack_bits,
+    xnor_dot,
+)
 from lowrank_jax.leaves.partitioned import CompressedKeys, Partitioned
 from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey, augmented_joint
 from lowrank_jax.leaves.query_key import QK, QueryKey, attention_logits
@@ -84,5 +92,6 @@ __all__ = [
     "mesh_shardings", "meta_fields", "named_leaves", "node_types", "param_count", "partition",
     "partition_specs", "path_str", "qualified_name", "replace_paths", "require_leaf",
     "slice_bias", "split_heads", "storage_bits", "top_mask", "trainable_mask",
-    "FixedBias", "alpha_divisor",
+    "FixedBias", "alpha_divisor", "PackedBinary", "pack_binary_tree", "pack_bits", "pack_pm1",
+    "unpack_bits", "xnor_dot",
 ]

@@ -57,6 +57,26 @@ def alpha_divisor(n: int, keep: float) -> int:
     return max(1, int(keep * n))
 
 
+def pairwise_sum(a: Array) -> Array:
+    """Sum of all entries in a fixed pairwise order (halving by elementwise adds).
+
+    XLA may reduce in a different order when a sum is fused with its producers, so ``jnp.sum``
+    can differ by an ulp between a jitted and an eager run. Elementwise adds have one order,
+    so this sum is bit-identical in every context: the gain ``alpha`` of a jitted
+    :class:`MaskedBinary` equals the one stored by :meth:`MaskedBinary.freeze` and by the
+    packed leaf, and their outputs match exactly.
+    """
+    v = jnp.reshape(a, (-1,))
+    n = v.shape[0]
+    size = 1 << max(0, (n - 1).bit_length())
+    if size != n:
+        v = jnp.concatenate([v, jnp.zeros((size - n,), v.dtype)])
+    while v.shape[0] > 1:
+        half = v.shape[0] // 2
+        v = v[:half] + v[half:]
+    return v[0]
+
+
 class MaskedBinary(Leaf):
     """Biprop weight: ``W_eff = alpha * sign(w) * M`` with ``M`` chosen by scores
     ("Sparse Binary Transformers for Multivariate Time Series Modeling", Gorbett et al.,
@@ -130,8 +150,12 @@ class MaskedBinary(Leaf):
     def alpha(self) -> Array:
         """``||M * w||_1 / floor(keep n)`` (no gradient path)."""
         w = jax.lax.stop_gradient(self.w)
-        return jnp.sum(jnp.abs(w) * self.mask()) / alpha_divisor(self.d_in * self.d_out,
-                                                                 self.keep)
+        kept = jnp.abs(w) * self.mask()
+        # A true division in every context: under jit XLA would turn division by a constant
+        # into a multiplication by its reciprocal (an ulp away from the eager value).
+        div = jax.lax.optimization_barrier(
+            jnp.asarray(alpha_divisor(self.d_in * self.d_out, self.keep), kept.dtype))
+        return pairwise_sum(kept) / div
 
     def signs(self) -> Array:
         """``sign(w)`` with ``sign(0) = +1``, in ``w``'s dtype."""
@@ -372,4 +396,4 @@ FixedBias = leaf_dataclass(FixedBias)
 
 
 __all__ = ["ALPHA_BITS", "FixedBias", "FrozenBinary", "MaskedBinary", "alpha_divisor",
-           "init_masked_binary", "keep_count", "top_mask"]
+           "init_masked_binary", "keep_count", "pairwise_sum", "top_mask"]

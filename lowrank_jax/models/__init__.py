@@ -6,7 +6,7 @@ PyTorch forward and outputs keyed like the PyTorch outputs; :func:`family_of` gi
 record (loss, sample inputs, Hugging Face mapping, forecast).
 """
 
-from lowrank_jax.models import bert, chronos, chronos_bolt, patch_encoder, t5, vit
+from lowrank_jax.models import bert, chronos, chronos_bolt, patch_encoder, sbt, t5, vit
 from lowrank_jax.models.bert import BertConfig
 from lowrank_jax.models.chronos import ChronosConfig
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
@@ -20,11 +20,12 @@ from lowrank_jax.models.family import (
     register_family,
 )
 from lowrank_jax.models.patch_encoder import PatchEncoderConfig
+from lowrank_jax.models.sbt import SBTConfig
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.models.vit import ViTConfig
 
 __all__ = [
     "BertConfig", "ChronosBoltConfig", "ChronosConfig", "ModelFamily", "PatchEncoderConfig",
-    "T5Config", "ViTConfig", "apply", "bert", "chronos", "chronos_bolt", "families",
-    "family_of", "get_family", "patch_encoder", "primary_output", "register_family", "t5", "vit",
+    "SBTConfig", "T5Config", "ViTConfig", "apply", "bert", "chronos", "chronos_bolt", "families",
+    "family_of", "get_family", "patch_encoder", "primary_output", "register_family", "sbt", "t5", "vit",
 ]
