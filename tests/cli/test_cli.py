@@ -136,3 +136,14 @@ def test_compress_errors_exit_2_with_message(saved, tmp_path, capsys):
     assert not (tmp_path / "never").exists()
 
 
+
+
+@pytest.mark.parametrize("command", ["prune", "partition"])
+def test_method_commands_are_wired_into_lowrank_jax(command, tmp_path, capsys):
+    """The method commands are reachable from ``lowrank-jax`` and fail like every command: one
+    line naming the missing input, exit status 2."""
+    missing = tmp_path / "no_model"
+    assert main([command, str(missing), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"lowrank-jax {command}: error:") and str(missing) in err
+    assert len(err.splitlines()) == 1 and not missing.exists()
