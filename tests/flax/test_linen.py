@@ -1,0 +1,222 @@
+"""lowrank_jax.interop.linen: a user's linen model, defined here, compressed by a plan over Flax
+paths and run unchanged through nn.intercept_methods; references are the same unmodified model
+on materialized weights and NumPy."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lowrank_jax as lj
+from lowrank_jax.errors import ConfigError, PlanError, ShapeError
+from lowrank_jax.interop import KernelShape, leaf_mask
+from lowrank_jax.interop import linen as ljl
+from lowrank_jax.io import load_params, save_params
+from lowrank_jax.train import TrainState, make_train_step
+
+
+class Encoder1DBlock(nn.Module):  # big_vision style: pre-LN, MHDPA, MLP block
+    mlp_dim: int
+    num_heads: int
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.LayerNorm()(x)
+        y = nn.MultiHeadDotProductAttention(num_heads=self.num_heads)(y, y)
+        x = x + y
+        y = nn.LayerNorm()(x)
+        y = nn.Dense(self.mlp_dim)(y)
+        y = nn.gelu(y)
+        return x + nn.Dense(x.shape[-1])(y)
+
+
+class TinyViT(nn.Module):
+    width: int = 16
+    depth: int = 2
+    num_classes: int = 5
+
+    @nn.compact
+    def __call__(self, x):  # [batch, tokens, features]
+        x = nn.Dense(self.width, name="embedding")(x)
+        for i in range(self.depth):
+            x = Encoder1DBlock(mlp_dim=2 * self.width, num_heads=2, name=f"encoderblock_{i}")(x)
+        x = nn.LayerNorm(name="encoder_norm")(x)
+        return nn.Dense(self.num_classes, name="head", use_bias=False)(x.mean(axis=1))
+
+
+MODEL = TinyViT()
+X = jax.random.normal(jax.random.PRNGKey(1), (3, 6, 10))
+VARS = MODEL.init(jax.random.PRNGKey(0), X)
+BLOCKS = r"encoderblock_\d+/.*kernel$"
+PLAN = lj.Plan((lj.Step("svd", (BLOCKS,), {"rank": 3}),))
+
+
+def _np_rank(w, r):
+    u, s, vt = np.linalg.svd(np.asarray(w, np.float64), full_matrices=False)
+    return (u[:, :r] * s[:r]) @ vt[:r]
+
+
+def test_compressed_equals_model_on_materialized_weights():
+    small, report = ljl.compress(VARS, PLAN)
+    attn = small["params"]["encoderblock_0"]["MultiHeadDotProductAttention_0"]
+    assert isinstance(attn["query"]["kernel"], lj.LowRank)
+    assert attn["query"]["kernel_shape"] == KernelShape((16,), (2, 8))
+    assert attn["out"]["kernel_shape"] == KernelShape((2, 8), (16,))
+    assert "bias" not in attn["query"]  # folded into the leaf
+    # layers no rule selects stay plain Flax arrays
+    assert isinstance(small["params"]["embedding"]["kernel"], jax.Array)
+    y = jax.jit(lambda v, x: ljl.apply(MODEL, v, x))(small, X)
+    dense = ljl.materialize(small)
+    assert jax.tree_util.tree_structure(dense) == jax.tree_util.tree_structure(VARS)
+    y_ref = MODEL.apply(dense, X)  # the unmodified model, plain Flax weights
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=0)
+    # the materialized weights are the rank-3 truncations (NumPy SVD, independent)
+    for name in ("query", "out"):
+        k = VARS["params"]["encoderblock_1"]["MultiHeadDotProductAttention_0"][name]["kernel"]
+        got = dense["params"]["encoderblock_1"]["MultiHeadDotProductAttention_0"][name]["kernel"]
+        n_in = 1 if name == "query" else 2
+        m = np.asarray(k).reshape(int(np.prod(k.shape[:n_in])), -1)
+        np.testing.assert_allclose(np.asarray(got).reshape(m.shape), _np_rank(m, 3), atol=1e-5)
+    # and the compressed model is not the dense one
+    assert np.abs(np.asarray(y) - np.asarray(MODEL.apply(VARS, X))).max() > 1e-3
+    # report rows name the Flax paths; counts are the leaves' own
+    paths = [r.path for r in report.rows]
+    assert "params/encoderblock_0/MLPBlock_0/Dense_0/kernel" not in paths
+    assert "params/encoderblock_0/Dense_0/kernel" in paths
+    assert "params/encoderblock_1/MultiHeadDotProductAttention_0/out/kernel" in paths
+    n_orig = sum(int(np.size(a)) for a in jax.tree_util.tree_leaves(VARS))
+    assert report.tree["params_before"] == n_orig
+    assert lj.param_count(small) == report.tree["params_after"]
+    row = next(r for r in report.rows if r.path.endswith("encoderblock_0/Dense_0/kernel"))
+    assert (row.params_before, row.params_after) == (16 * 32 + 32, 3 * (16 + 32) + 32)
+
+
+def test_full_rank_equals_original():
+    plan = lj.Step("svd", (r"kernel$",), {"eps": 1e-7, "keep_dense_if_larger": False})
+    full, _ = ljl.compress(VARS, plan)
+    assert isinstance(full["params"]["head"]["kernel"], lj.LowRank)
+    np.testing.assert_allclose(ljl.apply(MODEL, full, X), MODEL.apply(VARS, X), atol=1e-5, rtol=0)
+
+
+def test_train_step_updates_only_the_factors():
+    model = TinyViT(depth=1)  # one block: a small compile
+    small, _ = ljl.compress(model.init(jax.random.PRNGKey(0), X), PLAN)
+    y = jax.nn.one_hot(jnp.arange(3) % 5, 5)
+
+    def loss_fn(params, batch, key):
+        logits = ljl.apply(model, params, batch["x"])
+        return optax.softmax_cross_entropy(logits, batch["y"]).mean(), {}
+
+    train, frozen = lj.partition(small, leaf_mask(small))
+    opt = optax.adam(1e-2)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=train, frozen=frozen,
+                       opt_state=opt.init(train), rng=jax.random.PRNGKey(0),
+                       data_position=jnp.zeros((), jnp.int32), model_state=None)
+    step = make_train_step(loss_fn, opt, donate=False)
+    for _ in range(2):
+        state, metrics = step(state, {"x": X, "y": y})
+    assert np.isfinite(float(metrics["loss"]))
+    new = lj.combine(state.params, state.frozen)
+    before = dict(lj.named_leaves(small))
+    after = dict(lj.named_leaves(new))
+    assert before.keys() == after.keys()
+    n_changed = 0
+    for path, a in after.items():
+        b = before[path]
+        if isinstance(a, lj.LowRank):  # the factors moved
+            assert not np.array_equal(a.u, b.u) and not np.array_equal(a.v, b.v), path
+            n_changed += 1
+        else:  # everything else is bit-identical
+            assert np.array_equal(np.asarray(a), np.asarray(b)), path
+    assert n_changed == 6  # q, k, v, out, Dense_0, Dense_1
+    # no dense kernel of a compressed layer exists in what is trained
+    for path, a in lj.named_leaves(state.params):
+        if a is not None and not isinstance(a, lj.Leaf):
+            assert path.endswith(("/u", "/v", "/b")), path
+
+
+def test_model_written_with_leaf_modules_runs_the_same_params():
+    class LeafBlock(nn.Module):  # the MLP of Encoder1DBlock, rewritten with LeafDense
+        @nn.compact
+        def __call__(self, x):
+            y = ljl.LeafDense(32, name="Dense_0")(x)
+            return ljl.LeafDenseGeneral((2, 8), name="Dense_1")(nn.gelu(y))
+
+    class FlaxBlock(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            y = nn.Dense(32, name="Dense_0")(x)
+            return nn.DenseGeneral((2, 8), name="Dense_1")(nn.gelu(y))
+
+    x = jax.random.normal(jax.random.PRNGKey(2), (4, 16))
+    v = FlaxBlock().init(jax.random.PRNGKey(3), x)
+    small, _ = ljl.compress(v, lj.Step("svd", ("kernel$",), {"rank": 4}))
+    y_leaf = LeafBlock().apply(small, x)  # no interception: the modules hold the leaves
+    np.testing.assert_allclose(y_leaf, FlaxBlock().apply(ljl.materialize(small), x), atol=1e-5)
+    # init of the leaf modules gives the same tree structure as compress of the Flax modules
+    fresh = LeafBlock().init(jax.random.PRNGKey(3), x)
+    dense, _ = ljl.compress(v, lj.Step("svd", ("kernel$",), {"rank": 16}),
+                            keep_flax_unchanged=False)  # rank >= min(d): kept dense
+    assert (jax.tree_util.tree_structure(fresh) == jax.tree_util.tree_structure(dense))
+    lr = ljl.LeafDense(8, leaf_init=lambda k, i, o, b: lj.init_lowrank(k, i, o, 2, bias=b))
+    p = lr.init(jax.random.PRNGKey(0), x)
+    leaf = p["params"]["kernel"]
+    assert isinstance(leaf, lj.LowRank) and leaf.rank == 2
+    np.testing.assert_allclose(lr.apply(p, x), np.asarray(x) @ (np.asarray(leaf.u) @ leaf.v)
+                               + np.asarray(leaf.b), atol=1e-5)
+
+
+def test_save_load_round_trip(tmp_path):
+    small, _ = ljl.compress(VARS, PLAN)
+    save_params(tmp_path / "ckpt", small)
+    back = load_params(tmp_path / "ckpt")
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(small)
+    np.testing.assert_array_equal(ljl.apply(MODEL, back, X), ljl.apply(MODEL, small, X))
+    np.testing.assert_allclose(MODEL.apply(ljl.materialize(back), X), ljl.apply(MODEL, small, X),
+                               atol=1e-5)
+
+
+def test_rule_matching_no_kernel_names_the_flax_paths():
+    with pytest.raises(PlanError, match="MultiHeadDotProductAttention_0/query/kernel") as e:
+        ljl.compress(VARS, lj.Step("svd", (r"attention/q$",), {"rank": 2}))
+    assert e.value.where == r"attention/q$"
+
+
+def test_bad_shapes_name_the_flax_path():
+    bad = jax.tree_util.tree_map(lambda a: a, VARS)
+    bad["params"]["head"] = {"kernel": VARS["params"]["head"]["kernel"], "bias": jnp.zeros(7)}
+    with pytest.raises(ShapeError, match="params/head/kernel"):
+        ljl.compress(bad, lj.Step("svd", (r"head/kernel$",), {"rank": 2}))
+    # compressed params of a model with other widths: the module and the leaf disagree
+    small, _ = ljl.compress(VARS, lj.Step("svd", (r"head/kernel$",), {"rank": 2}))
+    with pytest.raises(ShapeError, match="params/head/kernel") as e:
+        ljl.apply(TinyViT(num_classes=4), small, X)
+    assert (e.value.expected, e.value.actual) == (4, 5)
+    # an attention projection whose leaf does not fit the module's heads and input width
+    attn = nn.MultiHeadDotProductAttention(num_heads=4)
+    p = attn.init(jax.random.PRNGKey(0), jnp.ones((1, 3, 16)))
+    p["params"]["query"] = {"kernel": lj.Dense(jnp.ones((10, 16)))}
+    with pytest.raises(ShapeError, match="params/query/kernel") as e:
+        ljl.apply(attn, p, jnp.ones((1, 3, 16)))
+    assert (e.value.expected, e.value.actual) == ((16, 16), (10, 16))
+    # a 3-D kernel without a bias cannot tell its input dimensions
+    v = nn.DenseGeneral((2, 4), use_bias=False).init(jax.random.PRNGKey(0), jnp.ones((1, 6)))
+    with pytest.raises(ConfigError, match="params/kernel"):
+        ljl.compress(v, lj.Step("svd", ("kernel",), {"rank": 2}))
+    small, _ = ljl.compress(v, lj.Step("svd", ("kernel",), {"rank": 2}), in_dims={"kernel": 1})
+    assert small["params"]["kernel_shape"] == KernelShape((6,), (2, 4))
+
+
+def test_leaf_on_unsupported_module_names_the_path():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Conv(4, (3,), name="conv")(x)
+
+    x = jnp.ones((1, 5, 2))
+    v = Net().init(jax.random.PRNGKey(0), x)
+    small, _ = ljl.compress(v, lj.Step("svd", ("conv/kernel",), {"rank": 1}))
+    with pytest.raises(ConfigError, match="params/conv/kernel.*Conv"):
+        ljl.apply(Net(), small, x)
