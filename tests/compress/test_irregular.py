@@ -325,21 +325,30 @@ def tiny_models():
     ]
 
 
+def with_random_biases(params, seed: int = 0):
+    """Non-zero biases on every projection that has one (BERT initialises them to zero); the
+    augmented query-key tensors then have the same shape as those of :func:`biased_block`."""
+    r = np.random.default_rng(seed)
+    new = {p: Dense(w=leaf.w, b=jnp.asarray(0.5 * r.normal(size=leaf.b.shape), leaf.b.dtype))
+           for p, leaf in lj.named_leaves(params)
+           if isinstance(leaf, Dense) and leaf.b is not None}
+    return lj.leaves.replace_paths(params, new)
+
+
 @pytest.mark.parametrize("cfg", tiny_models(), ids=lambda c: type(c).__name__)
 def test_other_families_full_rank_is_exact_and_cp_runs(cfg):
     """Every attention block (self- and cross-attention, with or without biases, scaled or
     not) is selected; at full rank the blocks compute what they computed; CP runs."""
     fam = models.family_of(cfg)
-    params = fam.init(jax.random.PRNGKey(0), cfg)
+    params = with_random_biases(fam.init(jax.random.PRNGKey(0), cfg))
     plan = lj.Plan((lj.Step("btd", QK, {"ranks": [8, 8]}),
                     lj.Step("truncatt_vo", (r"attn/v$",), {"rank": 8})))
     new, rep = lj.apply_plan(params, plan)
     blocks = sorted(p.rsplit("/", 1)[0] for p, _ in lj.compress.rules.candidates(params, "qk"))
     assert sorted(r.path.rsplit("/", 1)[0] for r in rep.rows if r.kind == "btd") == blocks
     x = jnp.asarray(np.random.default_rng(1).normal(size=(2, 5, D_MODEL)), jnp.float32)
-    for b in blocks:
-        want = nn.apply_attention(get_path(params, b), x, nn.AttentionConfig())
-        got = nn.apply_attention(get_path(new, b), x, nn.AttentionConfig())
+    for b in blocks:  # (attn_fn: jitted; use_bias only matters at initialisation)
+        want, got = attn_fn(get_path(params, b), x), attn_fn(get_path(new, b), x)
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
     small, rep = lj.apply_plan(params, step("cp", rank=10))
     inputs = fam.sample_inputs(cfg, np.random.default_rng(0), 2)
