@@ -1,0 +1,239 @@
+"""Sparse binary transformers ("Sparse Binary Transformers for Multivariate Time Series
+Modeling", arXiv:2308.04637): dense vs SBT on the three tasks over seeds, the paper-convention
+FLOP and bit ratios (Table 6 rules), and, for a trained JapaneseVowels SBT, the measured stored
+size of its packed form against float32 and its inference time (float masked-binary leaves vs
+packed leaves vs the dense model), timed interleaved in one run and reported as ratios.
+
+    python benchmarks/sbt.py --json out.json            # the figures of docs/notes/issue-11.md
+    python benchmarks/sbt.py --quick --json quick.json  # a smoke run (about a minute)
+    python benchmarks/sbt.py --tasks classify --seeds 3 --json cls.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from lowrank_jax.analysis import sbt_accounting as acc  # noqa: E402
+from lowrank_jax.analysis import sbt_tasks as tasks  # noqa: E402
+from lowrank_jax.io import save_model  # noqa: E402
+from lowrank_jax.leaves import (  # noqa: E402
+    Dense,
+    MaskedBinary,
+    PackedBinary,
+    materialize,
+    pack_binary_tree,
+    storage_bits,
+)
+from lowrank_jax.models import sbt  # noqa: E402
+
+
+def dir_bytes(path: str, sub: str | None = None) -> int:
+    root = os.path.join(path, sub) if sub else path
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
+
+
+def spread(values: list[float]) -> dict:
+    return {"mean": statistics.fmean(values), "std": statistics.pstdev(values) if len(values) > 1
+            else 0.0, "min": min(values), "max": max(values), "values": values}
+
+
+def log(msg: str) -> None:
+    print(f"[sbt-bench] {msg}", file=sys.stderr, flush=True)
+
+
+def classification(args, out):
+    res = {}
+    for ds in args.cls_datasets:
+        data = tasks.load_classification_data(ds)
+        rows = {}
+        for label, binary, keep, epochs in (("dense", False, 1.0, args.dense_epochs),
+                                            ("sbt_p0.5", True, 0.5, args.sbt_epochs),
+                                            ("sbt_p0.75", True, 0.25, args.sbt_epochs)):
+            accs = []
+            for seed in range(args.seeds):
+                t0 = time.perf_counter()
+                r = tasks.run_classification(ds, binary=binary, keep=keep, seed=seed,
+                                             epochs=epochs, data=data)
+                accs.append(r.metrics["accuracy"])
+                log(f"{ds} {label} seed {seed}: accuracy {accs[-1]:.4f} "
+                    f"({time.perf_counter() - t0:.0f} s)")
+                if ds == "JapaneseVowels" and seed == 0 and label in ("dense", "sbt_p0.5"):
+                    out.setdefault("_models", {})[label] = r
+            rows[label] = {"epochs": epochs, "accuracy": spread(accs)}
+        rows["gap_dense_minus_sbt_p0.5_points"] = 100 * (
+            rows["dense"]["accuracy"]["mean"] - rows["sbt_p0.5"]["accuracy"]["mean"])
+        res[ds] = rows
+    return res
+
+
+def anomaly(args):
+    res = {}
+    for ds in args.ad_datasets:
+        data = tasks.load_anomaly_data(ds)
+        rows = {}
+        for label, binary, keep in (("dense", False, 1.0), ("sbt_p0.75", True, 0.25)):
+            f1q, f1p, mse = [], [], []
+            for seed in range(args.seeds):
+                r = tasks.run_anomaly(ds, binary=binary, keep=keep, seed=seed,
+                                      epochs=args.ad_epochs, window=args.window, data=data)
+                f1q.append(r.metrics["quantile"]["f1"])
+                f1p.append(r.metrics["pot"]["f1"])
+                mse.append(r.metrics["test_mse"])
+                log(f"{ds} {label} seed {seed}: F1 quantile {f1q[-1]:.3f} POT {f1p[-1]:.3f}")
+            rows[label] = {"f1_quantile": spread(f1q), "f1_pot": spread(f1p),
+                           "test_score_mean": spread(mse)}
+        res[ds] = rows
+    return res
+
+
+def forecast(args):
+    res = {}
+    data = tasks.load_forecast_data("daphnet")
+    rows = {}
+    for label, binary, keep in (("dense", False, 1.0), ("sbt_p0.5", True, 0.5),
+                                ("sbt_p0.75", True, 0.25)):
+        mse, mae = [], []
+        for seed in range(args.seeds):
+            r = tasks.run_forecast("daphnet", binary=binary, keep=keep, seed=seed,
+                                   epochs=args.fc_epochs, window=args.window, data=data,
+                                   max_train_windows=args.max_windows)
+            mse.append(r.metrics["mse"])
+            mae.append(r.metrics["mae"])
+            naive = r.metrics["naive_mse"]
+            log(f"daphnet {label} seed {seed}: MSE {mse[-1]:.4f} MAE {mae[-1]:.4f}")
+        rows[label] = {"mse": spread(mse), "mae": spread(mae)}
+    rows["naive_last_value_mse"] = naive
+    res["daphnet"] = rows
+    return res
+
+
+def storage_and_time(models: dict, repeats: int):
+    """Stored size (files written by lowrank_jax.io) and interleaved inference timing."""
+    dense, sbt_run = models["dense"], models["sbt_p0.5"]
+    cfg_s, cfg_d = sbt_run.config, dense.config
+    packed = pack_binary_tree(sbt_run.params)
+    # the same trained SBT with every binary weight stored as a float32 Dense matrix
+    as_float = jax.tree_util.tree_map(
+        lambda x: Dense(jnp.asarray(materialize(x), jnp.float32), x.bias)
+        if isinstance(x, (MaskedBinary, PackedBinary)) else x, sbt_run.params,
+        is_leaf=lambda x: isinstance(x, (MaskedBinary, PackedBinary)))
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {}
+        for name, cfg, params, state in (("dense_float32", cfg_d, dense.params, dense.state),
+                                         ("sbt_as_float32", cfg_s, as_float, sbt_run.state),
+                                         ("sbt_masked_float", cfg_s, sbt_run.params,
+                                          sbt_run.state),
+                                         ("sbt_packed", cfg_s, packed, sbt_run.state)):
+            p = os.path.join(tmp, name)
+            save_model(p, cfg, params, state=state)
+            paths[name] = p
+            out[f"{name}_bytes"] = dir_bytes(p)
+            out[f"{name}_array_bytes"] = dir_bytes(p, "arrays")
+    # float32 weights of the same SBT architecture (what a binary layer replaces): 32 bits per
+    # weight position of every binarized linear
+    counts = acc.model_counts(sbt_run.params, cfg_s)
+    out["counts_sbt"] = counts
+    out["counts_dense"] = acc.model_counts(dense.params, cfg_d)
+    out["counts_sbt_as_float32_bits"] = int(storage_bits(as_float))
+    for ref in ("dense_float32", "sbt_as_float32"):
+        out[f"file_ratio_{ref}_over_packed"] = out[f"{ref}_bytes"] / out["sbt_packed_bytes"]
+        out[f"array_ratio_{ref}_over_packed"] = (out[f"{ref}_array_bytes"]
+                                                 / out["sbt_packed_array_bytes"])
+    out["bits_ratio_sbt_as_float32_over_packed"] = (out["counts_sbt_as_float32_bits"]
+                                                    / counts["packed_bits"])
+    # the binarized weights alone: float32 positions vs their two bit planes (padding included)
+    bin_leaves = [x for x in jax.tree_util.tree_leaves(
+        packed, is_leaf=lambda x: isinstance(x, PackedBinary)) if isinstance(x, PackedBinary)]
+    w32 = sum(32 * x.d_in * x.d_out for x in bin_leaves)
+    wpk = sum(storage_bits(x) for x in bin_leaves)
+    out["binary_weights_float32_bits"], out["binary_weights_packed_bits"] = w32, wpk
+    out["binary_weights_ratio"] = w32 / wpk
+
+    data = tasks.load_classification_data("JapaneseVowels")
+    x, v = jnp.asarray(data["x_test"]), jnp.asarray(data["valid_test"])
+
+    def fwd(cfg):
+        return jax.jit(lambda p, s, x, v: sbt.apply(p, {"x": x, "valid": v}, cfg, state=s)[
+            "logits"])
+
+    f_s, f_d = fwd(cfg_s), fwd(cfg_d)
+    runs = {"sbt_masked_float": (f_s, sbt_run.params, sbt_run.state),
+            "sbt_packed": (f_s, packed, sbt_run.state),
+            "dense": (f_d, dense.params, dense.state)}
+    outs = {k: np.asarray(f(p, s, x, v)) for k, (f, p, s) in runs.items()}
+    out["packed_equals_float_exactly"] = bool(np.array_equal(outs["sbt_packed"],
+                                                             outs["sbt_masked_float"]))
+    times = {k: [] for k in runs}
+    for _ in range(repeats):
+        for k, (f, p, s) in runs.items():
+            t0 = time.perf_counter()
+            f(p, s, x, v).block_until_ready()
+            times[k].append(time.perf_counter() - t0)
+    med = {k: statistics.median(t) for k, t in times.items()}
+    out["inference_median_s"] = med
+    out["time_ratio_packed_over_masked_float"] = med["sbt_packed"] / med["sbt_masked_float"]
+    out["time_ratio_packed_over_dense"] = med["sbt_packed"] / med["dense"]
+    out["time_batch"] = int(x.shape[0])
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="tiny settings (smoke run)")
+    ap.add_argument("--tasks", default="classify,anomaly,forecast")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--dense-epochs", type=int, default=50)
+    ap.add_argument("--sbt-epochs", type=int, default=150)
+    ap.add_argument("--ad-epochs", type=int, default=15)
+    ap.add_argument("--fc-epochs", type=int, default=15)
+    ap.add_argument("--window", type=int, default=50)
+    ap.add_argument("--max-windows", type=int, default=2000)
+    ap.add_argument("--repeats", type=int, default=30)
+    args = ap.parse_args(argv)
+    args.cls_datasets = ["JapaneseVowels", "BasicMotions"]
+    args.ad_datasets = ["kdd135", "ecg"]
+    if args.quick:
+        args.seeds, args.dense_epochs, args.sbt_epochs = 1, 3, 3
+        args.ad_epochs = args.fc_epochs = 2
+        args.window, args.max_windows, args.repeats = 20, 300, 5
+        args.cls_datasets, args.ad_datasets = ["JapaneseVowels"], ["kdd135"]
+    wanted = set(args.tasks.split(","))
+    t0 = time.perf_counter()
+    out = {"settings": {k: v for k, v in vars(args).items() if k != "json"},
+           "backend": jax.default_backend()}
+    holder = {}
+    if "classify" in wanted:
+        out["classification"] = classification(args, holder)
+    if "anomaly" in wanted:
+        out["anomaly"] = anomaly(args)
+    if "forecast" in wanted:
+        out["forecast"] = forecast(args)
+    out["paper_accounting"] = {n: {**acc.table6_row(n)["exact"],
+                                   "note": acc.TABLE6_NOTES.get(n)}
+                               for n in acc.TABLE6_CONFIGS}
+    if "_models" in holder:
+        out["storage_and_inference"] = storage_and_time(holder["_models"], args.repeats)
+    out["seconds"] = round(time.perf_counter() - t0, 1)
+    text = json.dumps(out, indent=2, default=float)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
