@@ -1,0 +1,256 @@
+"""Flax nnx: leaves inside modules, and a user's model compressed by replacing submodules.
+
+* :class:`LeafLinear` / :class:`LeafLinearGeneral`: ``nnx.Linear`` / ``nnx.LinearGeneral``
+  whose ``kernel`` ``nnx.Param`` holds any lowrank_jax leaf (bias inside) and whose call is
+  :func:`lowrank_jax.linear`.
+* :func:`compress`: the model's parameters (``nnx.state(model, nnx.Param)`` as a pure dict,
+  paths ``'blocks/0/attn/query/kernel'``) go through a plan; in a copy of the model
+  (``nnx.clone``) every ``nnx.Linear`` / ``nnx.LinearGeneral`` whose kernel became a leaf is
+  replaced by a leaf module. The model's class and ``__call__`` are untouched: its code calls
+  ``self.query(x)`` and gets the leaf module. The input model is not modified.
+* :func:`with_leaves`: the same surgery from a saved tree (``load_params``), then
+  ``nnx.update`` of the other parameters.
+* :func:`materialize`: a copy with plain ``nnx.Linear`` / ``nnx.LinearGeneral`` modules.
+* :func:`param_tree`: ``nnx.state(model, nnx.Param)`` as a pure dict (what to save, count, or
+  split for training with ``nnx.split`` / ``nnx.merge``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.interop.kernels import KERNEL, compress_tree, contract, flat_dict
+from lowrank_jax.leaves import Dense, Leaf, linear, materialize as materialize_leaf
+
+LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
+
+
+def _cast(leaf: Leaf, x: jax.Array, dtype) -> tuple[Leaf, jax.Array]:
+    if dtype is None:
+        return leaf, x
+    fl = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    return jax.tree_util.tree_map(fl, leaf), jnp.asarray(x, dtype)
+
+
+def _constrain(y: jax.Array, out_sharding: Any) -> jax.Array:
+    """``nnx.Linear``'s ``out_sharding`` keyword (``nnx.MultiHeadAttention`` passes it)."""
+    return y if out_sharding is None else jax.lax.with_sharding_constraint(y, out_sharding)
+
+
+class LeafLinear(nnx.Module):
+    """``nnx.Linear`` on a lowrank_jax leaf: ``y = linear(kernel, x)``.
+
+    Args:
+      leaf: any weight leaf ``[in_features, out_features]`` (its bias is the layer's).
+      dtype: computation dtype (``None``: the operands' own).
+      name: the module's path, for error messages.
+    """
+
+    def __init__(self, leaf: Leaf, *, dtype: Any = None, name: str = ""):
+        if not isinstance(leaf, Leaf):
+            raise ConfigError(f"LeafLinear {name}: expected a lowrank_jax leaf, got "
+                              f"{type(leaf).__name__}", where=name or "leaf", expected="Leaf",
+                              actual=type(leaf).__name__)
+        self.kernel = nnx.Param(leaf)
+        self.dtype = dtype
+        self.name = name
+
+    @classmethod
+    def create(cls, in_features: int, out_features: int, *, rngs: nnx.Rngs, use_bias: bool = True,
+               leaf_init: LeafInit | None = None, dtype: Any = None) -> "LeafLinear":
+        """A fresh layer: ``leaf_init(key, in, out, use_bias)`` (default a :class:`Dense` leaf
+        with ``nnx.Linear``'s initializers)."""
+        key = rngs.params()
+        if leaf_init is None:
+            kk, kb = jax.random.split(key)
+            w = nnx.initializers.lecun_normal()(kk, (in_features, out_features), jnp.float32)
+            leaf = Dense(w=w, b=jnp.zeros((out_features,), jnp.float32) if use_bias else None)
+        else:
+            leaf = leaf_init(key, in_features, out_features, use_bias)
+        return cls(leaf, dtype=dtype)
+
+    def __call__(self, x: jax.Array, *, out_sharding: Any = None) -> jax.Array:
+        # x: [..., in] -> [..., out]
+        leaf, x = _cast(self.kernel.get_value(), x, self.dtype)
+        if x.shape[-1] != leaf.d_in:
+            where = f"{self.name}/{KERNEL}" if self.name else KERNEL
+            raise ShapeError(f"{where}: the leaf expects inputs of width {leaf.d_in}, got input "
+                             f"{tuple(x.shape)}", where=where, expected=leaf.d_in,
+                             actual=tuple(x.shape))
+        return _constrain(linear(leaf, x), out_sharding)
+
+
+class LeafLinearGeneral(nnx.Module):
+    """``nnx.LinearGeneral`` (no ``batch_axis``) on a 2-D leaf
+    ``[prod(in_features), prod(out_features)]``: an attention projection over heads."""
+
+    def __init__(self, leaf: Leaf, in_features: tuple[int, ...], out_features: tuple[int, ...],
+                 axis: tuple[int, ...] = (-1,), *, dtype: Any = None, name: str = ""):
+        self.in_features = tuple(in_features)
+        self.out_features = tuple(out_features)
+        self.axis = tuple(axis)
+        if not isinstance(leaf, Leaf) or len(self.axis) != len(self.in_features):
+            raise ConfigError(f"LeafLinearGeneral {name}: expected a leaf and one axis per input "
+                              f"feature, got {type(leaf).__name__}, axis {self.axis}, "
+                              f"in_features {self.in_features}", where=name or "leaf",
+                              expected="Leaf", actual=type(leaf).__name__)
+        self.kernel = nnx.Param(leaf)
+        self.dtype = dtype
+        self.name = name
+
+    def __call__(self, x: jax.Array, *, out_sharding: Any = None) -> jax.Array:
+        leaf, x = _cast(self.kernel.get_value(), x, self.dtype)
+        where = f"{self.name}/{KERNEL}" if self.name else KERNEL
+        return _constrain(contract(leaf, x, self.axis, self.out_features, where), out_sharding)
+
+
+def _path(p) -> str:
+    return "/".join(str(k) for k in p)
+
+
+def param_tree(model: nnx.Module) -> dict:
+    """``nnx.state(model, nnx.Param)`` as a pure nested dict (list indices are int keys)."""
+    return nnx.state(model, nnx.Param).to_pure_dict()
+
+
+def _linears(model: nnx.Module) -> dict[str, tuple[tuple, nnx.Module]]:
+    """``{'a/b/kernel': (path, module)}`` for every nnx.Linear / LinearGeneral of the model."""
+    out = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, (nnx.Linear, nnx.LinearGeneral, LeafLinear, LeafLinearGeneral)):
+            out[_path(path + (KERNEL,))] = (tuple(path), node)
+    return out
+
+
+def _set(root: nnx.Module, path: tuple, new: nnx.Module) -> None:
+    parent = root
+    for k in path[:-1]:
+        parent = parent[k] if isinstance(k, int) or not hasattr(parent, str(k)) else getattr(
+            parent, k)
+    if isinstance(path[-1], int):
+        parent[path[-1]] = new
+    else:
+        setattr(parent, path[-1], new)
+
+
+def _leaf_module(where: str, module: nnx.Module, leaf: Leaf) -> nnx.Module:
+    name = where[: -len(KERNEL) - 1]
+    if isinstance(module, (nnx.Linear, LeafLinear)):
+        d_out = module.out_features if isinstance(module, nnx.Linear) else None
+        if d_out is not None and leaf.d_out != d_out:
+            raise ShapeError(f"{where}: the leaf has {leaf.d_out} outputs but the module has "
+                             f"out_features={d_out}", where=where, expected=d_out,
+                             actual=leaf.d_out)
+        return LeafLinear(leaf, dtype=module.dtype, name=name)
+    if isinstance(module, LeafLinearGeneral):
+        return LeafLinearGeneral(leaf, module.in_features, module.out_features, module.axis,
+                                 dtype=module.dtype, name=name)
+    if module.batch_axis:
+        raise ConfigError(f"{where}: LinearGeneral with batch_axis={dict(module.batch_axis)} is "
+                          "not supported with a leaf kernel", where=where, expected="{}",
+                          actual=dict(module.batch_axis))
+    return LeafLinearGeneral(leaf, module.in_features, module.out_features, module.axis,
+                             dtype=module.dtype, name=name)
+
+
+def _replace(model: nnx.Module, tree: dict) -> nnx.Module:
+    """A copy of ``model`` with a leaf module wherever ``tree`` holds a leaf kernel."""
+    new = nnx.clone(model)
+    linears = _linears(new)
+    for key, v in flat_dict(tree).items():
+        if not isinstance(v, Leaf):
+            continue
+        where = _path(key)
+        if key[-1] != KERNEL or where not in linears:
+            raise ConfigError(f"{where}: a lowrank_jax leaf here does not belong to an nnx.Linear "
+                              "or nnx.LinearGeneral of the model (only their kernels run on "
+                              "leaves)", where=where, expected=sorted(linears)[:8], actual=where)
+        path, module = linears[where]
+        _set(new, path, _leaf_module(where, module, v))
+    return new
+
+
+def compress(model: nnx.Module, plan: Any, **kwargs) -> tuple[nnx.Module, Any]:
+    """Apply a compression plan to an nnx model; the model itself is not modified.
+
+    Args:
+      model: any ``nnx.Module``.
+      plan: a :class:`~lowrank_jax.Plan` (or step / list / dict); rules match the kernel paths
+        of ``nnx.state(model, nnx.Param)``: ``'layers/0/linear1/kernel'``,
+        ``'attn/query/kernel'``.
+      **kwargs: :func:`~lowrank_jax.apply_plan`'s keywords (``key``, ``inputs``, ...).
+
+    Returns:
+      ``(new_model, report)``: a copy whose compressed layers are :class:`LeafLinear` /
+      :class:`LeafLinearGeneral`; the report as for native trees (rows at nnx paths).
+
+    Raises:
+      PlanError: a rule matching no kernel (naming the rule and listing the kernel paths).
+      ConfigError: a selected kernel of a module that is not Linear / LinearGeneral (naming
+        its path).
+    """
+    linears = _linears(model)
+    in_dims = {"^" + re.escape(p) + "$": len(m.in_features) for p, (_, m) in linears.items()
+               if isinstance(m, nnx.LinearGeneral)}
+    tree, report = compress_tree(param_tree(model), plan, in_dims=in_dims, **kwargs)
+    return _replace(model, tree), report
+
+
+def with_leaves(model: nnx.Module, tree: dict) -> nnx.Module:
+    """A copy of ``model`` running ``tree`` (e.g. ``load_params`` of a saved
+    :func:`param_tree` of a compressed model): leaf kernels replace their modules, every other
+    parameter is set with ``nnx.update``.
+
+    Raises:
+      ConfigError / ShapeError: a leaf at a path that is no Linear kernel, a leaf of the wrong
+        width, or a tree that does not match the model's parameters (naming the path).
+    """
+    new = _replace(model, tree)
+    state = nnx.state(new, nnx.Param)
+    want = {_path(k) for k in flat_dict(state.to_pure_dict())}
+    got = {_path(k) for k in flat_dict(tree)}
+    if want != got:
+        missing, extra = sorted(want - got), sorted(got - want)
+        where = (missing or extra)[0]
+        raise ConfigError(f"with_leaves: the tree does not match the model's parameters: "
+                          f"missing {missing[:8]}, unexpected {extra[:8]}", where=where,
+                          expected=missing[:8], actual=extra[:8])
+    nnx.replace_by_pure_dict(state, tree)
+    nnx.update(new, state)
+    return new
+
+
+def materialize(model: nnx.Module) -> nnx.Module:
+    """A copy of ``model`` with plain ``nnx.Linear`` / ``nnx.LinearGeneral`` layers holding the
+    densified leaves (:func:`lowrank_jax.materialize`)."""
+    new = nnx.clone(model)
+    for where, (path, m) in _linears(new).items():
+        if not isinstance(m, (LeafLinear, LeafLinearGeneral)):
+            continue
+        leaf = m.kernel.get_value()
+        w, b = materialize_leaf(leaf), leaf.bias
+        if isinstance(m, LeafLinear):
+            make = lambda: nnx.Linear(leaf.d_in, leaf.d_out, use_bias=b is not None,  # noqa: E731
+                                      dtype=m.dtype, param_dtype=w.dtype, rngs=nnx.Rngs(0))
+            shape_w, shape_b = w.shape, None if b is None else b.shape
+        else:
+            make = lambda: nnx.LinearGeneral(  # noqa: E731
+                m.in_features, m.out_features, axis=m.axis, use_bias=b is not None,
+                dtype=m.dtype, param_dtype=w.dtype, rngs=nnx.Rngs(0))
+            shape_w, shape_b = m.in_features + m.out_features, m.out_features
+        lin = nnx.eval_shape(make)  # no random init of a kernel that is overwritten
+        lin.kernel.set_value(w.reshape(shape_w))
+        if b is not None:
+            lin.bias.set_value(b.reshape(shape_b))
+        _set(new, path, lin)
+    return new
+
+
+__all__ = ["LeafLinear", "LeafLinearGeneral", "compress", "materialize", "param_tree",
+           "with_leaves"]
