@@ -26,7 +26,8 @@ from flax import nnx
 
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.interop.kernels import KERNEL, compress_tree, contract, flat_dict
-from lowrank_jax.leaves import Dense, Leaf, linear, materialize as materialize_leaf
+from lowrank_jax.leaves import Dense, Leaf, linear
+from lowrank_jax.leaves import materialize as materialize_leaf
 
 LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
 
@@ -226,29 +227,31 @@ def with_leaves(model: nnx.Module, tree: dict) -> nnx.Module:
     return new
 
 
+def _plain(m: LeafLinear | LeafLinearGeneral) -> nnx.Module:
+    """The plain nnx layer computing what the leaf module computes, on the densified leaf."""
+    leaf = m.kernel.get_value()
+    w, b = materialize_leaf(leaf), leaf.bias
+    kw = dict(use_bias=b is not None, dtype=m.dtype, param_dtype=w.dtype)
+    if isinstance(m, LeafLinear):
+        lin = nnx.eval_shape(lambda: nnx.Linear(leaf.d_in, leaf.d_out, rngs=nnx.Rngs(0), **kw))
+        shape_w, shape_b = w.shape, leaf.d_out
+    else:  # eval_shape: no random init of a kernel that is overwritten
+        lin = nnx.eval_shape(lambda: nnx.LinearGeneral(m.in_features, m.out_features,
+                                                       axis=m.axis, rngs=nnx.Rngs(0), **kw))
+        shape_w, shape_b = m.in_features + m.out_features, m.out_features
+    lin.kernel.set_value(w.reshape(shape_w))
+    if b is not None:
+        lin.bias.set_value(b.reshape(shape_b))
+    return lin
+
+
 def materialize(model: nnx.Module) -> nnx.Module:
     """A copy of ``model`` with plain ``nnx.Linear`` / ``nnx.LinearGeneral`` layers holding the
     densified leaves (:func:`lowrank_jax.materialize`)."""
     new = nnx.clone(model)
-    for where, (path, m) in _linears(new).items():
-        if not isinstance(m, (LeafLinear, LeafLinearGeneral)):
-            continue
-        leaf = m.kernel.get_value()
-        w, b = materialize_leaf(leaf), leaf.bias
-        if isinstance(m, LeafLinear):
-            make = lambda: nnx.Linear(leaf.d_in, leaf.d_out, use_bias=b is not None,  # noqa: E731
-                                      dtype=m.dtype, param_dtype=w.dtype, rngs=nnx.Rngs(0))
-            shape_w, shape_b = w.shape, None if b is None else b.shape
-        else:
-            make = lambda: nnx.LinearGeneral(  # noqa: E731
-                m.in_features, m.out_features, axis=m.axis, use_bias=b is not None,
-                dtype=m.dtype, param_dtype=w.dtype, rngs=nnx.Rngs(0))
-            shape_w, shape_b = m.in_features + m.out_features, m.out_features
-        lin = nnx.eval_shape(make)  # no random init of a kernel that is overwritten
-        lin.kernel.set_value(w.reshape(shape_w))
-        if b is not None:
-            lin.bias.set_value(b.reshape(shape_b))
-        _set(new, path, lin)
+    for path, m in _linears(new).values():
+        if isinstance(m, (LeafLinear, LeafLinearGeneral)):
+            _set(new, path, _plain(m))
     return new
 
 
