@@ -117,7 +117,7 @@ def _path(p) -> str:
 
 def param_tree(model: nnx.Module) -> dict:
     """``nnx.state(model, nnx.Param)`` as a pure nested dict (list indices are int keys)."""
-    return nnx.state(model, nnx.Param).to_pure_dict()
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
 def _linears(model: nnx.Module) -> dict[str, tuple[tuple, nnx.Module]]:
@@ -214,7 +214,7 @@ def with_leaves(model: nnx.Module, tree: dict) -> nnx.Module:
     """
     new = _replace(model, tree)
     state = nnx.state(new, nnx.Param)
-    want = {_path(k) for k in flat_dict(state.to_pure_dict())}
+    want = {_path(k) for k in flat_dict(nnx.to_pure_dict(state))}
     got = {_path(k) for k in flat_dict(tree)}
     if want != got:
         missing, extra = sorted(want - got), sorted(got - want)
