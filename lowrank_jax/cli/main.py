@@ -1,6 +1,7 @@
 """The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert``, ``export``, ``train``,
-``demo``, and the method commands ``prune`` (:mod:`~lowrank_jax.cli.prune_cmd`) and
-``partition`` (:mod:`~lowrank_jax.cli.partition_cmd`).
+``demo``, and the method commands ``prune`` (:mod:`~lowrank_jax.cli.prune_cmd`),
+``partition`` (:mod:`~lowrank_jax.cli.partition_cmd`) and ``sbt``
+(:mod:`~lowrank_jax.cli.sbt_cmd`).
 
 User errors (bad arguments, missing, unreadable or malformed files, outputs that may not be
 written) print one line (a list of keys may follow) naming the file, key or option, what was
@@ -525,10 +526,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     # Method commands live in their own modules (each adds its parser and sets its func).
-    from lowrank_jax.cli import partition_cmd, prune_cmd
+    from lowrank_jax.cli import partition_cmd, prune_cmd, sbt_cmd
 
     prune_cmd.add_parser(sub)
     partition_cmd.add_parser(sub)
+    sbt_cmd.add_parser(sub).set_defaults(func=sbt_cmd.run)
     return p
 
 

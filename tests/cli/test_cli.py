@@ -147,3 +147,12 @@ def test_method_commands_are_wired_into_lowrank_jax(command, tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"lowrank-jax {command}: error:") and str(missing) in err
     assert len(err.splitlines()) == 1 and not missing.exists()
+
+
+def test_sbt_command_is_wired_into_lowrank_jax(tmp_path, capsys):
+    """``lowrank-jax sbt`` refuses an unknown dataset before any work: one line, exit 2."""
+    js = tmp_path / "r.json"
+    assert main(["sbt", "classify", "--dataset", "NoSuchSet", "--json", str(js)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("lowrank-jax sbt: error:") and "NoSuchSet" in err
+    assert len(err.splitlines()) == 1 and not js.exists()
