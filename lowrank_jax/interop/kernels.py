@@ -166,9 +166,9 @@ def to_leaves(tree: Any, paths, *, in_dims: Mapping[str, int] | None = None) -> 
       more than two dimensions); the ``'bias'`` entry is folded into the leaf.
     """
     flat = flat_dict(tree)
+    keys = {_join(k): k for k in flat}  # nnx paths hold int keys (list indices)
     for path in paths:
-        key = tuple(path.split("/"))
-        key = next((k for k in flat if _join(k) == path), key)
+        key = keys.get(path, tuple(path.split("/")))
         kernel = flat.get(key)
         if kernel is None:
             raise PlanError(f"{path}: no kernel at this Flax path", where=path,
