@@ -54,7 +54,11 @@ def skeleton_from_v1(spec: Any) -> Any:
         data = spec.get("data")
         if isinstance(data, dict):
             data = {k: skeleton_from_v1(v) for k, v in data.items()}
-        return {"type": "node", "class": name, "data": data, "static": spec.get("static")}
+        static = spec.get("static")
+        if isinstance(name, str) and name.endswith("MaskedBinary") and isinstance(static, dict):
+            # 0.1 divided Biprop's alpha by the number of kept entries; keep its outputs
+            static = {**static, "divisor": "kept"}
+        return {"type": "node", "class": name, "data": data, "static": static}
     if t in ("dict", "list", "tuple") and isinstance(spec.get("items"), list):
         if t == "dict":
             items = [[it[0], skeleton_from_v1(it[1])] if isinstance(it, list) and len(it) == 2

@@ -90,6 +90,10 @@ class MaskedBinary(Leaf):
       b: optional bias ``[d_out]`` (trained, kept in float). For a frozen bias (the SBT's
         attention projections) wrap the leaf in :class:`FixedBias`.
       keep: static fraction of weights kept (``1 - p`` in the paper's prune rate ``p``).
+      divisor: static divisor of ``alpha``: ``'reference'`` (default, ``floor(keep n)`` as the
+        reference code) or ``'kept'`` (the number of kept entries, ``||M||_1``, as the paper
+        writes and lowrank_jax 0.1 computed; checkpoints written by 0.1 load with it, so they
+        keep giving the outputs they were trained to give).
 
     Forward (eqs. 1-2, as the reference code computes them): ``M`` is 1 on the
     :func:`keep_count` ``= n - floor((1 - keep) n)`` largest ``|s|`` of the layer and
@@ -123,11 +127,16 @@ class MaskedBinary(Leaf):
     s: Array
     b: Array | None = None
     keep: float = 0.5
+    divisor: str = "reference"
 
     def __post_init__(self):
         if not (isinstance(self.keep, (int, float)) and 0.0 < self.keep <= 1.0):
             raise ConfigError(f"MaskedBinary: keep fraction must be in (0, 1], got {self.keep!r}",
                               where="keep", expected="(0, 1]", actual=self.keep)
+        if self.divisor not in ("reference", "kept"):
+            raise ConfigError(f"MaskedBinary: divisor must be 'reference' or 'kept', got "
+                              f"{self.divisor!r}", where="divisor",
+                              expected="'reference' or 'kept'", actual=self.divisor)
         if isinstance(self.w, CONCRETE) and isinstance(self.s, CONCRETE):
             if self.w.ndim != 2 or self.w.shape != self.s.shape:
                 raise ShapeError(
@@ -148,13 +157,15 @@ class MaskedBinary(Leaf):
         return top_mask(jax.lax.stop_gradient(self.s), self.keep)
 
     def alpha(self) -> Array:
-        """``||M * w||_1 / floor(keep n)`` (no gradient path)."""
+        """``||M * w||_1 / floor(keep n)`` (``/ n_keep`` with ``divisor='kept'``; no gradient
+        path)."""
         w = jax.lax.stop_gradient(self.w)
         kept = jnp.abs(w) * self.mask()
         # A true division in every context: under jit XLA would turn division by a constant
         # into a multiplication by its reciprocal (an ulp away from the eager value).
         div = jax.lax.optimization_barrier(
-            jnp.asarray(alpha_divisor(self.d_in * self.d_out, self.keep), kept.dtype))
+            jnp.asarray(self.n_keep if self.divisor == "kept"
+                        else alpha_divisor(self.d_in * self.d_out, self.keep), kept.dtype))
         return pairwise_sum(kept) / div
 
     def signs(self) -> Array:
@@ -215,7 +226,7 @@ class MaskedBinary(Leaf):
         return {"w": ("in", "out"), "s": ("in", "out"), "b": ("out",)}
 
 
-MaskedBinary = leaf_dataclass(MaskedBinary, meta=("keep",))
+MaskedBinary = leaf_dataclass(MaskedBinary, meta=("keep", "divisor"))
 
 
 class FrozenBinary(Leaf):

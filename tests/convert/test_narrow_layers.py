@@ -35,7 +35,7 @@ from safetensors.numpy import load_file, save_file  # noqa: E402
 
 from lowrank_jax import nn  # noqa: E402
 from lowrank_jax.convert import load_pretrained, save_pretrained, state_dict_from_params  # noqa: E402
-from lowrank_jax.errors import LeafTypeError, ShapeError  # noqa: E402
+from lowrank_jax.errors import ShapeError  # noqa: E402
 from lowrank_jax.leaves import (  # noqa: E402
     QK,
     HeadLayout,
@@ -721,11 +721,33 @@ class JointQK(QK):
         return self
 
 
-def test_other_query_key_objects_are_refused(t5_src):
+def test_other_query_key_objects_export_exactly_or_are_refused(t5_src):
+    """A query-key object of a type the exporter has never seen is rewritten as q/k weights by
+    a per-head SVD of its joint tensor: exact when every slice has rank <= the head width (the
+    exported ``W^Q_h (W^K_h)^T`` equal the slices, checked in NumPy), refused with a
+    ``ShapeError`` naming the block and the heads when a slice's rank is larger."""
     cfg, params = load_pretrained(t5_src)
-    joint = JointQK(jnp.zeros((16, 16, 4)), 4)
     attn = params["decoder"]["layers"][1]["cross_attn"]
-    bad = replace_paths(params, {"decoder/layers/1/cross_attn": {**attn, "qk": joint}})
-    with pytest.raises(LeafTypeError, match="decoder/layers/1/cross_attn/qk.*JointQK.*not "
-                                            "supported yet"):
+    d_kv, heads = cfg.d_kv, cfg.num_heads
+    rng = np.random.default_rng(3)
+    ranks = (0, 1, d_kv, 2)  # a zero slice, rank 1, full head width, rank 2
+    slices = []
+    for r in ranks:  # small integer factors: the slices are exactly of rank r in float32
+        a, b = rng.integers(-3, 4, size=(cfg.d_model, r)), rng.integers(-3, 4, size=(cfg.d_model, r))
+        slices.append((a @ b.T).astype(np.float64))
+    y = np.stack(slices, axis=-1).astype(np.float32)
+    good = replace_paths(params, {"decoder/layers/1/cross_attn": {**attn, "qk": JointQK(
+        jnp.asarray(y), heads)}})
+    sd, _, _ = state_dict_from_params(cfg, good)
+    pre = "decoder.block.1.layer.1.EncDecAttention."
+    wq, wk = np.asarray(sd[pre + "q.weight"]).T, np.asarray(sd[pre + "k.weight"]).T
+    for h in range(heads):
+        cols = slice(h * d_kv, (h + 1) * d_kv)
+        got = wq[:, cols].astype(np.float64) @ wk[:, cols].astype(np.float64).T
+        np.testing.assert_allclose(got, y[..., h], rtol=0, atol=1e-4 * np.abs(y).max(),
+                                   err_msg=f"head {h}")
+    y[..., 3] = rng.normal(size=(cfg.d_model, cfg.d_model))  # full rank 16 > d_kv
+    bad = replace_paths(params, {"decoder/layers/1/cross_attn": {**attn, "qk": JointQK(
+        jnp.asarray(y), heads)}})
+    with pytest.raises(ShapeError, match="decoder/layers/1/cross_attn"):
         state_dict_from_params(cfg, bad)

@@ -213,3 +213,25 @@ def test_fixed_bias_is_frozen_and_adds():
     assert lj.storage_bits(leaf) == lj.storage_bits(inner) + 4 * 32
     with pytest.raises(lj_errors().ShapeError):
         lj.FixedBias(inner, jnp.zeros((3,)))
+
+
+@pytest.mark.parametrize("divisor", ["reference", "kept"])
+def test_alpha_divisor_against_numpy(divisor):
+    """``alpha = sum(|w| M) / floor(k n)`` (reference Biprop) or ``/ n_keep`` (the paper's
+    ``||M||_1``, lowrank_jax 0.1 checkpoints): n = 35, k = 0.3 gives 10 vs 11."""
+    rng = np.random.default_rng(5)
+    w, s = rng.normal(size=(5, 7)).astype(np.float32), rng.normal(size=(5, 7)).astype(np.float32)
+    leaf = lj.MaskedBinary(w=jnp.asarray(w), s=jnp.asarray(s), keep=0.3, divisor=divisor)
+    n_keep = 35 - int(0.7 * 35)
+    order = np.argsort(-np.abs(s).reshape(-1))[:n_keep]
+    m = np.zeros(35)
+    m[order] = 1
+    m = m.reshape(5, 7)
+    div = {"reference": int(0.3 * 35), "kept": n_keep}[divisor]
+    assert (div, n_keep) == ((10, 11) if divisor == "reference" else (11, 11))
+    alpha = float((np.abs(w.astype(np.float64)) * m).sum() / div)
+    np.testing.assert_allclose(float(leaf.alpha()), alpha, rtol=1e-6)
+    want = alpha * np.where(w >= 0, 1.0, -1.0) * m
+    np.testing.assert_allclose(np.asarray(lj.materialize(leaf)), want, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match="divisor"):
+        lj.MaskedBinary(w=jnp.asarray(w), s=jnp.asarray(s), keep=0.3, divisor="mean")
