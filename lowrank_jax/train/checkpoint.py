@@ -65,7 +65,7 @@ from lowrank_jax.errors import (
     MissingFileError,
     OutputExistsError,
 )
-from lowrank_jax.leaves import path_str
+from lowrank_jax.leaves import MaskedBinary, path_str
 from lowrank_jax.train.state import TrainState
 
 FORMAT = "lowrank_jax.train_state"
@@ -471,6 +471,7 @@ class Checkpointer:
         mine = _treedef_str(treedef)
         if meta["version"] == 1:
             mine = _as_version_1(like, mine)
+            treedef = _kept_divisor_v1(like, treedef)
         if meta.get("treedef") != mine:
             raise IncompatibleCheckpointError(
                 f"Checkpointer: checkpoint {where} has the same array paths as `like` but "
@@ -642,8 +643,22 @@ def _as_version_1(like: Any, treedef: str) -> str:
     arrays, and its treedef string without that child is what version 1 wrote.
     """
     if isinstance(like, TrainState) and like.model_state is None and treedef.endswith(_V2_TAIL):
-        return treedef[: -len(_V2_TAIL)] + "]))"
-    return treedef
+        treedef = treedef[: -len(_V2_TAIL)] + "]))"
+    # version 1 had no MaskedBinary.divisor (its alpha divided by the kept count)
+    return re.sub(r"MaskedBinary\[\(([^()]*?), '(?:reference|kept)'\)\]", r"MaskedBinary[(\1,)]",
+                  treedef)
+
+
+def _kept_divisor_v1(like: Any, treedef: Any) -> Any:
+    """``like`` 's structure with every :class:`~lowrank_jax.MaskedBinary` set to
+    ``divisor='kept'``: lowrank_jax 0.1 divided Biprop's gain by the kept count, so a state it
+    saved keeps computing what it was trained to compute."""
+
+    def fix(x):
+        return dataclasses.replace(x, divisor="kept") if isinstance(x, MaskedBinary) else x
+
+    fixed = jax.tree_util.tree_map(fix, like, is_leaf=lambda x: isinstance(x, MaskedBinary))
+    return jax.tree_util.tree_structure(fixed)
 
 
 __all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError",

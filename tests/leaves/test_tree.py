@@ -105,5 +105,5 @@ def test_node_types_registry():
     assert lj.qualified_name(lj.Dense) == "lowrank_jax.leaves.dense.Dense"
     reg.clear()  # a copy: the registry itself is unchanged
     assert lj.qualified_name(lj.Dense) in lj.node_types()
-    assert lj.meta_fields(lj.MaskedBinary) == ("keep",)
+    assert lj.meta_fields(lj.MaskedBinary) == ("keep", "divisor")
     assert lj.data_fields(lj.FrozenBinary) == ("signs", "alpha", "b")

@@ -361,6 +361,7 @@ def test_reads_version_1_checkpoints(tmp_path):
     got = ckpt.restore(like=jax.eval_shape(_v1_like))
     assert isinstance(got, TrainState) and got.model_state is None
     assert got.frozen["bin"].keep == 0.5 and got.params["out"].b is None
+    assert got.frozen["bin"].divisor == got.params["bin"].divisor == "kept"  # 0.1's alpha
     flat = jax.tree_util.tree_flatten_with_path(got)[0]
     assert sorted(path_str(p) for p, _ in flat) == sorted(expected.files)
     for p, x in flat:
