@@ -122,7 +122,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     parts; ``seconds`` the wall time of each part.
 
     Args:
-      quick: smaller sizes, a 2 + 1 layer model and 40 training steps (under a minute).
+      quick: smaller sizes, a 2 + 1 layer model and 40 training steps (about a minute).
       plots_dir: save PNG plots there.
       progress: tqdm progress bars (status lines are printed either way).
       steps: training steps per pretrained model, an int >= 1 (default 600; quick: 40).

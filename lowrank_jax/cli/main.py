@@ -497,7 +497,7 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="App. J experiments, rank analysis of a built-in model, and pretraining "
                      "compressed Chronos-Bolt models against compressing a dense one")
     d.add_argument("--quick", action="store_true",
-                   help="smaller sizes, a 2+1 layer model, 40 training steps (under a minute)")
+                   help="smaller sizes, a 2+1 layer model, 40 training steps (about a minute)")
     d.add_argument("--steps", type=int,
                    help="training steps per pretrained model, >= 1 (default 600; --quick: 40)")
     d.add_argument("--seed", type=int, default=0,
