@@ -43,20 +43,6 @@ def _write_json(path: str | None, obj, *, command: str = "demo", inputs: dict | 
     print(f"wrote {written}")
 
 
-def _parse_rules(rules: list[str] | None):
-    from lowrank_jax.compress import ATTENTION_QKVO
-
-    if not rules:
-        return ATTENTION_QKVO
-    out = []
-    for r in rules:
-        if r.startswith("!"):
-            out.append((r[1:], None))  # '!regex' skips matching weights
-        else:
-            out.append(r)
-    return tuple(out)
-
-
 def _num_layers(params) -> int | None:
     """The deepest stack's layer count (for --schedule), read from the parameters."""
     from lowrank_jax.leaves import layer_index, named_leaves
@@ -202,20 +188,12 @@ def _check_compress_flags(args) -> None:
         raise ConfigError(f"--time-runs must be >= 1, got {args.time_runs}", where="--time-runs",
                           expected=">= 1", actual=args.time_runs)
     if args.plots:
-        import importlib.util
-
         if not args.plan:
             raise ConfigError("--plots draws the query-key ranks per head of a plan's truncatt, "
                               "cp or btd steps; give --plan", where="--plots",
                               expected="--plan with such a step", actual=None)
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ConfigError("--plots needs matplotlib: pip install 'lowrank-jax[plot]'",
-                              where="--plots", expected="matplotlib installed",
-                              actual="not installed")
-        outputs.check_separate(args.plots, {**_inputs(args), "--out": args.out}, flag="--plots")
-        outputs.check_output_dir(args.plots, overwrite=args.overwrite,
-                                 owned=outputs.owned_by("plots"),
-                                 what="a previous lowrank-jax plots directory", flag="--plots")
+        outputs.check_plots_out(args.plots, {**_inputs(args), "--out": args.out},
+                                overwrite=args.overwrite)
         if args.json:
             outputs.check_report_path(args.json, _inputs(args), (args.out, args.plots))
 
@@ -223,9 +201,9 @@ def _check_compress_flags(args) -> None:
 def cmd_compress(args) -> int:
     import jax
 
-    from lowrank_jax.cli.sources import load_source
+    from lowrank_jax.cli.sources import load_source, parse_rules
     from lowrank_jax.cli.suggest import check_change
-    from lowrank_jax.compress import Plan, Step, apply_plan
+    from lowrank_jax.compress import ATTENTION_QKVO, Plan, Step, apply_plan
     from lowrank_jax.io import save_model, save_params
 
     status = Status("compress", bars=not args.no_progress)
@@ -240,7 +218,8 @@ def cmd_compress(args) -> int:
     src = load_source(args.params, status=status, family=args.family)
     config, params = src.config, src.params
     if plan is None:
-        plan = Plan((Step("svd", _parse_rules(args.rule), _svd_settings(args, params)),))
+        rules = parse_rules(args.rule, ATTENTION_QKVO)
+        plan = Plan((Step("svd", rules, _svd_settings(args, params)),))
     status.say(f"applying the plan ({len(plan.steps)} step{'s' * (len(plan.steps) != 1)}: "
                f"{', '.join(s.method for s in plan.steps)})")
     new_params, report = apply_plan(params, plan, key=jax.random.PRNGKey(args.seed),

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import numbers
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
@@ -186,6 +187,35 @@ def check_output_dir(path: str | os.PathLike, *, overwrite: bool, owned: Callabl
             "another path", where=path, expected=what, actual=describe(path))
 
 
+def check_checkpoint_out(path: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
+                         *, overwrite: bool, flag: str = "--out") -> None:
+    """Refuse, before any work, a model-checkpoint output (``--out``) that is an input, lies
+    inside or holds one, or would replace something that is not a lowrank_jax checkpoint
+    (:func:`check_separate`, :func:`check_output_dir`)."""
+    check_separate(path, inputs, flag=flag)
+    check_output_dir(path, overwrite=overwrite, owned=is_checkpoint,
+                     what="a lowrank_jax checkpoint", flag=flag)
+
+
+def check_plots_out(path: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
+                    *, overwrite: bool, flag: str = "--plots") -> None:
+    """Refuse, before any work, a plots directory that cannot be drawn (matplotlib missing) or
+    written (as :func:`check_checkpoint_out`, replacing only a previous plots directory).
+
+    Raises:
+      ConfigError: matplotlib is not installed (naming the ``plot`` extra).
+      OutputExistsError: see :func:`check_output_dir`.
+    """
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ConfigError(f"{flag} needs matplotlib: pip install 'lowrank-jax[plot]'",
+                          where=flag, expected="matplotlib installed", actual="not installed")
+    check_separate(path, inputs, flag=flag)
+    check_output_dir(path, overwrite=overwrite, owned=owned_by("plots"),
+                     what="a previous lowrank-jax plots directory", flag=flag)
+
+
 @contextlib.contextmanager
 def marked_directory(path: str | os.PathLike, *, kind: str, overwrite: bool, who: str,
                      info: Mapping | None = None) -> Iterator[str]:
@@ -209,21 +239,26 @@ def marked_directory(path: str | os.PathLike, *, kind: str, overwrite: bool, who
         doc = {"format": MARKER_FORMAT, "kind": kind, "command": who, "version": _version(),
                "files": files, **dict(info or {})}
         with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
-            json.dump(_finite(doc), f, indent=2, allow_nan=False)
+            json.dump(json_safe(doc), f, indent=2, allow_nan=False)
             f.write("\n")
 
 
 # ---------------------------------------------------------------------------------------------
 # JSON reports.
 
-def _finite(x: Any) -> Any:
-    """``x`` with non-finite floats replaced by ``None`` (JSON has no NaN)."""
-    if isinstance(x, float):
-        return x if math.isfinite(x) else None
+def json_safe(x: Any) -> Any:
+    """``x`` as plain JSON values: NumPy scalars become Python numbers and every non-finite
+    number ``None`` (JSON has no NaN); mappings, lists and tuples are converted throughout."""
+    if isinstance(x, bool) or x is None or isinstance(x, str):
+        return x
+    if isinstance(x, numbers.Integral):
+        return int(x)
+    if isinstance(x, numbers.Real):
+        return float(x) if math.isfinite(x) else None
     if isinstance(x, Mapping):
-        return {k: _finite(v) for k, v in x.items()}
+        return {k: json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_finite(v) for v in x]
+        return [json_safe(v) for v in x]
     return x
 
 
@@ -294,7 +329,7 @@ def write_report(path: str | os.PathLike, obj: Mapping, *, command: str,
     path = os.path.abspath(os.fspath(path))
     doc = {REPORT_KEY: {"command": command, "version": _version()},
            **{k: v for k, v in obj.items() if k != REPORT_KEY}}
-    text = json.dumps(_finite(doc), indent=2, allow_nan=False) + "\n"
+    text = json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n"
     os.makedirs(os.path.dirname(path), exist_ok=True)
     clean_stale(path)
     tmp = temp_path(path, "tmp")
@@ -312,6 +347,6 @@ def write_report(path: str | os.PathLike, obj: Mapping, *, command: str,
     return path
 
 
-__all__ = ["MARKER", "REPORT_KEY", "check_output_dir", "check_parent", "check_report_path",
-           "check_separate", "describe", "is_report", "marked_directory",
-           "owned_by", "read_marker", "write_report"]
+__all__ = ["MARKER", "REPORT_KEY", "check_checkpoint_out", "check_output_dir", "check_parent",
+           "check_plots_out", "check_report_path", "check_separate", "describe", "is_report",
+           "json_safe", "marked_directory", "owned_by", "read_marker", "write_report"]

@@ -68,12 +68,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _rules(rules):
-    if not rules:
-        return DEFAULT_RULES
-    return tuple((r[1:], None) if r.startswith("!") else r for r in rules)
-
-
 def _check(args) -> dict:
     if args.machines < 2:
         raise ConfigError(f"--machines must be >= 2, got {args.machines}", where="--machines",
@@ -88,23 +82,10 @@ def _check(args) -> dict:
     else:
         settings["eps"] = 0.1 if args.eps is None else args.eps
     inputs = {"MODEL": args.params}
-    from lowrank_jax.io import is_checkpoint
-
     if args.out:
-        outputs.check_separate(args.out, inputs, flag="--out")
-        outputs.check_output_dir(args.out, overwrite=args.overwrite, owned=is_checkpoint,
-                                 what="a lowrank_jax checkpoint", flag="--out")
+        outputs.check_checkpoint_out(args.out, inputs, overwrite=args.overwrite)
     if args.plots:
-        import importlib.util
-
-        if importlib.util.find_spec("matplotlib") is None:
-            raise ConfigError("--plots needs matplotlib: pip install 'lowrank-jax[plot]'",
-                              where="--plots", expected="matplotlib installed",
-                              actual="not installed")
-        outputs.check_separate(args.plots, inputs, flag="--plots")
-        outputs.check_output_dir(args.plots, overwrite=args.overwrite,
-                                 owned=outputs.owned_by("plots"),
-                                 what="a previous lowrank-jax plots directory", flag="--plots")
+        outputs.check_plots_out(args.plots, inputs, overwrite=args.overwrite)
     if args.json:
         outputs.check_report_path(args.json, inputs, (args.out, args.plots))
     return settings
@@ -196,7 +177,7 @@ def plot(rows: list[dict], directory: str) -> list[str]:
 
 def run(args) -> int:
     """Run ``lowrank-jax partition`` (module docstring). Returns the exit status."""
-    from lowrank_jax.cli.sources import load_source
+    from lowrank_jax.cli.sources import load_source, parse_rules
     from lowrank_jax.compress import select
     from lowrank_jax.compress.partition import partition_weights
     from lowrank_jax.compress.report import Report
@@ -205,7 +186,7 @@ def run(args) -> int:
     status = Status("partition", bars=not args.no_progress)
     src = load_source(args.params, status=status, family=args.family)
     params = src.params
-    selection = select(params, _rules(args.rule), where="--rule")
+    selection = select(params, parse_rules(args.rule, DEFAULT_RULES), where="--rule")
     with status.phase(f"partitioning {len(selection)} weights over {args.machines} machines "
                       "(assignment and SVD of every off-diagonal block)"):
         new, rows, decs = partition_weights(params, selection, settings)

@@ -95,14 +95,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return p
 
 
-def _rules(rules):
-    from lowrank_jax.compress.prune import DEFAULT_RULES
-
-    if not rules:
-        return DEFAULT_RULES
-    return tuple((r[1:], None) if r.startswith("!") else r for r in rules)
-
-
 def _check(args) -> None:
     if not 0.0 <= args.target < 1.0:
         raise ConfigError(f"--target must be a fraction in [0, 1), got {args.target}",
@@ -131,17 +123,10 @@ def _check(args) -> None:
     inputs = {"MODEL": args.params}
     if args.data != "builtin":
         inputs["--data"] = args.data
-    from lowrank_jax.io import is_checkpoint
-
     if args.out:
-        outputs.check_separate(args.out, inputs, flag="--out")
-        outputs.check_output_dir(args.out, overwrite=args.overwrite, owned=is_checkpoint,
-                                 what="a lowrank_jax checkpoint", flag="--out")
+        outputs.check_checkpoint_out(args.out, inputs, overwrite=args.overwrite)
     if args.plots:
-        outputs.check_separate(args.plots, inputs, flag="--plots")
-        outputs.check_output_dir(args.plots, overwrite=args.overwrite,
-                                 owned=outputs.owned_by("plots"),
-                                 what="a previous lowrank-jax plots directory", flag="--plots")
+        outputs.check_plots_out(args.plots, inputs, overwrite=args.overwrite)
     if args.json:
         outputs.check_report_path(args.json, inputs, (args.out, args.plots))
 
@@ -272,8 +257,9 @@ def run(args) -> int:
     import jax
 
     from lowrank_jax import param_count
-    from lowrank_jax.cli.sources import load_source
+    from lowrank_jax.cli.sources import load_source, parse_rules
     from lowrank_jax.compress.prune import (
+        DEFAULT_RULES,
         add_channel_masks,
         add_lora_to,
         check_removal,
@@ -336,7 +322,7 @@ def run(args) -> int:
                            "schedule": args.schedule, "finetune_steps": args.finetune_steps,
                            "lr": args.lr, "lora": args.lora, "seed": args.seed}}
     report["before"] = evaluate(params, "the original model")
-    rules = _rules(args.rule)
+    rules = parse_rules(args.rule, DEFAULT_RULES)
     masked = add_channel_masks(params, rules)
     with status.phase("counting the rows every weight sees (abstract trace)"):
         tokens = token_counts(cfg, params)

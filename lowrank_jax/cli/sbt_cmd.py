@@ -95,15 +95,10 @@ def _check(args) -> None:
         raise ConfigError(f"--heads {args.heads} must divide --d-model {args.d_model}",
                           where="--heads", expected=f"a divisor of {args.d_model}",
                           actual=args.heads)
-    from lowrank_jax.io import is_checkpoint
-
-    if args.out:
-        outputs.check_output_dir(args.out, overwrite=args.overwrite, owned=is_checkpoint,
-                                 what="a lowrank_jax checkpoint", flag="--out")
+    if args.out:  # the data come from the installed aeon package: no input path to keep apart
+        outputs.check_checkpoint_out(args.out, {}, overwrite=args.overwrite)
     if args.plots:
-        outputs.check_output_dir(args.plots, overwrite=args.overwrite,
-                                 owned=outputs.owned_by("plots"),
-                                 what="a previous lowrank-jax plots directory", flag="--plots")
+        outputs.check_plots_out(args.plots, {}, overwrite=args.overwrite)
     if args.json:
         outputs.check_report_path(args.json, {}, (args.out, args.plots))
     args.dataset, args.prune = dataset, prune

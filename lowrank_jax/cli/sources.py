@@ -1,4 +1,5 @@
-"""What the ``lowrank-jax`` commands read: lowrank_jax checkpoints and Hugging Face directories.
+"""What the ``lowrank-jax`` commands read: lowrank_jax checkpoints and Hugging Face directories
+(and the ``--rule`` path rules that select weights in them).
 
 ``analyze``, ``compress`` and ``export`` take either
 
@@ -45,6 +46,14 @@ class Source:
     config: Any
     params: Any
     metadata: dict
+
+
+def parse_rules(flags: list[str] | None, default: tuple) -> tuple:
+    """The path rules of repeated ``--rule REGEX`` options (first match wins; ``'!REGEX'``
+    skips the weights it matches); ``default`` when none is given."""
+    if not flags:
+        return default
+    return tuple((r[1:], None) if r.startswith("!") else r for r in flags)
 
 
 def is_hf_directory(path: str | os.PathLike) -> bool:
@@ -112,4 +121,4 @@ def load_source(path: str | os.PathLike, *, status: Status, family: str | None =
     return Source(path, "checkpoint", config, params, meta)
 
 
-__all__ = ["Source", "WEIGHT_FILES", "is_hf_directory", "load_source"]
+__all__ = ["Source", "WEIGHT_FILES", "is_hf_directory", "load_source", "parse_rules"]

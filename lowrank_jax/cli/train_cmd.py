@@ -72,11 +72,11 @@ import dataclasses
 import difflib
 import json
 import math
-import numbers
 import os
 import re
 from typing import Any, Callable
 
+from lowrank_jax.cli.outputs import json_safe
 from lowrank_jax.errors import ConfigError, OutputExistsError
 
 RUN_FILE = "run.json"
@@ -513,22 +513,6 @@ def read_metrics(path: str) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
-def _json_safe(obj: Any) -> Any:
-    """``obj`` as plain JSON values: NumPy scalars become Python numbers and every non-finite
-    number ``None`` (JSON has no NaN)."""
-    if isinstance(obj, bool) or obj is None or isinstance(obj, str):
-        return obj
-    if isinstance(obj, numbers.Integral):
-        return int(obj)
-    if isinstance(obj, numbers.Real):
-        return float(obj) if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return obj
-
-
 def _summary(records: list[dict], steps: int, source: str, family: str, report) -> dict:
     last = records[-1] if records else {}
     evals = [r for r in records if any(k.startswith("eval_") for k in r)]
@@ -538,7 +522,7 @@ def _summary(records: list[dict], steps: int, source: str, family: str, report) 
         "final_loss": last.get("loss"),
         "eval_step": last_eval.get("step"),
         "eval": {k: v for k, v in last_eval.items() if k.startswith("eval_")},
-        "compression": _json_safe(report.to_dict()) if report else None,
+        "compression": json_safe(report.to_dict()) if report else None,
     }
 
 

@@ -279,3 +279,13 @@ def test_a_bug_keeps_its_traceback(ckpt, monkeypatch):
     monkeypatch.setattr(lowrank_jax.analysis, "analyze", broken)
     with pytest.raises(KeyError):
         main(["analyze", str(ckpt), "--no-progress"])
+
+
+def test_json_safe_plain_values_and_no_nan():
+    """Reports and the train command's summary share one conversion: NumPy scalars become
+    Python numbers, non-finite numbers ``null``, containers are converted throughout."""
+    got = outputs.json_safe({"a": np.float32(1.5), "b": [np.int64(3), float("nan")],
+                             "c": (np.float64("inf"), True, None, "x"), "d": {"e": -np.inf}})
+    assert got == {"a": 1.5, "b": [3, None], "c": [None, True, None, "x"], "d": {"e": None}}
+    assert type(got["a"]) is float and type(got["b"][0]) is int and got["c"][1] is True
+    json.dumps(got, allow_nan=False)  # valid JSON
