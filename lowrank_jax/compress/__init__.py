@@ -11,8 +11,10 @@ Compressibility" (sec. 5) and the methods to come plug into one entry point:
 * :func:`register_method` -- every method is a module with one function
   ``fn(params, selection, settings, ctx) -> (new_params, rows)`` and one registration.
   Built in: ``svd`` (:mod:`~lowrank_jax.compress.svd_method`: truncated SVD by eps / rank /
-  ratio / schedule, per head, data-aware) and ``factorize`` (:mod:`~lowrank_jax.compress.factorize`:
-  compressed-by-design factors).
+  ratio / schedule, per head, data-aware), ``factorize`` (:mod:`~lowrank_jax.compress.factorize`:
+  compressed-by-design factors), ``binarize`` (:mod:`~lowrank_jax.compress.binarize`: Biprop
+  masked-binary weights from trained ones) and the methods of the other papers; several
+  methods compose in one plan (:mod:`~lowrank_jax.compress.compose`: what their order means).
 * :func:`compress` (a one-step ``svd`` plan) and :func:`factorize_init` (a one-step
   ``factorize`` plan), :func:`reuse_weights`.
 * Matrix-level tools: :func:`truncated_svd`, :func:`head_truncated_svd`,
@@ -50,6 +52,7 @@ plans with no library change.
 
 from lowrank_jax.compress import partition  # the partition method (registers it)
 from lowrank_jax.compress import prune as prune  # the prune and lora methods (registers them)
+from lowrank_jax.compress.binarize import binarize_leaf  # the binarize method (registers it)
 from lowrank_jax.compress.evaluate import compare_models, sample_inputs, top_k_jaccard
 from lowrank_jax.compress.factorize import factorize_init, reuse_weights
 from lowrank_jax.compress.irregular import (  # truncatt, cp, btd, truncatt_vo (registers them)
@@ -93,7 +96,7 @@ __all__ = [
     "attention_macs", "head_ranks", "select_rank", "to_query_key",
     "ATTENTION_QK", "ATTENTION_QKVO", "ATTENTION_QKV_PER_HEAD", "Context", "Method", "Plan",
     "Report", "Row", "Selection", "Step", "StepSummary", "apply_plan", "as_plan",
-    "attention_blocks", "compare_models", "compare_truncations", "compress", "eps_sweep",
+    "attention_blocks", "binarize_leaf", "compare_models", "compare_truncations", "compress", "eps_sweep",
     "factorize_init", "get_method", "head_rank_sweep", "head_truncated_svd",
     "interpolation_schedule", "normalize_rules", "partition", "power_schedule", "project_inputs",
     "prune", "register_method", "registered_methods", "reuse_weights", "sample_inputs", "select",

@@ -29,7 +29,7 @@ import jax
 from tqdm.auto import tqdm
 
 from lowrank_jax.compress.registry import Context, get_method
-from lowrank_jax.compress.report import Report, StepSummary
+from lowrank_jax.compress.report import Report, StepSummary, count_totals, counts
 from lowrank_jax.compress.rules import candidates, normalize_rules, select
 from lowrank_jax.errors import MissingFileError, PlanError
 
@@ -287,11 +287,13 @@ def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = Non
         ctx = Context(step=i, method=step.method,
                       key=None if key is None else jax.random.fold_in(key, i),
                       inputs=inputs, config=config, progress=progress)
+        counts_in = counts(tree)
         tree, step_rows = m.fn(tree, selection, dict(step.settings), ctx)
         used |= ctx.used_inputs
         rows.extend(dataclasses.replace(r, step=i, method=step.method) for r in step_rows)
         summaries.append(StepSummary(index=i, method=step.method, rules=step.rules,
-                                     settings=step.settings, info=dict(ctx.info)))
+                                     settings=step.settings, info=dict(ctx.info),
+                                     tree=count_totals(counts_in, counts(tree))))
     unused = sorted(set(inputs) - used)
     if unused:
         raise PlanError(f"apply_plan: inputs given for {unused}, which no step used (only "

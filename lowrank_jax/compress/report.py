@@ -107,34 +107,53 @@ class Row:
         return _jsonable(dataclasses.asdict(self))
 
 
-@dataclasses.dataclass(frozen=True)
-class StepSummary:
-    """One step of an applied plan: its index, method, rules, settings and the step-level
-    information the method recorded (``svd`` under ``ratio``: ``chosen_eps``)."""
-
-    index: int
-    method: str
-    rules: tuple
-    settings: Mapping
-    info: Mapping = dataclasses.field(default_factory=dict)
-
-    def to_dict(self) -> dict:
-        rules = [r[0] if r[1] == {} else [r[0], r[1]] for r in self.rules]
-        return _jsonable({"index": self.index, "method": self.method, "rules": rules,
-                          "settings": dict(self.settings), "info": dict(self.info)})
-
-
 def _ratio(after: int, before: int) -> float:
     return after / before if before else 1.0
 
 
-def _totals(before: dict, after: dict) -> dict:
+def count_totals(before: Mapping, after: Mapping) -> dict:
+    """``{'params_before', 'params_after', 'params_ratio', ...}`` for ``params``, ``bits`` and
+    ``flops`` from two :func:`counts` dicts (a ratio is 1.0 where the count before is 0)."""
     out = {}
     for k in ("params", "bits", "flops"):
         out[f"{k}_before"] = before[k]
         out[f"{k}_after"] = after[k]
         out[f"{k}_ratio"] = _ratio(after[k], before[k])
     return out
+
+
+_totals = count_totals
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSummary:
+    """One step of an applied plan: its index, method, rules, settings, the step-level
+    information the method recorded (``svd`` under ``ratio``: ``chosen_eps``) and what the
+    step changed in the whole tree.
+
+    Fields:
+      index, method, rules, settings: the step as the plan states it.
+      info: step-level notes of the method.
+      tree: the counts of the whole tree as the step received it and as it left it
+        (:func:`count_totals`: ``params_before``, ``params_after``, ``params_ratio`` and the
+        same for ``bits`` and ``flops`` per token). Unlike the step's rows, which cover the
+        nodes its rules selected, these include every node the step changed (the partner
+        weights a ``prune`` step slices, the consumer a ``partition`` step permutes); empty
+        for a summary built by hand.
+    """
+
+    index: int
+    method: str
+    rules: tuple
+    settings: Mapping
+    info: Mapping = dataclasses.field(default_factory=dict)
+    tree: Mapping = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        rules = [r[0] if r[1] == {} else [r[0], r[1]] for r in self.rules]
+        return _jsonable({"index": self.index, "method": self.method, "rules": rules,
+                          "settings": dict(self.settings), "info": dict(self.info),
+                          "tree": dict(self.tree)})
 
 
 def _outermost(paths) -> list[str]:
@@ -266,7 +285,32 @@ class Report:
         sep = "-" * len(fmt(head))
         out = [fmt(head), sep, *map(fmt, lines), sep, *map(fmt, totals)]
         out.append(f"{self.changed} of {len(self.rows)} rows changed their node")
+        if len(self.steps) > 1:
+            out += ["", self.format_steps()]
         return "\n".join(out)
 
+    def format_steps(self) -> str:
+        """A plain-text table, one line per step in plan order: its method, how many nodes it
+        selected and changed, and the counts of the whole tree before and after it (what the
+        step changed, :attr:`StepSummary.tree`)."""
+        head = ("step", "method", "selected", "changed", "params", "bits", "flops/token")
 
-__all__ = ["Report", "Row", "StepSummary", "counts"]
+        def arrow(t, k):
+            return f"{t[k + '_before']} -> {t[k + '_after']}" if t else ""
+
+        lines = []
+        for st in self.steps:
+            rows = self.step_rows(st.index)
+            lines.append((str(st.index), st.method, str(len(rows)),
+                          str(sum(r.changed for r in rows)), arrow(st.tree, "params"),
+                          arrow(st.tree, "bits"), arrow(st.tree, "flops")))
+        widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
+
+        def fmt(cells):
+            return "  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                             for i, (c, w) in enumerate(zip(cells, widths, strict=True))).rstrip()
+
+        return "\n".join([fmt(head), "-" * len(fmt(head)), *map(fmt, lines)])
+
+
+__all__ = ["Report", "Row", "StepSummary", "count_totals", "counts"]

@@ -76,6 +76,7 @@ from lowrank_jax.compress.svd import (
 )
 from lowrank_jax.errors import ConfigError, PlanError
 from lowrank_jax.leaves import LowRank, layer_index, param_count, replace_paths
+from lowrank_jax.leaves.channel_masked import pruned_base
 
 logger = logging.getLogger(__name__)
 
@@ -363,10 +364,12 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
     rows: list = [None] * len(selection)
     new: dict = {}
 
+    put_back: list = [None] * len(selection)
+
     def build(i: int, t: Truncation, ranks) -> None:
         leaf, row = t.row(ranks, keep_dense)
         if row.changed:
-            new[t.path] = leaf
+            new[t.path] = put_back[i](leaf)
         rows[i] = row
         t.groups = t.mat = None  # free the decomposition: only counts are needed from here
         logger.info("svd: %s: %s rank %s, rel. error %.3e, params %d -> %d", row.path, row.kind,
@@ -375,7 +378,10 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
     cands, free = [], []
     for i, sel in enumerate(tqdm(selection, desc=f"step {ctx.step} svd",
                                  disable=not ctx.progress)):
-        t = prepare_truncation(params, sel, per_head=per_head, inputs=ctx.input_for(sel.path))
+        # a pruned weight is factorized on its kept channels; its gather/scatter stays
+        base, put_back[i] = pruned_base(sel.node)
+        t = prepare_truncation(params, sel._replace(node=base), per_head=per_head,
+                               inputs=ctx.input_for(sel.path))
         ranks = decide_ranks(t, mode, settings)
         cands.append(t)
         if ranks is None:

@@ -307,6 +307,27 @@ def pruned_leaf(base: Leaf, rows, cols, d_in: int, d_out: int) -> Leaf:
                          d_out_full=int(d_out))
 
 
+@functools.singledispatch
+def pruned_base(leaf: Any) -> tuple[Any, Callable[[Any], Any]]:
+    """``(base, put_back)``: the leaf a compression method should replace, and how to put its
+    replacement back.
+
+    For a :class:`ChannelPruned` leaf the base is the leaf on the kept channels and
+    ``put_back(new)`` puts ``new`` (same shape as the base) behind the same gather and scatter,
+    so that a method applied after ``prune`` (``svd``, ``binarize``) keeps the removed channels
+    removed and uncounted instead of storing them as zeros. For any other leaf:
+    ``(leaf, identity)``. Leaf types outside lowrank_jax that wrap a leaf the same way register
+    with ``pruned_base.register``.
+    """
+    return leaf, lambda new: new
+
+
+@pruned_base.register
+def _(leaf: ChannelPruned) -> tuple[Any, Callable[[Any], Any]]:
+    base, put = pruned_base(leaf.base)
+    return base, lambda new: dataclasses.replace(leaf, base=put(new))
+
+
 # ---------------------------------------------------------------------------------------------
 # Masks in a tree.
 
@@ -632,6 +653,6 @@ def count_rows(fn: Callable[[Any], Any], tree: Any, paths: Iterable[str] | None 
 __all__ = [
     "ChannelMasked", "ChannelPruned", "channel_masks", "count_rows", "input_granularity",
     "is_channel_masked", "kept_counts", "mask_leaf", "mask_partition", "mask_selector",
-    "output_granularity", "pruned_leaf", "rebuild", "surgery_form", "unmask",
+    "output_granularity", "pruned_base", "pruned_leaf", "rebuild", "surgery_form", "unmask",
     "with_channel_masks",
 ]
