@@ -505,9 +505,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.set_defaults(func=cmd_train)
 
     # Method commands live in their own modules (each adds its parser and sets its func).
-    from lowrank_jax.cli import partition_cmd, prune_cmd, sbt_cmd
+    from lowrank_jax.cli import frontier_cmd, partition_cmd, prune_cmd, sbt_cmd
 
     prune_cmd.add_parser(sub)
+    frontier_cmd.add_parser(sub)
     partition_cmd.add_parser(sub)
     sbt_cmd.add_parser(sub).set_defaults(func=sbt_cmd.run)
     return p
