@@ -194,3 +194,32 @@ def test_demo_model_comes_from_the_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("LOWRANK_JAX_CACHE", "/some/where")
     assert frontier_cmd.cache_dir() == "/some/where"
     assert frontier_cmd.cache_dir("given") == "given"
+
+
+def test_csv_data_and_prune_batches(tmp_path):
+    """--data CSV: test windows per column (last 20 %), capped evenly; prune candidates draw
+    train windows (first 70 %) of the same file through a registered batch source."""
+    from lowrank_jax.compress.prune.method import _SOURCES
+
+    rng = np.random.default_rng(0)
+    t = np.arange(400)
+    a = 10 + np.sin(t / 7) + 0.1 * rng.normal(size=400)
+    b = 5 + np.cos(t / 5) + 0.1 * rng.normal(size=400)
+    csv = tmp_path / "series.csv"
+    dates = np.datetime64("2020-01-01") + t.astype("timedelta64[h]")
+    csv.write_text("date,a,b\n" + "".join(f"{d},{x},{y}\n" for d, x, y in zip(dates, a, b,
+                                                                              strict=True)))
+    cfg = tiny_config()
+    data, wcfg = frontier_cmd.forecast_data(cfg, str(csv), max_windows=6,
+                                            status=Status("frontier", bars=False))
+    assert dict(data.groups) == {"a": (0, 3), "b": (3, 6)}
+    # the test split is values 320..400: a window's target lies inside it, scaled by the mean
+    # absolute value of its context (the mean scaling of the window sampler)
+    ctx, tgt = data.context[0], data.target[0]
+    start = next(s for s in range(320, 400 - 8 + 1)
+                 if np.allclose(a[s - 32:s] / np.mean(np.abs(a[s - 32:s])), ctx, atol=1e-5))
+    np.testing.assert_allclose(tgt, a[start:start + 8] / np.mean(np.abs(a[start - 32:start])),
+                               atol=1e-5)
+    name = frontier_cmd.register_csv_batches(cfg, str(csv), wcfg, seed=0)
+    batch = _SOURCES[name](cfg, batch_size=4)(0)
+    assert batch["context"].shape == (4, 32) and batch["target"].shape == (4, 8)
