@@ -72,12 +72,20 @@ def materialize_leaves(params: Any) -> Any:
     plain arrays. Nothing is trainable or frozen as before: this is a reference, not a model
     to train.
 
+    Runs as one compiled program (densifying leaf by leaf op by op would compile every small
+    operation of every leaf shape on its own).
+
     Args:
       params: a parameter tree.
 
     Returns:
       A new tree (``params`` is not modified).
     """
+    return _materialize_leaves(params)
+
+
+@jax.jit
+def _materialize_leaves(params: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda n: Dense(w=materialize(n), b=bias_of(n)) if isinstance(n, Leaf) else n, params,
         is_leaf=is_leaf)
