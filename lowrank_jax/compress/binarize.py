@@ -153,7 +153,7 @@ def binarize(params: Any, selection: list[Selection], settings: dict,
     for sel, k in zip(selection, keys, strict=False):
         keep = check_keep(sel.overrides.get("keep", s["keep"]), sel.path)
 
-        base, put_back = pruned_base(sel.node)
+        base, put_back, _ = pruned_base(sel.node)
         binary = binarize_leaf(base, sel.path, keep=keep, divisor=s["divisor"],
                                scores=s["scores"], key=k)
         leaf = put_back(binary)

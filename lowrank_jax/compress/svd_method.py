@@ -363,7 +363,6 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
     per_head = settings.get("per_head", False)
     rows: list = [None] * len(selection)
     new: dict = {}
-
     put_back: list = [None] * len(selection)
 
     def build(i: int, t: Truncation, ranks) -> None:
@@ -379,9 +378,10 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
     for i, sel in enumerate(tqdm(selection, desc=f"step {ctx.step} svd",
                                  disable=not ctx.progress)):
         # a pruned weight is factorized on its kept channels; its gather/scatter stays
-        base, put_back[i] = pruned_base(sel.node)
+        base, put_back[i], base_inputs = pruned_base(sel.node)
+        x = ctx.input_for(sel.path)
         t = prepare_truncation(params, sel._replace(node=base), per_head=per_head,
-                               inputs=ctx.input_for(sel.path))
+                               inputs=None if x is None else base_inputs(x))
         ranks = decide_ranks(t, mode, settings)
         cands.append(t)
         if ranks is None:

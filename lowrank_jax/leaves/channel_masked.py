@@ -308,24 +308,31 @@ def pruned_leaf(base: Leaf, rows, cols, d_in: int, d_out: int) -> Leaf:
 
 
 @functools.singledispatch
-def pruned_base(leaf: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """``(base, put_back)``: the leaf a compression method should replace, and how to put its
-    replacement back.
+def pruned_base(leaf: Any) -> tuple[Any, Callable[[Any], Any], Callable[[Any], Any]]:
+    """``(base, put_back, base_inputs)``: the leaf a compression method should replace, how to
+    put its replacement back, and what the base reads of the weight's inputs.
 
-    For a :class:`ChannelPruned` leaf the base is the leaf on the kept channels and
+    For a :class:`ChannelPruned` leaf the base is the leaf on the kept channels,
     ``put_back(new)`` puts ``new`` (same shape as the base) behind the same gather and scatter,
-    so that a method applied after ``prune`` (``svd``, ``binarize``) keeps the removed channels
-    removed and uncounted instead of storing them as zeros. For any other leaf:
-    ``(leaf, identity)``. Leaf types outside lowrank_jax that wrap a leaf the same way register
-    with ``pruned_base.register``.
+    and ``base_inputs(x)`` is ``x[..., rows]`` (activations ``[..., d_in]`` entering the weight,
+    for data-aware methods). So a method applied after ``prune`` (``svd``, ``binarize``) keeps
+    the removed channels removed and uncounted instead of storing them as zeros. For any other
+    leaf: ``(leaf, identity, identity)``. Leaf types outside lowrank_jax that wrap a leaf the
+    same way register with ``pruned_base.register``.
     """
-    return leaf, lambda new: new
+    return leaf, _same, _same
+
+
+def _same(x: Any) -> Any:
+    return x
 
 
 @pruned_base.register
-def _(leaf: ChannelPruned) -> tuple[Any, Callable[[Any], Any]]:
-    base, put = pruned_base(leaf.base)
-    return base, lambda new: dataclasses.replace(leaf, base=put(new))
+def _(leaf: ChannelPruned) -> tuple[Any, Callable[[Any], Any], Callable[[Any], Any]]:
+    base, put, take = pruned_base(leaf.base)
+    rows = None if leaf.rows is None else np.asarray(leaf.rows, np.int64)
+    return (base, lambda new: dataclasses.replace(leaf, base=put(new)),
+            lambda x: take(x if rows is None else np.asarray(x)[..., rows]))
 
 
 # ---------------------------------------------------------------------------------------------

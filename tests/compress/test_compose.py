@@ -548,6 +548,15 @@ def test_svd_of_a_pruned_weight_factors_its_kept_channels():
     want[list(pruned.rows)] = (U[:, :2] * s[:2]) @ Vt[:2]
     np.testing.assert_allclose(np.asarray(lj.materialize(leaf)), want, atol=1e-5)
     assert report.row("w").error == pytest.approx(s[2] / s[0], rel=1e-6)
+    # data-aware (App. D): activations come at the full width; the kept rows are projected
+    x = rng.normal(size=(40, 12)).astype(np.float32)
+    new, report = lj.apply_plan({"w": pruned}, lj.Step("svd", ("w$",), {"rank": 2}),
+                                inputs={"w": x})
+    basis = np.linalg.svd(x[:, list(pruned.rows)].astype(np.float64))[2][:2].T  # [6, 2]
+    want[:] = 0
+    want[list(pruned.rows)] = basis @ (basis.T @ kept)
+    assert report.row("w").kind == "inputs" and isinstance(new["w"], ChannelPruned)
+    np.testing.assert_allclose(np.asarray(lj.materialize(new["w"])), want, atol=1e-5)
 
 
 def test_step_totals_include_the_partners_a_step_changes():
