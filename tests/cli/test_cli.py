@@ -1,6 +1,7 @@
 """The lowrank-jax command on saved parameter trees: reports recomputed independently."""
 
 import json
+import os
 
 import jax
 import numpy as np
@@ -156,3 +157,22 @@ def test_sbt_command_is_wired_into_lowrank_jax(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("lowrank-jax sbt: error:") and "NoSuchSet" in err
     assert len(err.splitlines()) == 1 and not js.exists()
+
+
+def test_quick_demo_compiles_at_optimization_level_0_and_restores_the_flags(monkeypatch):
+    from lowrank_jax.cli.main import _quick_compile
+
+    monkeypatch.delenv("XLA_FLAGS", raising=False)
+    with _quick_compile(True):
+        assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=0"
+    assert "XLA_FLAGS" not in os.environ
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+    with _quick_compile(True):
+        assert os.environ["XLA_FLAGS"].split() == ["--xla_force_host_platform_device_count=2",
+                                                   "--xla_backend_optimization_level=0"]
+    assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    with _quick_compile(False):  # the full demo keeps XLA's default
+        assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=2"
+    monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
+    with _quick_compile(True):  # the user's choice wins
+        assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=3"
