@@ -53,6 +53,7 @@ plans with no library change.
 from lowrank_jax.compress import partition  # the partition method (registers it)
 from lowrank_jax.compress import prune as prune  # the prune and lora methods (registers them)
 from lowrank_jax.compress.binarize import binarize_leaf  # the binarize method (registers it)
+from lowrank_jax.compress.compose import materialize_leaves
 from lowrank_jax.compress.evaluate import compare_models, sample_inputs, top_k_jaccard
 from lowrank_jax.compress.factorize import factorize_init, reuse_weights
 from lowrank_jax.compress.irregular import (  # truncatt, cp, btd, truncatt_vo (registers them)
@@ -96,9 +97,10 @@ __all__ = [
     "attention_macs", "head_ranks", "select_rank", "to_query_key",
     "ATTENTION_QK", "ATTENTION_QKVO", "ATTENTION_QKV_PER_HEAD", "Context", "Method", "Plan",
     "Report", "Row", "Selection", "Step", "StepSummary", "apply_plan", "as_plan",
-    "attention_blocks", "binarize_leaf", "compare_models", "compare_truncations", "compress", "eps_sweep",
-    "factorize_init", "get_method", "head_rank_sweep", "head_truncated_svd",
-    "interpolation_schedule", "normalize_rules", "partition", "power_schedule", "project_inputs",
+    "attention_blocks", "binarize_leaf", "compare_models", "compare_truncations", "compress",
+    "eps_sweep", "factorize_init", "get_method", "head_rank_sweep", "head_truncated_svd",
+    "interpolation_schedule", "materialize_leaves", "normalize_rules", "partition",
+    "power_schedule", "project_inputs",
     "prune", "register_method", "registered_methods", "reuse_weights", "sample_inputs", "select",
     "top_k_jaccard", "truncated_svd", "uniform_schedule", "validate_plan",
 ]

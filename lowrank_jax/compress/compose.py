@@ -37,10 +37,10 @@ holds, per step, the counts of the whole tree before and after it
   stay trainable. ``binarize`` then ``prune``: pruning freezes the binary weights it slices
   (:class:`~lowrank_jax.FrozenBinary`, same outputs, mask and gain fixed), so their scores no
   longer train; prefer pruning first.
-* ``svd`` (or ``partition``) after ``binarize``: binary weights are not float matrices these
-  methods may approximate; their rules do not see them (a rule that selects only binary
-  weights is an error). ``binarize`` after ``svd``: the factors are multiplied out and the
-  product is binarized.
+* ``svd`` after ``binarize``: binary weights are not float matrices to approximate; ``svd``'s
+  rules do not see them (a rule that matches only binary weights is an error naming the rule).
+  ``partition`` refuses them with an error naming the weight. ``binarize`` after ``svd``: the
+  factors are multiplied out and the product is binarized.
 * ``partition`` then ``prune``: refused (a partitioned weight keeps equal blocks per machine
   and cannot lose single channels; the error names the weight). ``prune`` then ``partition``:
   the pruned widths must be divisible by the machines (the error names the weight otherwise),

@@ -22,8 +22,7 @@ from jax.sharding import Mesh
 
 import lowrank_jax as lj
 from lowrank_jax import nn, train
-from lowrank_jax.compress import binarize_leaf, power_schedule
-from lowrank_jax.compress.compose import materialize_leaves
+from lowrank_jax.compress import binarize_leaf, materialize_leaves, power_schedule
 from lowrank_jax.compress.prune import add_channel_masks, register_batches
 from lowrank_jax.errors import LeafTypeError, PlanError
 from lowrank_jax.io import load_model, save_model
