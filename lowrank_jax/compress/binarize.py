@@ -36,9 +36,10 @@ makes ``alpha`` exactly the mean kept magnitude), ``scores`` (``'magnitude'`` or
 ``'uniform'``). Rules may override ``keep``.
 
 Row ``error``: ``||W - W_b||_2 / ||W||_2`` in float64 (``W_b`` the new leaf's effective
-weight). ``details``: ``shape``, ``keep``, ``n_keep`` (kept entries), ``alpha``, ``scores``,
-``divisor``. Counts are the leaf's own: one bit per kept weight plus a float32 ``alpha``
-(sec. 5.1), ``n_tokens * n_keep`` multiply-adds (Table 5).
+weight). ``details``: ``shape`` (of the kept channels for a pruned weight), ``keep``,
+``n_keep`` (kept entries), ``alpha``, ``scores``, ``divisor``. Counts are the leaf's own: one
+bit per kept weight plus a float32 ``alpha`` (sec. 5.1), ``n_tokens * n_keep`` multiply-adds
+(Table 5).
 """
 
 from __future__ import annotations
@@ -152,8 +153,7 @@ def binarize(params: Any, selection: list[Selection], settings: dict,
     new, rows = {}, []
     for sel, k in zip(selection, keys, strict=False):
         keep = check_keep(sel.overrides.get("keep", s["keep"]), sel.path)
-
-        base, put_back, _ = pruned_base(sel.node)
+        base, put_back, _ = pruned_base(sel.node)  # a pruned weight: its kept channels
         binary = binarize_leaf(base, sel.path, keep=keep, divisor=s["divisor"],
                                scores=s["scores"], key=k)
         leaf = put_back(binary)
