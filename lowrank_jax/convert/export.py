@@ -185,6 +185,11 @@ def _scatter(a: np.ndarray, idx: np.ndarray, axis: int, full: int) -> np.ndarray
     return out
 
 
+@jax.jit
+def _materialize_all(nodes: list) -> list:
+    return [materialize(n) for n in nodes]
+
+
 def _tree_shape(r: HFRow) -> tuple[int, ...]:
     """The shape of a row's tensor in the tree at the config's widths."""
     if r.kind == "linear":  # [out, in...] -> [prod(in...), out]
@@ -303,13 +308,17 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
             where=sorted(widener.problems)[0], actual=problems)
 
     state, materialized = {}, []
+    # every weight densified by one compiled program: leaf by leaf, each small operation of
+    # each distinct (pruned, irregular) shape would be compiled on its own
+    dense = _materialize_all([node for r, node, _ in plan if r.kind == "linear"])
+    dense = iter(dense)
     for r, node, idx in plan:
         want = _tree_shape(r)
         if r.kind == "linear":
             if (isinstance(node, Leaf) and not is_dense(node)) or any(
                     r.path.startswith(q + "/") for q in rewritten):  # reporting only
                 materialized.append(r.path)
-            arr = np.asarray(materialize(node), dtype=np.float32)  # [d_in, d_out]
+            arr = np.asarray(next(dense), dtype=np.float32)  # [d_in, d_out]
         else:
             arr = np.asarray(node, dtype=np.float32)
         if idx is not None:
