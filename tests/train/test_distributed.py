@@ -87,7 +87,8 @@ def _train_config(tmp_path):
 def test_two_processes_train_checkpoint_and_match_one(tmp_path):
     worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "distributed_worker.py")
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="", PYTHONUNBUFFERED="1",
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
+               PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])))
     port, config = _free_port(), _train_config(tmp_path)
     procs = [subprocess.Popen([sys.executable, worker, str(i), "2", str(port), str(tmp_path),

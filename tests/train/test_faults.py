@@ -50,7 +50,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _env(cache):
     env = dict(os.environ)
-    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="", JAX_COMPILATION_CACHE_DIR=str(cache),
+    env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
+               JAX_COMPILATION_CACHE_DIR=str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONUNBUFFERED="1")
     env.pop("LOWRANK_JAX_DEBUG", None)
