@@ -20,7 +20,14 @@ unpack; the fixed two-plane layout keeps unpacking a shift and a mask.
 
 ``linear`` unpacks inside the jitted computation to ``alpha * sign * mask`` in float, the very
 matrix the float leaf builds, and multiplies: outputs equal the float masked-binary leaf's
-exactly (same values, same matmul).
+exactly (same values, same matmul). The unpacking writes the float32 bit patterns directly
+(:func:`unpacked_weight`: the gain's bits with the sign bit flipped where the weight is negative,
+zeroed where it is pruned; one shift and three bitwise operations per weight), so a packed
+``linear`` costs what the frozen float leaf (:class:`~lowrank_jax.FrozenBinary`) costs, whose
+``int8`` signs are converted and scaled on every call (``benchmarks/binary.py``). On GPU and
+TPU the product runs as a Pallas kernel that unpacks the bits inside the matmul
+(:mod:`lowrank_jax.leaves.packed_kernels`; its outputs equal this one's to float32 round-off,
+not bit for bit).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import LeafTypeError, ShapeError
+from lowrank_jax.leaves import packed_kernels
 from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
@@ -74,6 +82,44 @@ def unpack_bits(words: Array, n: int) -> Array:
     shifts = jnp.arange(WORD, dtype=jnp.uint32)
     bits = (w[..., None] >> shifts) & jnp.uint32(1)  # [..., W, 32]
     return bits.reshape(w.shape[:-1] + (w.shape[-1] * WORD,))[..., :n]
+
+
+def _in_memory(a: Array) -> Array:
+    """``a``, as an array XLA keeps in memory instead of fusing it into its consumer.
+
+    A maximum over ``a`` stacked with zeros is a reduction, which XLA:CPU does not duplicate
+    into an elementwise consumer (an ``optimization_barrier`` does not stop that fusion). Used
+    for the transposed words (``1/32`` of the weight's elements): fused, the unpacking would read
+    them with a stride of a row per element, which made it 4x slower at ``d = 1024``.
+    """
+    return jnp.max(jnp.stack([a, jnp.zeros_like(a)]), axis=0)
+
+
+def unpacked_weight(sign_bits: Array, mask_bits: Array, alpha: Array, d_in: int) -> Array:
+    """``alpha * sign * mask`` as float32 ``[d_in, d_out]``, jit-friendly.
+
+    Built from bit patterns rather than products: a kept weight is ``alpha``'s float32 bits with
+    the sign bit flipped where its sign bit is 1 (exactly ``-alpha``), a pruned one is all zero
+    bits (``+0.0``). The values equal the float leaf's ``sign * (alpha * mask)`` (up to the sign
+    of zeros). The words are transposed first (``[words, d_out]``, kept in memory), so that one
+    elementwise pass writes the weight row by row while reading the words contiguously: about
+    the cost of converting a :class:`~lowrank_jax.FrozenBinary`'s ``int8`` signs.
+
+    Args:
+      sign_bits, mask_bits: ``uint32 [d_out, ceil(d_in / 32)]`` (:func:`pack_bits` layout).
+      alpha: scalar gain (cast to float32).
+      d_in: number of inputs (the words hold ``32 ceil(d_in / 32)`` bits; the tail is dropped).
+    """
+    shifts = jnp.arange(WORD, dtype=jnp.uint32)[:, None]  # [32, 1]
+    neg_t = _in_memory(jnp.asarray(sign_bits, jnp.uint32).T)[:, None, :]  # [W, 1, d_out]
+    keep_t = _in_memory(jnp.asarray(mask_bits, jnp.uint32).T)[:, None, :]
+    neg = (neg_t >> shifts) & jnp.uint32(1)  # [W, 32, d_out]: input 32 q + k, output j
+    keep = (keep_t >> shifts) & jnp.uint32(1)
+    a = jax.lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), jnp.uint32)
+    # (0 - keep) is all ones where kept, all zeros where pruned.
+    bits = (a ^ (neg << jnp.uint32(31))) & (jnp.uint32(0) - keep)
+    w = jax.lax.bitcast_convert_type(bits, jnp.float32)
+    return w.reshape(-1, w.shape[-1])[:d_in]
 
 
 class PackedBinary(Leaf):
@@ -163,15 +209,18 @@ class PackedBinary(Leaf):
         return sign, keep.astype(jnp.float32)
 
     def to_dense(self) -> Array:
-        sign, mask = self.planes()
-        # the float leaf's exact expression: sign(w) * (alpha * M)
-        return sign * (jnp.asarray(self.alpha, jnp.float32) * mask)
+        # the float leaf's values: sign(w) * (alpha * M)
+        return unpacked_weight(self.sign_bits, self.mask_bits, self.alpha, self.d_in)
 
     def apply(self, x: Array) -> Array:
-        # The barrier keeps XLA from fusing the unpacking into the dot (a fused producer
-        # changes the CPU dot's summation order): the product is the float leaf's, bit for bit.
-        w = jax.lax.optimization_barrier(self.to_dense())
-        y = x @ w
+        if packed_kernels.use_kernel():
+            y = packed_kernels.packed_matmul(x, self.sign_bits, self.mask_bits, self.alpha,
+                                             self.d_in)
+        else:
+            # The float leaf's [d_in, d_out] matrix and dot. The barrier keeps XLA from fusing
+            # the unpacking into a small dot (a fused producer changes the CPU dot's summation
+            # order): the product is the float leaf's, bit for bit.
+            y = x @ jax.lax.optimization_barrier(self.to_dense())
         return y if self.b is None else y + self.b
 
     def signs_int8(self) -> np.ndarray:
@@ -268,4 +317,4 @@ def xnor_dot(leaf: PackedBinary, x_bits: Array) -> Array:
 
 
 __all__ = ["PackedBinary", "n_words", "pack_binary_tree", "pack_bits", "pack_pm1",
-           "unpack_bits", "xnor_dot"]
+           "unpack_bits", "unpacked_weight", "xnor_dot"]

@@ -1,0 +1,153 @@
+"""Binary leaves at inference: ``MaskedBinary`` (training form), ``FrozenBinary`` (mask and gain
+precomputed, ``int8`` signs), ``PackedBinary`` (sign and mask bits in ``uint32`` words) and the
+``Dense`` leaf they replace, timed through ``lowrank_jax.linear`` in one interleaved loop.
+
+For every model width ``d`` and token count, the four ``[d, d]`` leaves (keep fraction 0.5 for
+the binary ones; the packed and frozen leaves are the masked one's ``freeze()`` and
+``PackedBinary.from_leaf``) are called as ``jax.jit(lambda leaf, x: linear(leaf, x))`` with the
+leaf as an argument, after warm-up, each call ended by ``block_until_ready``; the order within
+a run is reversed on every other run. Each figure is a median over runs; the packed / frozen
+ratio is the median of the per-run ratios (both timed within the same run).
+
+Goal (issue 15, goal 5): the packed leaf's ``linear`` at least as fast as the float
+masked-binary leaf with its mask precomputed, i.e. ``packed / frozen <= 1``. The ``masked``
+column is the training form, which recomputes the top-k mask of its scores on every call.
+``leaf MB`` is the bytes of each leaf's arrays (what a model holds in memory), not its
+accounting in bits. The outputs of the packed and frozen leaves are compared too (they are
+equal bit for bit on CPU).
+
+Usage::
+
+    python benchmarks/binary.py                 # d = 512, 768, 1024; 512, 2048, 8192 tokens
+    python benchmarks/binary.py --quick         # d = 512, 1024; 512 and 2048 tokens; 5 runs
+    python benchmarks/binary.py --json out.json --d 1024 --tokens 8192 --runs 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from models import time_interleaved  # benchmarks/models.py (imports no framework at load)
+
+try:
+    import lowrank_jax as lj
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import lowrank_jax as lj
+from lowrank_jax import leaves as L
+
+GOAL = 1.0  # packed / frozen time
+KINDS = ("dense", "masked", "frozen", "packed")
+
+
+def leaf_bytes(leaf) -> int:
+    """Bytes of the arrays a leaf holds (device memory of its parameters)."""
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(leaf))
+
+
+def make_leaves(d: int, keep: float, seed: int) -> dict:
+    kd, km = jax.random.split(jax.random.key(seed))
+    masked = L.init_masked_binary(km, d, d, keep)
+    return {"dense": lj.init_dense(kd, d, d), "masked": masked, "frozen": masked.freeze(),
+            "packed": L.PackedBinary.from_leaf(masked)}
+
+
+def bench(d: int, n_tokens: int, *, keep: float, runs: int, warmup: int, seed: int = 0) -> dict:
+    """One row: medians of the four leaves at ``[n_tokens, d] @ [d, d]``."""
+    leaves = make_leaves(d, keep, seed)
+    x = jax.random.normal(jax.random.key(seed + 1), (n_tokens, d), jnp.float32)
+    fn = jax.jit(lambda leaf, x: lj.linear(leaf, x))
+    same = bool(np.array_equal(np.asarray(fn(leaves["packed"], x)),
+                               np.asarray(fn(leaves["frozen"], x))))
+    calls = [lambda lf=leaves[k]: jax.block_until_ready(fn(lf, x)) for k in KINDS]
+    before = cpu_snapshot()
+    times = time_interleaved(calls, runs, warmup)
+    load = other_load(before, cpu_snapshot())
+    t = dict(zip(KINDS, times, strict=True))
+    med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+    ratio = statistics.median(p / f for p, f in zip(t["packed"], t["frozen"], strict=True))
+    return {
+        "d": d, "tokens": n_tokens, "keep": keep,
+        **{f"{k}_ms": med[k] for k in KINDS},
+        "packed_over_frozen": ratio,
+        "frozen_over_dense": statistics.median(f / g for f, g in zip(t["frozen"], t["dense"],
+                                                                     strict=True)),
+        "masked_over_dense": statistics.median(m / g for m, g in zip(t["masked"], t["dense"],
+                                                                    strict=True)),
+        **{f"{k}_bytes": leaf_bytes(leaves[k]) for k in KINDS},
+        "packed_equals_frozen": same, "other_load": load,
+        "times_ms": {k: [s * 1e3 for s in v] for k, v in t.items()},
+    }
+
+
+HEADER = (f"{'d':>5} {'tokens':>6} {'dense ms':>9} {'masked ms':>9} {'frozen ms':>9} "
+          f"{'packed ms':>9} {'packed/frozen':>13} {'frozen/dense':>12} {'leaf MB d/m/f/p':>24} "
+          f"{'load':>5}")
+
+
+def format_row(r: dict) -> str:
+    mb = "/".join(f"{r[f'{k}_bytes'] / 1e6:.2f}" for k in KINDS)
+    load = "n/a" if r["other_load"] is None else f"{100 * r['other_load']:.0f}%"
+    flag = "" if r["packed_over_frozen"] <= GOAL else "  > goal"
+    return (f"{r['d']:>5} {r['tokens']:>6} {r['dense_ms']:>9.3f} {r['masked_ms']:>9.3f} "
+            f"{r['frozen_ms']:>9.3f} {r['packed_ms']:>9.3f} {r['packed_over_frozen']:>13.3f} "
+            f"{r['frozen_over_dense']:>12.3f} {mb:>24} {load:>5}{flag}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--d", type=int, nargs="+", default=None, help="widths (default 512 768 1024)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="token counts (default 512 2048 8192)")
+    p.add_argument("--keep", type=float, default=0.5, help="keep fraction of the binary leaves")
+    p.add_argument("--runs", type=int, default=None, help="timed runs (default 15; quick 5)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--quick", action="store_true", help="d 512 1024, 512 and 2048 tokens, 5 runs")
+    p.add_argument("--json", metavar="PATH", help="write the rows (and the setup) as JSON")
+    args = p.parse_args(argv)
+    dims = args.d or ([512, 1024] if args.quick else [512, 768, 1024])
+    tokens = args.tokens or ([512, 2048] if args.quick else [512, 2048, 8192])
+    runs = args.runs if args.runs is not None else (5 if args.quick else 15)
+    warmup = 1 if args.quick else args.warmup
+
+    setup = {"jax": jax.__version__, "backend": jax.default_backend(),
+             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+             "runs": runs, "warmup": warmup, "keep": args.keep,
+             "packed_kernel": L.packed_kernels.use_kernel(),
+             "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs), keep "
+          f"{args.keep}, median of {runs} interleaved runs; packed/frozen = median of per-run "
+          f"ratios (goal <= {GOAL:g}); Pallas packed kernel in use: {setup['packed_kernel']}; "
+          "leaf MB = bytes of the leaf's arrays (dense/masked/frozen/packed); load = CPU share "
+          "of other processes")
+    print(HEADER)
+    rows = []
+    for d in dims:
+        for n in tokens:
+            row = bench(d, n, keep=args.keep, runs=runs, warmup=warmup)
+            print(format_row(row), flush=True)
+            rows.append(row)
+    worst = max(r["packed_over_frozen"] for r in rows)
+    met = sum(r["packed_over_frozen"] <= GOAL for r in rows)
+    print(f"# packed/frozen: worst {worst:.3f}, median "
+          f"{statistics.median(r['packed_over_frozen'] for r in rows):.3f} (goal <= {GOAL:g}): "
+          f"{met}/{len(rows)} rows meet it; packed == frozen outputs in "
+          f"{sum(r['packed_equals_frozen'] for r in rows)}/{len(rows)} rows")
+    result = {"setup": setup, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
