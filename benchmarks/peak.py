@@ -1,0 +1,359 @@
+"""The machine's limit: every Chronos-Bolt forward as a fraction of the CPU's sustained float32
+GEMM rate, against PyTorch eager and ``torch.compile`` on the same threads, with XLA's memory
+analysis and the bf16 error.
+
+One process, one interleaved timing loop:
+
+* **GEMM rate**: square float32 matmuls ``[n, n] @ [n, n]`` (``jax.jit``, operands as
+  arguments) at several ``n``, timed *inside* the interleaved loop with the models, so that
+  every fraction below is taken against a rate measured under the same load; the rate of a size
+  is ``2 n^3 / median time`` and the machine's sustained GEMM rate is the best size's. The same
+  product on bf16 operands with float32 accumulation is timed too (is bf16 faster here?).
+* **Models**: the Chronos-Bolt-base-sized model of ``benchmarks/models.py`` (random HF init,
+  synthetic attention spectra ``tau = d / 8``, batch 32 x context 512; ``--quick``: its small
+  config), built and converted by that script's functions:
+
+  - ``torch eager``: the reference ``ChronosBoltModelForForecasting`` under ``inference_mode``;
+  - ``torch.compile``: the same module through ``torch.compile`` (default inductor backend),
+    compiled outside the loop; skipped with the error as a note when it fails, and in
+    ``--quick`` unless ``--compile`` (it compiles for 1-3 minutes on 2 cores);
+  - ``jax dense``: ``load_pretrained(module)`` under ``jax.jit``;
+  - ``jax svd``: attention q/k/v/o truncated at ``--eps`` (``models.compress_at``; not in
+    ``--quick``);
+  - ``jax svd+pruned``: the same plus every MLP's hidden units cut to ``--mlp-keep`` of
+    ``d_ff`` (``keep_outputs`` of ``wi``, ``keep_inputs`` of ``wo``: the units with the largest
+    ``||wi[:, h]|| ||wo[h, :]||``; the structure the ``prune`` method gives hidden units, which
+    units are kept does not change the time). Issue 15 goal 3's recipe;
+  - ``jax packed MLP``: every MLP weight binarized (Biprop, scores ``|W|``, keep 0.5) and
+    packed into bits (``PackedBinary``);
+  - ``jax bf16 dense``, ``jax bf16 svd+pruned``: those forwards through
+    :func:`lowrank_jax.nn.precision.bf16_forward` (weight leaves stored in bf16, matmuls on
+    bf16 operands accumulated in float32).
+
+  FLOPs of a JAX forward are XLA's ``cost_analysis()['flops']`` of the compiled program
+  (2 per multiply-add, what it executes, elementwise work included); the PyTorch rows are
+  charged the dense JAX program's FLOPs. ``of GEMM`` = FLOPs / time / GEMM rate.
+  ``vs eager`` = PyTorch eager time / the row's time. Memory (goal 7): ``param MB`` = bytes of
+  the parameter arrays; from ``compiled.memory_analysis()``: ``XLA MB`` = arguments + outputs +
+  temporaries (an upper bound of what the forward holds at once; XLA:CPU's own
+  ``peak_memory_in_bytes`` leaves the temporaries out, it is in the JSON), ``temp MB`` the
+  temporaries. ``rel err``:
+  max |y - y_ref| / max |y_ref| of the quantile forecasts, against the float32 twin (bf16 rows)
+  or the dense JAX model (the others).
+
+Threads as in ``models.py``: ``torch.set_num_threads(N)`` and this process pinned to N CPUs
+before jax is imported (XLA sizes its pool from them); ``OMP_WAIT_POLICY=PASSIVE``.
+
+Usage::
+
+    python benchmarks/peak.py --json peak.json        # base config, 5 runs
+    python benchmarks/peak.py --quick                 # small config, 3 runs, no torch.compile
+    python benchmarks/peak.py --no-compile            # skip torch.compile
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import models as M  # benchmarks/models.py: imports no framework at load
+from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+
+FRACTION_GOAL = 0.9  # dense Chronos-Bolt forward / GEMM rate
+EAGER_GOAL = 1.3  # JAX dense vs PyTorch eager
+COMPRESSED_GOAL = 2.0  # compressed JAX vs dense PyTorch eager
+BF16_GOAL = 1e-2  # relative error of the bf16 forward
+
+
+def gemm_call(jax, jnp, n: int, dtype=None):
+    """A zero-argument call of ``[n, n] @ [n, n]`` (jitted, operands as arguments); with
+    ``dtype``, operands in that dtype and the product accumulated in float32."""
+    a = jax.random.normal(jax.random.key(n), (n, n), jnp.float32)
+    b = jax.random.normal(jax.random.key(n + 1), (n, n), jnp.float32)
+    if dtype is None:
+        f = jax.jit(lambda x, y: x @ y)
+    else:
+        a, b = a.astype(dtype), b.astype(dtype)
+        f = jax.jit(lambda x, y: jax.lax.dot(x, y, preferred_element_type=jnp.float32))
+    jax.block_until_ready(f(a, b))
+    return lambda: jax.block_until_ready(f(a, b))
+
+
+def prune_mlps(params, keep: float):
+    """Every ``.../mlp`` block's hidden units cut to ``round(keep * d_ff)``: the units with the
+    largest ``||wi[:, h]|| * ||wo[h, :]||`` (Dense leaves)."""
+    import numpy as np
+
+    from lowrank_jax.leaves import get_path, keep_inputs, keep_outputs, named_leaves, replace_paths
+
+    new = {}
+    for path, node in named_leaves(params):
+        if not path.endswith("/mlp/wi"):
+            continue
+        base = path[: -len("/wi")]
+        wi, wo = node, get_path(params, base + "/wo")
+        score = (np.linalg.norm(np.asarray(wi.w), axis=0)
+                 * np.linalg.norm(np.asarray(wo.w), axis=1))
+        k = max(1, round(keep * score.size))
+        idx = np.sort(np.argsort(-score, kind="stable")[:k])
+        new[base + "/wi"] = keep_outputs(wi, idx)
+        new[base + "/wo"] = keep_inputs(wo, idx)
+    return replace_paths(params, new)
+
+
+def binarize_mlps(params, keep: float = 0.5):
+    """Every MLP weight as a packed Biprop leaf (``w = W``, scores ``|W|``)."""
+    import jax.numpy as jnp
+
+    from lowrank_jax.leaves import MaskedBinary, PackedBinary, map_with_path
+
+    def conv(path, node):
+        if path.endswith(("/mlp/wi", "/mlp/wo")):
+            return PackedBinary.from_leaf(MaskedBinary(w=node.w, s=jnp.abs(node.w), b=node.b,
+                                                       keep=keep))
+        return node
+
+    return map_with_path(conv, params)
+
+
+def tree_bytes(jax, tree) -> int:
+    return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+HEADER = (f"{'model':<20} {'GFLOP':>7} {'ms':>9} {'GFLOP/s':>8} {'of GEMM':>7} "
+          f"{'vs eager':>8} {'param MB':>9} {'XLA MB':>8} {'temp MB':>8} {'rel err':>9}")
+
+
+def format_row(r: dict) -> str:
+    def f(v, w, spec):
+        return f"{'-':>{w}}" if v is None else f"{v:>{w}{spec}}"
+
+    return (f"{r['model']:<20} {f(r['gflop'], 7, '.1f')} {f(r['median_ms'], 9, '.1f')} "
+            f"{f(r['gflops'], 8, '.1f')} {f(r['fraction_of_gemm'], 7, '.3f')} "
+            f"{f(r['speedup_vs_eager'], 8, '.2f')} {f(r['param_mb'], 9, '.1f')} "
+            f"{f(r['xla_mb'], 8, '.1f')} {f(r['xla_temp_mb'], 8, '.1f')} "
+            f"{f(r['rel_err'], 9, '.2e')}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="models.py's small config (d_model 256, 4+4 layers, batch 8), 3 runs")
+    p.add_argument("--eps", type=float, default=0.1, help="attention eps of the svd rows")
+    p.add_argument("--mlp-keep", type=float, default=0.5, help="MLP hidden units kept")
+    p.add_argument("--gemm", type=int, nargs="+", default=None,
+                   help="GEMM sizes n (default 1024 2048 3072; quick 1024 2048)")
+    p.add_argument("--threads", type=int, default=None, help="default: CPUs available")
+    p.add_argument("--runs", type=int, default=None, help="timed runs (default 5; quick 3)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    p.add_argument("--compile", action="store_true", help="run torch.compile in --quick too")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", metavar="PATH", help="write the setup and rows as JSON")
+    args = p.parse_args(argv)
+
+    c = dict(M.QUICK if args.quick else M.BASE)
+    runs = args.runs if args.runs is not None else (3 if args.quick else 5)
+    sizes = args.gemm or ([1024, 2048] if args.quick else [1024, 2048, 3072])
+    avail = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    threads = args.threads if args.threads is not None else avail
+    xla_flags = M._set_threads(threads)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    try:
+        import lowrank_jax  # noqa: F401
+    except ImportError:  # run from a checkout without `pip install -e .`
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from lowrank_jax.convert import load_pretrained
+    from lowrank_jax.models import chronos_bolt
+    from lowrank_jax.nn.precision import bf16_forward, cast_weights
+
+    torch.set_num_threads(threads)
+    t_start = time.perf_counter()
+    setup = {"jax": jax.__version__, "torch": torch.__version__,
+             "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
+             "machine": platform.processor() or platform.machine(), "threads": threads,
+             "torch_threads": torch.get_num_threads(), "xla_flags": xla_flags,
+             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "config": c, "runs": runs,
+             "eps": args.eps, "mlp_keep": args.mlp_keep, "seed": args.seed}
+    print(f"# jax {jax.__version__}, torch {torch.__version__}; {threads} threads "
+          f"(torch.get_num_threads()={torch.get_num_threads()}, XLA pinned); config {c}")
+
+    # -- GEMM ----------------------------------------------------------------------------
+    gemm_fns = {f"GEMM n={n}": (n, gemm_call(jax, jnp, n)) for n in sizes}
+    bf16_n = max(n for n in sizes if n <= 2048) if min(sizes) <= 2048 else min(sizes)
+    gemm_fns[f"GEMM bf16 n={bf16_n}"] = (bf16_n, gemm_call(jax, jnp, bf16_n, jnp.bfloat16))
+
+    # -- models --------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    model = M.build_reference(c, args.seed)
+    M.shape_spectra(model, 8.0)
+    cfg, dense = load_pretrained(model)
+    x_np = M.contexts(c, args.seed)
+    x_t = torch.tensor(x_np)
+    x = jax.device_put(x_np)
+    (_, svd, rep), = M.compress_at(dense, [args.eps])
+    svd_pruned = prune_mlps(svd, args.mlp_keep)
+    packed = binarize_mlps(dense)
+    print(f"# models built in {time.perf_counter() - t0:.0f} s (svd eps {args.eps}: attention "
+          f"size ratio {rep['ratio']:.3f}; MLP hidden units kept {args.mlp_keep})", flush=True)
+
+    def fwd_fn(prm, ctx):
+        return chronos_bolt.forecast(prm, ctx, cfg)
+
+    fwd = jax.jit(fwd_fn)
+    fwd16 = jax.jit(bf16_forward(fwd_fn, cast=False))
+    jax_models = {  # name: (jitted forward, params, reference name)
+        "jax dense": (fwd, dense, None),
+        **({} if args.quick else {f"jax svd eps={args.eps:g}": (fwd, svd, "jax dense")}),
+        "jax svd+pruned": (fwd, svd_pruned, "jax dense"),
+        "jax packed MLP": (fwd, packed, "jax dense"),
+        "jax bf16 dense": (fwd16, cast_weights(dense), "jax dense"),
+        "jax bf16 svd+pruned": (fwd16, cast_weights(svd_pruned), "jax svd+pruned"),
+    }
+    stats, outs = {}, {}
+    t0 = time.perf_counter()
+    for name, (f, prm, _) in jax_models.items():
+        compiled = f.lower(prm, x).compile()
+        ca = compiled.cost_analysis()
+        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
+        mem = compiled.memory_analysis()
+        stats[name] = {"flops": float(ca["flops"]), "param_bytes": tree_bytes(jax, prm),
+                       "xla": {k: int(getattr(mem, k)) for k in (
+                           "argument_size_in_bytes", "output_size_in_bytes",
+                           "temp_size_in_bytes", "alias_size_in_bytes",
+                           "peak_memory_in_bytes")}}
+        outs[name] = np.asarray(f(prm, x))
+    print(f"# compiled {len(jax_models)} JAX forwards in {time.perf_counter() - t0:.0f} s",
+          flush=True)
+
+    def torch_eager():
+        with torch.inference_mode():
+            return model(context=x_t).quantile_preds
+
+    torch_models = {"torch eager": torch_eager}
+    no_compile = args.no_compile or (args.quick and not args.compile)
+    compile_note = ("skipped (--no-compile)" if args.no_compile else
+                    "skipped in --quick (--compile runs it)") if no_compile else None
+    if not no_compile:
+        t0 = time.perf_counter()
+        try:
+            compiled_model = torch.compile(model)
+
+            def torch_compiled():
+                with torch.inference_mode():
+                    return compiled_model(context=x_t).quantile_preds
+
+            outs["torch.compile"] = torch_compiled().numpy()
+            torch_models["torch.compile"] = torch_compiled
+            compile_note = f"compiled in {time.perf_counter() - t0:.0f} s"
+        except Exception as e:  # noqa: BLE001 - any failure of the compiler is reported
+            compile_note = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}"
+        print(f"# torch.compile: {compile_note}", flush=True)
+    outs["torch eager"] = torch_eager().numpy()
+
+    # -- timing --------------------------------------------------------------------------
+    names = [*gemm_fns, *torch_models, *jax_models]
+    fns = [fn for _, fn in gemm_fns.values()] + list(torch_models.values())
+    for f, prm, _ in jax_models.values():
+        fns.append(lambda f=f, prm=prm: jax.block_until_ready(f(prm, x)))
+    before = cpu_snapshot()
+    t0 = time.perf_counter()
+    times = M.time_interleaved(fns, runs, args.warmup)
+    loop_s = time.perf_counter() - t0
+    load = other_load(before, cpu_snapshot())
+    med = {n: statistics.median(t) for n, t in zip(names, times, strict=True)}
+    gemm = [{"name": k, "n": n, "median_ms": med[k] * 1e3, "gflops": 2 * n ** 3 / med[k] / 1e9}
+            for k, (n, _) in gemm_fns.items()]
+    best = max((g for g in gemm if "bf16" not in g["name"]), key=lambda g: g["gflops"])
+    gemm_gflops = best["gflops"]
+
+    dense_flops = stats["jax dense"]["flops"]
+    ref_out = outs["jax dense"]
+    rows = []
+    for name in names[len(gemm_fns):]:
+        s = stats.get(name)
+        flops = s["flops"] if s else dense_flops
+        ref_name = jax_models[name][2] if name in jax_models else "jax dense"
+        err = None
+        if ref_name is not None:
+            ref = outs[ref_name]
+            err = float(np.max(np.abs(outs[name] - ref)) / np.max(np.abs(ref)))
+        rows.append({
+            "model": name, "gflop": flops / 1e9, "median_ms": med[name] * 1e3,
+            "times_ms": [t * 1e3 for t in times[names.index(name)]],
+            "gflops": flops / med[name] / 1e9,
+            "fraction_of_gemm": flops / med[name] / 1e9 / gemm_gflops,
+            "speedup_vs_eager": med["torch eager"] / med[name],
+            "param_mb": (s["param_bytes"] if s else sum(
+                t.numel() * t.element_size() for t in model.parameters())) / 1e6,
+            "xla_mb": sum(s["xla"][k] for k in ("argument_size_in_bytes",
+                                                "output_size_in_bytes",
+                                                "temp_size_in_bytes")) / 1e6 if s else None,
+            "xla_temp_mb": s["xla"]["temp_size_in_bytes"] / 1e6 if s else None,
+            "xla": s["xla"] if s else None, "rel_err": err, "rel_err_vs": ref_name,
+        })
+    del ref_out
+
+    # -- print ---------------------------------------------------------------------------
+    ld = "n/a" if load is None else f"{100 * load:.0f}%"
+    print(f"# batch {c['batch']} x context {c['context_length']}; median of {runs} interleaved "
+          f"runs (loop {loop_s:.0f} s, other processes used {ld} of the CPUs)")
+    for g in gemm:
+        print(f"# {g['name']}: {g['gflops']:.1f} GFLOP/s ({g['median_ms']:.1f} ms)"
+              + ("  <- the GEMM rate" if g is best else ""))
+    print("# GFLOP = XLA cost_analysis of the compiled forward (torch rows: the dense JAX "
+          "program's); of GEMM = GFLOP/s / GEMM rate; vs eager = torch eager ms / ms; rel err "
+          "= max|y - ref| / max|ref| (bf16 rows vs their float32 twin, others vs jax dense)")
+    print(HEADER)
+    for r in rows:
+        print(format_row(r))
+    by = {r["model"]: r for r in rows}
+    goals = {
+        "dense_fraction_of_gemm": {"value": by["jax dense"]["fraction_of_gemm"],
+                                   "goal": f">= {FRACTION_GOAL}",
+                                   "holds": by["jax dense"]["fraction_of_gemm"] >= FRACTION_GOAL},
+        "jax_dense_vs_torch_eager": {"value": by["jax dense"]["speedup_vs_eager"],
+                                     "goal": f">= {EAGER_GOAL}",
+                                     "holds": by["jax dense"]["speedup_vs_eager"] >= EAGER_GOAL},
+        "compressed_vs_torch_eager": {"value": by["jax svd+pruned"]["speedup_vs_eager"],
+                                      "goal": f">= {COMPRESSED_GOAL}",
+                                      "holds": by["jax svd+pruned"]["speedup_vs_eager"]
+                                      >= COMPRESSED_GOAL},
+        "bf16_rel_err": {"value": max(by["jax bf16 dense"]["rel_err"],
+                                      by["jax bf16 svd+pruned"]["rel_err"]),
+                         "goal": f"< {BF16_GOAL:g}",
+                         "holds": max(by["jax bf16 dense"]["rel_err"],
+                                      by["jax bf16 svd+pruned"]["rel_err"]) < BF16_GOAL},
+    }
+    if "torch.compile" in by:
+        goals["jax_dense_vs_torch_compile"] = {
+            "value": by["torch.compile"]["median_ms"] / by["jax dense"]["median_ms"],
+            "goal": "reported", "holds": None}
+    for k, g in goals.items():
+        state = "reported" if g["holds"] is None else ("met" if g["holds"] else "NOT met")
+        print(f"# {k}: {g['value']:.3g} (goal {g['goal']}: {state})")
+    print(f"# torch.compile: {compile_note}")
+    total_s = time.perf_counter() - t_start
+    print(f"# total {total_s:.0f} s after imports")
+    result = {"setup": {**setup, "gemm": gemm, "gemm_n": best["n"], "gemm_gflops": gemm_gflops,
+                        "torch_compile": compile_note, "other_load": load, "loop_s": loop_s,
+                        "total_s": total_s, "attention_size_ratio": rep["ratio"]},
+              "goals": goals, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
