@@ -415,8 +415,8 @@ def main(argv: list[str] | None = None) -> dict:
             "xla_total_bytes": mem["total_bytes"],
             "xla_mem_ratio": mem["total_bytes"] / dense_mem["total_bytes"], "xla": mem,
             "params": lj.param_count(cp), "weight_flops": fl,
-            "kept_dense": sum(r.method == "kept-dense" for r in rep.rows),
-            "factorized": sum(r.method != "kept-dense" for r in rep.rows),
+            "kept_dense": sum(r.method == "kept-dense" for r in rep["rows"]),
+            "factorized": sum(r.method != "kept-dense" for r in rep["rows"]),
             "median_ms": m * 1e3, "times_ms": [t * 1e3 for t in ts],
             "max_abs_err": err, "rel_err": rel_err(out, dense_out),
         })
