@@ -107,7 +107,8 @@ def load_anomaly_data(name: str) -> dict:
     else:
         from aeon.datasets import load_ecg_diff_count_3
 
-        train, _, test, labels = load_ecg_diff_count_3("semi-supervised")
+        # aeon returns (X_test, y_test, X_train, y_train); the training series has no anomalies
+        test, labels, train, _ = load_ecg_diff_count_3("semi-supervised")
     train = np.asarray(train, np.float64).reshape(len(train), -1)
     test = np.asarray(test, np.float64).reshape(len(test), -1)
     mu, sd = train.mean(0), train.std(0) + 1e-8
