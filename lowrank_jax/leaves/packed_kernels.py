@@ -68,6 +68,11 @@ def _round_up(n: int, m: int) -> int:
     return -(-int(n) // int(m)) * int(m)
 
 
+def _clip_block(block: int, size: int) -> int:
+    """``min(block, max(16, next power of two >= size))``, at least 1."""
+    return max(1, min(int(block), max(16, 1 << max(0, int(size) - 1).bit_length())))
+
+
 def _kernel(x_ref, s_ref, m_ref, o_ref, *, bw: int, precision):
     """One ``(i, j, t)`` program: ``o[i, j] += x[i, t] @ W[t, j]`` with ``W`` unpacked here.
 
@@ -123,9 +128,10 @@ def packed_matmul(x: jax.Array, sign_bits: jax.Array, mask_bits: jax.Array, alph
         (:func:`~lowrank_jax.leaves.pack_bits` layout: 1 = negative, 1 = kept).
       alpha: scalar gain.
       d_in: number of inputs.
-      block_m, block_n: rows and outputs per program (clipped to the padded problem).
-      block_words: words per reduction step (``32 block_words`` inputs); at least 16 keeps
-        every product's contraction long enough for GPU matrix units.
+      block_m, block_n: rows and outputs per program; clipped to the problem's size rounded
+        up to a power of two, not below 16.
+      block_words: words per reduction step (``32 block_words`` inputs), clipped the same way;
+        16 or more keeps every product's contraction long enough for GPU matrix units.
       interpret: run the kernel in Pallas' interpreter; default: on CPU only.
 
     Returns:
@@ -152,11 +158,13 @@ def packed_matmul(x: jax.Array, sign_bits: jax.Array, mask_bits: jax.Array, alph
         x2 = x2.astype(jnp.float32)
     m = x2.shape[0]
 
-    bw = max(1, min(int(block_words), n_w))
-    wp = _round_up(n_w, bw)
-    bm = max(1, min(int(block_m), _round_up(max(m, 1), 8)))
-    bn = max(1, min(int(block_n), _round_up(d_out, 8)))
-    mp, np_ = _round_up(max(m, 1), bm), _round_up(d_out, bn)
+    # Blocks: the requested size, clipped to the problem rounded up to a power of two but not
+    # below 16 (GPU matrix units multiply at least 16 x 16 x 16; TPU blocks then divide the
+    # padded arrays); zero padding fills the rest.
+    bw = _clip_block(block_words, n_w)
+    bm = _clip_block(block_m, m)
+    bn = _clip_block(block_n, d_out)
+    wp, mp, np_ = _round_up(n_w, bw), _round_up(max(m, 1), bm), _round_up(d_out, bn)
 
     # Zero padding: padded inputs are 0 and padded words have mask bits 0, so they add nothing.
     xp = jnp.pad(x2, ((0, mp - m), (0, wp * WORD - d_in)))
