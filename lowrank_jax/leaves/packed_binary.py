@@ -111,8 +111,9 @@ def unpacked_weight(sign_bits: Array, mask_bits: Array, alpha: Array, d_in: int)
       d_in: number of inputs (the words hold ``32 ceil(d_in / 32)`` bits; the tail is dropped).
     """
     shifts = jnp.arange(WORD, dtype=jnp.uint32)[:, None]  # [32, 1]
-    neg_t = _in_memory(jnp.asarray(sign_bits, jnp.uint32).T)[:, None, :]  # [W, 1, d_out]
-    keep_t = _in_memory(jnp.asarray(mask_bits, jnp.uint32).T)[:, None, :]
+    planes = jnp.stack([jnp.asarray(sign_bits, jnp.uint32), jnp.asarray(mask_bits, jnp.uint32)])
+    planes_t = _in_memory(planes.transpose(0, 2, 1))  # [2, W, d_out], one pass for both
+    neg_t, keep_t = planes_t[0][:, None, :], planes_t[1][:, None, :]  # [W, 1, d_out]
     neg = (neg_t >> shifts) & jnp.uint32(1)  # [W, 32, d_out]: input 32 q + k, output j
     keep = (keep_t >> shifts) & jnp.uint32(1)
     a = jax.lax.bitcast_convert_type(jnp.asarray(alpha, jnp.float32), jnp.uint32)
