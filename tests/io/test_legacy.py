@@ -26,7 +26,12 @@ from lowrank_jax.errors import CheckpointError, ShapeError
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 V1 = os.path.join(DATA, "v1")
-TOL = 1e-6
+# The fixtures' outputs were computed with XLA's default backend optimization; the tests
+# compile at level 0 (tests/conftest.py), which contracts multiply-adds into FMAs differently,
+# so a model's outputs differ in their last bits (measured: 1.1e-6 on one ViT output of
+# magnitude 0.43, 0 differences at level 2). 1e-5 is the block tolerance, ten times tighter
+# than a model's.
+TOL = 1e-5
 
 
 def _inputs_outputs(npz_file):
