@@ -41,6 +41,7 @@ FULL = False
 FULL = FULL or os.environ.get("LOWRANK_JAX_FULL") == "1"
 
 # %%
+import io
 import tempfile
 
 import jax
@@ -48,7 +49,8 @@ import matplotlib.pyplot as plt
 import numpy as np
 import torch
 import transformers
-from IPython.display import display
+from IPython.display import Image, display
+from threadpoolctl import threadpool_limits
 
 import lowrank_jax as lj
 from lowrank_jax import models
@@ -60,6 +62,17 @@ from lowrank_jax.io import load_model, save_model
 torch.manual_seed(0)
 WORK = tempfile.mkdtemp(prefix="lowrank_jax_quickstart_")  # every file goes here
 print("jax", jax.__version__, "on", jax.devices()[0].platform, "| files in", WORK)
+
+_ = threadpool_limits(1, user_api="blas")   # small host SVDs: one BLAS thread, no fight with XLA
+
+
+def show(fig):
+    """Show a matplotlib figure inline as a PNG and close it. (lowrank_jax's plot helpers select
+    matplotlib's file backend, Agg, which turns off Jupyter's inline figures.)"""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    display(Image(buf.getvalue()))
 
 # %% [markdown]
 # ## 1. A checkpoint built locally
@@ -127,8 +140,7 @@ for w in report.weights[:8]:
 ax.axhline(0.3, color="gray", ls=":", label="eps = 0.3")
 ax.set(xlabel="index j", ylabel="sigma_j / sigma_1", title="spectra of attention weights")
 ax.legend(fontsize=6, ncol=2)
-display(fig)
-plt.close(fig)
+show(fig)
 
 # %% [markdown]
 # ## 4. Compress with a plan
@@ -179,8 +191,7 @@ for r in sweep:
     ax.annotate(f"eps {r['eps']:g}", (r["size_ratio"], r["rel_error"]), fontsize=7)
 ax.set(xlabel="attention size ratio", ylabel="relative error of the logits",
        title="error vs size (truncated SVD at eps)")
-display(fig)
-plt.close(fig)
+show(fig)
 errors = [r["rel_error"] for r in sweep]
 assert errors == sorted(errors), errors   # a smaller model is never more accurate here
 

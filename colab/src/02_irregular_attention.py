@@ -44,12 +44,14 @@ FULL = False
 FULL = FULL or os.environ.get("LOWRANK_JAX_FULL") == "1"
 
 # %%
+import io
+
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
-from IPython.display import display
+from IPython.display import Image, display
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from threadpoolctl import threadpool_limits
@@ -60,7 +62,16 @@ from lowrank_jax.analysis.plots_heads import plot_head_ranks
 from lowrank_jax.compress import ATTENTION_QK, head_ranks
 from lowrank_jax.models import ViTConfig, vit
 
-threadpool_limits(1, user_api="blas")   # small host SVDs: one BLAS thread, no fight with XLA
+_ = threadpool_limits(1, user_api="blas")   # small host SVDs: one BLAS thread, no fight with XLA
+
+
+def show(fig):
+    """Show a matplotlib figure inline as a PNG and close it. (lowrank_jax's plot helpers select
+    matplotlib's file backend, Agg, which turns off Jupyter's inline figures.)"""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    display(Image(buf.getvalue()))
 
 # %% [markdown]
 # ## A ViT trained on digits
@@ -153,8 +164,7 @@ heat = {f"{method} {path.removesuffix('/attn/qk')}": ranks
         for (method, target), (_, report) in results.items() if target == 0.6
         for path, ranks in head_ranks(report).items()}
 fig = plot_head_ranks(heat, title="query-key rank per head at 0.6 of the FLOPs")
-display(fig)
-plt.close(fig)
+show(fig)
 for (method, _target), (_, report) in results.items():
     if method == "btd":   # IrrAtt's ranks add up to the total rank its FLOPs budget allows
         for r in report.rows:
@@ -187,8 +197,7 @@ ax.axhline(acc_dense, color="gray", ls=":", label="dense")
 ax.set(xlabel="attention FLOPs relative to dense (paper's formulas)", ylabel="test accuracy",
        title="accuracy vs FLOPs (open markers: after fine-tuning)")
 ax.legend(fontsize=8)
-display(fig)
-plt.close(fig)
+show(fig)
 for method, acc in tuned.items():
     before = results[method, 0.6]
     assert acc > accuracy(before[0]) and acc > acc_dense - 0.05, (method, acc)

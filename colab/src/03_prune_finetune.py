@@ -43,6 +43,7 @@ FULL = False
 FULL = FULL or os.environ.get("LOWRANK_JAX_FULL") == "1"
 
 # %%
+import io
 import tempfile
 
 import jax
@@ -63,6 +64,15 @@ from lowrank_jax.losses import mase, wql
 from lowrank_jax.models import chronos_bolt
 
 PLOTS = tempfile.mkdtemp(prefix="lowrank_jax_03_")
+
+
+def show(fig):
+    """Show a matplotlib figure inline as a PNG and close it. (lowrank_jax's plot helpers select
+    matplotlib's file backend, Agg, which turns off Jupyter's inline figures.)"""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    display(Image(buf.getvalue()))
 
 # %% [markdown]
 # ## Pretraining on every dataset but one
@@ -193,14 +203,16 @@ ax1.axvline(PRUNE_BATCHES, color="gray", ls=":")
 ax1.set(xlabel="adaptation batch", ylabel="training loss", title="adaptation")
 ax1.legend(fontsize=8)
 names = list(results)
-ax2.bar(range(len(names)), [results[n][0]["wql"] for n in names],
-        color=["gray", "tab:blue", "tab:orange", "tab:green"])
+values = [results[n][0]["wql"] for n in names]
+ax2.bar(range(len(names)), values, color=["gray", "tab:blue", "tab:orange", "tab:green"])
+for i, v in enumerate(values):
+    ax2.annotate(f"{v:.4f}", (i, v), ha="center", va="bottom", fontsize=8)
+ax2.set_ylim(0.97 * min(values), 1.01 * max(values))
 ax2.set_xticks(range(len(names)), [n.replace(" (", "\n(").replace(", ", ",\n") for n in names],
                fontsize=7)
 ax2.set(ylabel="test WQL (lower is better)", title=f"held out: {HELDOUT}")
 fig.tight_layout()
-display(fig)
-plt.close(fig)
+show(fig)
 w = {n: s["wql"] for n, (s, _) in results.items()}
 assert w["fine-tune"] < w["zero-shot (pretrained)"]
 assert w["prune-then-fine-tune"] < w["zero-shot (pretrained)"]

@@ -50,14 +50,17 @@ if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "
                                + " --xla_force_host_platform_device_count=8").strip()
 
 # %%
+import io
+
 import jax
 import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
-from IPython.display import display
+from IPython.display import Image, display
 from jax.sharding import Mesh
 from sklearn.datasets import load_digits
+from threadpoolctl import threadpool_limits
 
 import lowrank_jax as lj
 from lowrank_jax import nn
@@ -66,6 +69,17 @@ from lowrank_jax.compress import partition as pt
 M = 8
 devices = jax.devices() if len(jax.devices()) >= M else jax.devices("cpu")
 print(f"{len(devices)} devices: {devices[0].platform}")
+
+_ = threadpool_limits(1, user_api="blas")   # small host SVDs: one BLAS thread, no fight with XLA
+
+
+def show(fig):
+    """Show a matplotlib figure inline as a PNG and close it. (lowrank_jax's plot helpers select
+    matplotlib's file backend, Agg, which turns off Jupyter's inline figures.)"""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    display(Image(buf.getvalue()))
 
 # %% [markdown]
 # ## A small MLP on digits
@@ -139,8 +153,7 @@ for i, name in enumerate(("greedy", "lp", "contiguous")):
     ax.bar(machines - 0.1 + 0.2 * i, tr_m1, 0.2, label=f"Tr M1, {name} (sum {tr_m1.sum():.1f})")
 ax.set(xlabel="machine (pixel row)", ylabel="energy", title="what each machine must approximate")
 ax.legend(fontsize=7)
-display(fig)
-plt.close(fig)
+show(fig)
 sum_m1 = {name: float(t[1].sum()) for name, t in traces.items()}
 print("sum Tr M1:", {k: round(v, 2) for k, v in sum_m1.items()}, "| sum Tr M0:", round(float(tr_m0.sum()), 2))
 assert sum_m1["greedy"] < sum_m1["contiguous"] < float(tr_m0.sum())
@@ -193,8 +206,7 @@ ax2.axhline(acc_dense, color="gray", ls=":", label="dense")
 ax2.set(xlabel="r", ylabel="test accuracy")
 ax2.legend(fontsize=8)
 fig.tight_layout()
-display(fig)
-plt.close(fig)
+show(fig)
 for row in rows[1:-1]:
     assert row["err_new"] < row["err_svd"] and row["err_new"] <= row["bound"], row
 assert rows[-1]["err_new"] < 1e-5 and abs(rows[-1]["acc_new"] - acc_dense) < 1e-9   # full rank: exact

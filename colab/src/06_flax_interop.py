@@ -39,6 +39,7 @@ FULL = False
 FULL = FULL or os.environ.get("LOWRANK_JAX_FULL") == "1"
 
 # %%
+import io
 import time
 
 import flax.linen as nn
@@ -47,14 +48,26 @@ import jax.numpy as jnp
 import matplotlib.pyplot as plt
 import numpy as np
 import optax
-from IPython.display import display
+from IPython.display import Image, display
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
+from threadpoolctl import threadpool_limits
 
 import lowrank_jax as lj
 from lowrank_jax.interop import leaf_mask
 from lowrank_jax.interop import linen as ljl
 from lowrank_jax.train import TrainState, make_train_step
+
+_ = threadpool_limits(1, user_api="blas")   # small host SVDs: one BLAS thread, no fight with XLA
+
+
+def show(fig):
+    """Show a matplotlib figure inline as a PNG and close it. (lowrank_jax's plot helpers select
+    matplotlib's file backend, Agg, which turns off Jupyter's inline figures.)"""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    display(Image(buf.getvalue()))
 
 # %% [markdown]
 # ## The user's model
@@ -213,8 +226,7 @@ ax2.bar([r["variant"] for r in rows], [r["time"] for r in rows], color="tab:blue
 ax2.axhline(1.0, color="gray", ls=":")
 ax2.set(ylabel="forward time relative to dense", title="measured (median)")
 fig.tight_layout()
-display(fig)
-plt.close(fig)
+show(fig)
 acc = {r["variant"]: r["accuracy"] for r in rows}
 assert acc["rank 64"] == acc["dense"]                 # full rank: the same model
 assert acc[f"rank {ranks[0]}"] < acc[f"rank {ranks[-2]}"] <= acc["rank 64"] + 0.02
