@@ -22,7 +22,7 @@ unpack; the fixed two-plane layout keeps unpacking a shift and a mask.
 matrix the float leaf builds, and multiplies: outputs equal the float masked-binary leaf's
 exactly (same values, same matmul). The unpacking writes the float32 bit patterns directly
 (:func:`unpacked_weight`: the gain's bits with the sign bit flipped where the weight is negative,
-zeroed where it is pruned; one shift and three bitwise operations per weight), so a packed
+zeroed where it is pruned: a few shifts and bitwise operations per weight), so a packed
 ``linear`` costs what the frozen float leaf (:class:`~lowrank_jax.FrozenBinary`) costs, whose
 ``int8`` signs are converted and scaled on every call (``benchmarks/binary.py``). On GPU and
 TPU the product runs as a Pallas kernel that unpacks the bits inside the matmul
