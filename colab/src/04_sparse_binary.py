@@ -20,7 +20,7 @@
 #    with `p = 0.75` reconstructs the last step of each window, the reconstruction error is the
 #    anomaly score, thresholds by a fixed quantile and by POT (peaks over threshold).
 #
-# `FULL = False` trains for a few epochs on a part of the data (under a minute on a CPU);
+# `FULL = False` trains for a few epochs only (under a minute on a CPU);
 # `FULL = True` uses the paper's epochs and all the data and also trains the dense twin
 # (`lowrank-jax sbt` and `benchmarks/sbt.py` give the same figures from the command line).
 # Measured with the full settings over 3 seeds: JapaneseVowels dense 98.5 %, SBT `p = 0.5`
@@ -80,13 +80,13 @@ def show(fig):
 # sinusoidal positions, post-norm encoder with BatchNorm, fixed random Q/K/V activation masks)
 # and returns its parameters, model state and per-epoch history. Only the masks' scores learn,
 # so the SBT needs more epochs than a dense model. With the small settings only the SBT is
-# trained (25 epochs of batch 32); `FULL = True` also trains the dense twin (`binary=False`).
+# trained (20 epochs of batch 32); `FULL = True` also trains the dense twin (`binary=False`).
 
 # %%
 data = tasks.load_classification_data("JapaneseVowels")
 print(f"train {data['x_train'].shape}, test {data['x_test'].shape} [series, steps, features]")
 sbt_run = tasks.run_classification("JapaneseVowels", binary=True, keep=0.5, data=data,
-                                   **({"epochs": 250} if FULL else {"epochs": 25, "batch": 32, "lr": 3e-3}))
+                                   **({"epochs": 250} if FULL else {"epochs": 20, "batch": 32, "lr": 3e-3}))
 runs = {"SBT, p = 0.5": sbt_run}
 if FULL:
     runs["dense"] = tasks.run_classification("JapaneseVowels", binary=False, keep=1.0, data=data,
@@ -172,12 +172,12 @@ assert size_ours > 5 and paper["size_ratio"] > size_ours   # the paper counts 1 
 #
 # The model learns to reconstruct the last step of each window of the anomaly-free training
 # series (10000 points); on the test series, a high reconstruction error flags an anomaly.
-# The small settings train 3 epochs on windows of 30 steps (the full ones: 15 epochs, 50 steps).
+# The small settings train 2 epochs on windows of 30 steps (the full ones: 15 epochs, 50 steps).
 
 # %%
 ecg = tasks.load_anomaly_data("ecg")
 anomaly = tasks.run_anomaly("ecg", binary=True, keep=0.25, data=ecg,
-                            **({"epochs": 15, "window": 50} if FULL else {"epochs": 3, "window": 30}))
+                            **({"epochs": 15, "window": 50} if FULL else {"epochs": 2, "window": 30}))
 m = anomaly.metrics
 for name in ("quantile", "pot"):
     print(f"{name:>8} threshold {m[name]['threshold']:.3g}: precision {m[name]['precision']:.3f} "
