@@ -203,9 +203,19 @@ def main(argv=None):
     ap.add_argument("--window", type=int, default=50)
     ap.add_argument("--max-windows", type=int, default=2000)
     ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--datasets", help="comma-separated subset of JapaneseVowels, BasicMotions, "
+                    "kdd135, ecg (default: all of the chosen tasks')")
     args = ap.parse_args(argv)
     args.cls_datasets = ["JapaneseVowels", "BasicMotions"]
     args.ad_datasets = ["kdd135", "ecg"]
+    if args.datasets:
+        chosen = [d.strip() for d in args.datasets.split(",") if d.strip()]
+        known = args.cls_datasets + args.ad_datasets
+        unknown = [d for d in chosen if d not in known]
+        if unknown:
+            ap.error(f"--datasets: unknown {unknown}; expected some of {known}")
+        args.cls_datasets = [d for d in args.cls_datasets if d in chosen]
+        args.ad_datasets = [d for d in args.ad_datasets if d in chosen]
     if args.quick:
         args.seeds, args.dense_epochs, args.sbt_epochs = 1, 3, 3
         args.ad_epochs = args.fc_epochs = 2
