@@ -12,11 +12,12 @@ if "xla_backend_optimization_level" not in _flags:
 os.environ["XLA_FLAGS"] = (_flags + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-# JAX's persistent compilation cache for the processes the tests start (set through the
-# environment, which subprocesses inherit): many of them compile the same programs (the same
-# train step in every process of a kill-and-resume run); a cache hit loads the executable XLA
-# built before, so no result changes. LOWRANK_JAX_TEST_CACHE overrides the directory; set it to
-# an empty string to turn the cache off.
+# JAX's persistent compilation cache, shared by the pytest-xdist workers and by the processes
+# the tests start (set through the environment, which subprocesses inherit): many tests compile
+# the same programs (the same small models under fresh `jax.jit` objects, the same train step in
+# every process of a kill-and-resume run); a cache hit loads the executable XLA built before, so
+# no result changes (programs over several devices excepted: see below). LOWRANK_JAX_TEST_CACHE
+# overrides the directory; set it to an empty string to turn the cache off.
 _cache = os.environ.get("LOWRANK_JAX_TEST_CACHE")
 if _cache is None:
     import tempfile
@@ -30,11 +31,34 @@ if _cache:
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-# ... but not inside the pytest processes themselves: an executable loaded from the cache that
-# runs collectives over the 8 simulated devices can deadlock in XLA:CPU's rendezvous when another
-# process competes for the 2 cores (seen in tests/train/test_step.py's FSDP step: device 0 waiting
-# in an all-gather while the other seven wait in an all-reduce, then an abort after 40 s; four of
-# five concurrent pairs with the cache, none of three without). Freshly compiled executables never
-# did. The subprocesses the tests start (kill-and-resume runs, CLI runs) keep the cache.
-jax.config.update("jax_enable_compilation_cache", False)
+
+
+def _no_cache_for_multi_device_programs() -> None:
+    """Keep programs over several devices out of the persistent cache.
+
+    An executable loaded from the cache that runs collectives over the 8 simulated devices can
+    deadlock in XLA:CPU's rendezvous when another process competes for the 2 cores (seen in
+    tests/train/test_step.py's FSDP step: device 0 waiting in an all-gather while the other
+    seven wait in an all-reduce, then an abort after 40 s; four of five concurrent pairs of
+    processes with the cache, none of three without). Freshly compiled ones never did, so
+    multi-device programs are compiled every time; single-device programs (most of the suite)
+    keep the cache. JAX has no public switch for this: the hook is its private cache-key
+    function; if a JAX release renames it, the cache is turned off altogether instead.
+    """
+    try:
+        from jax._src import compiler
+        original = compiler._get_cache_key
+    except (ImportError, AttributeError):
+        jax.config.update("jax_enable_compilation_cache", False)
+        return
+
+    def _get_cache_key(options, backend, computation, devices, *args, **kwargs):
+        if getattr(devices, "size", 1) > 1:
+            return None
+        return original(options, backend, computation, devices, *args, **kwargs)
+
+    compiler._get_cache_key = _get_cache_key
+
+
+_no_cache_for_multi_device_programs()
 
