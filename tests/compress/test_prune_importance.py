@@ -12,6 +12,7 @@ from lowrank_jax.compress.prune import (
     batch_importance,
     ema,
     importance,
+    make_scorer,
     scheduled_fraction,
     unit_gradients,
 )
@@ -107,3 +108,25 @@ def test_importance_ema_and_schedule_formulas():
                                [0.15, 0.6])
     with pytest.raises(ConfigError, match="schedule"):
         scheduled_fraction(1, 4, 0.5, "exp")
+
+
+def test_the_scorer_is_built_and_traced_once_per_loss_and_units():
+    traces = [0]
+
+    def counting_loss(params, batch, key):
+        traces[0] += 1  # runs at trace time only
+        return loss_fn(params, batch, key)
+
+    params, (w1, b1, w2, b2, m), batch, x, t = model()
+    first = batch_importance(counting_loss, params, batch)
+    n_first = traces[0]
+    assert n_first >= 1
+    again = batch_importance(counting_loss, params, batch)  # the scorer of the first call
+    assert traces[0] == n_first
+    for k in first:
+        np.testing.assert_array_equal(again[k], first[k])
+    assert make_scorer(counting_loss, (1, 1, 1, 1)) is make_scorer(counting_loss, [1, 1, 1, 1])
+    assert make_scorer(counting_loss, (1, 1, 1, 1)) is not make_scorer(counting_loss, (1, 2, 1, 1))
+    # other units: another scorer, traced anew, with the tied unit's scores
+    batch_importance(counting_loss, params, batch, units={"l1/m_out": 2})
+    assert traces[0] > n_first

@@ -20,6 +20,7 @@ squaring. Across batches the scores are smoothed by an exponential moving averag
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Sequence
 
 import jax
@@ -94,10 +95,18 @@ def make_scorer(loss_fn: Callable, units: Sequence[int]) -> Callable:
       ``scorer``: ``masks``/``rest`` from :func:`~lowrank_jax.leaves.mask_partition`;
       ``batch`` a dict of ``[N, ...]`` arrays; returns the list of per-unit scores (one
       ``[d / units[i]]`` array per mask array) and the mean per-sample loss. Compiled once per
-      mask structure and batch shape.
+      mask structure and batch shape. The same ``(loss_fn, units)`` gives the same scorer
+      object (the last 8 are kept), so pruning one model to several targets, or
+      :func:`batch_importance` on many batches, compiles once.
     """
     units = tuple(int(u) for u in units)
+    try:
+        return _cached_scorer(loss_fn, units)
+    except TypeError:  # an unhashable callable: build an uncached one
+        return _build_scorer(loss_fn, units)
 
+
+def _build_scorer(loss_fn: Callable, units: tuple[int, ...]) -> Callable:
     def per_sample(masks, rest, sample, key):
         one = jax.tree_util.tree_map(lambda a: a[None], sample)  # a batch of one sample
 
@@ -117,6 +126,9 @@ def make_scorer(loss_fn: Callable, units: Sequence[int]) -> Callable:
         return scores, jnp.mean(losses)
 
     return scorer
+
+
+_cached_scorer = functools.lru_cache(maxsize=8)(_build_scorer)
 
 
 def batch_importance(loss_fn: Callable, params: Any, batch: dict, *, key=None,
