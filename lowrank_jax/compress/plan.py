@@ -240,7 +240,8 @@ def validate_plan(plan: Plan) -> None:
 
 
 def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = None,
-               config: Any = None, progress: bool = False) -> tuple[Any, Report]:
+               config: Any = None, progress: bool = False,
+               head_widths: Any = None) -> tuple[Any, Report]:
     """Apply the steps of a plan in order to one parameter tree.
 
     Every step is validated before the first one runs. Step ``i`` selects nodes in the tree
@@ -256,6 +257,9 @@ def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = Non
         ``params`` and be used by some step.
       config: the model config, passed to methods that need it.
       progress: show progress bars.
+      head_widths: ``head_widths(tree, path) -> per-head output widths | None`` for trees that
+        do not record heads in attention blocks (:mod:`lowrank_jax.interop`: Flax kernels over
+        heads); ``svd``'s ``per_head`` asks it before the attention block.
 
     Returns:
       ``(new_params, report)``: the new tree and a :class:`~lowrank_jax.compress.Report` with
@@ -286,7 +290,8 @@ def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = Non
                            allowed=m.overrides, where=where)
         ctx = Context(step=i, method=step.method,
                       key=None if key is None else jax.random.fold_in(key, i),
-                      inputs=inputs, config=config, progress=progress)
+                      inputs=inputs, config=config, progress=progress,
+                      head_widths=head_widths)
         counts_in = counts(tree)
         tree, step_rows = m.fn(tree, selection, dict(step.settings), ctx)
         used |= ctx.used_inputs

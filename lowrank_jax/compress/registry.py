@@ -59,6 +59,9 @@ class Context:
       config: the model config, or ``None``.
       progress: show progress bars.
       info: step-level notes the method may add (shown in the report's step summary).
+      head_widths: ``head_widths(tree, path) -> widths | None``: how a weight's outputs split
+        into heads where the tree does not record it in an attention block (a Flax
+        ``DenseGeneral`` kernel ``[d, heads, head_dim]``); ``svd``'s ``per_head`` asks it first.
     """
 
     step: int = 0
@@ -68,6 +71,7 @@ class Context:
     config: Any = None
     progress: bool = False
     info: dict = dataclasses.field(default_factory=dict)
+    head_widths: Callable[[Any, str], Any] | None = None
     used_inputs: set = dataclasses.field(default_factory=set, repr=False)
 
     def input_for(self, path: str):

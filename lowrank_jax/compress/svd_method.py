@@ -256,7 +256,7 @@ class Truncation:
 
 
 def prepare_truncation(tree: Any, sel: Selection, *, per_head: bool = False,
-                       inputs=None) -> Truncation:
+                       inputs=None, head_widths=None) -> Truncation:
     """Decompose one selected weight.
 
     Args:
@@ -265,6 +265,8 @@ def prepare_truncation(tree: Any, sel: Selection, *, per_head: bool = False,
         ``per_head`` are read from it.
       per_head: the step's ``per_head`` setting (an override wins).
       inputs: activations entering the weight (input projection, App. D), or ``None``.
+      head_widths: ``head_widths(tree, path) -> widths | None``, asked before the attention
+        block under ``per_head`` (:class:`~lowrank_jax.compress.Context`).
 
     Raises:
       PlanError: eps and rank both overridden, a bad override value, ``per_head`` together with
@@ -291,7 +293,10 @@ def prepare_truncation(tree: Any, sel: Selection, *, per_head: bool = False,
     bias_size = 0 if bias is None else int(np.size(bias))
     common = dict(path=path, rule=sel.rule, node=sel.node, mat=mat, bias=bias, dtype=dtype,
                   before=before, bias_size=bias_size, eps=eps_o, rank=ov.get("rank"))
-    widths = output_head_widths(tree, path) if ph else None
+    widths = None
+    if ph:
+        widths = head_widths(tree, path) if head_widths is not None else None
+        widths = output_head_widths(tree, path) if widths is None else widths
     if inputs is not None:
         if widths is not None:
             raise PlanError(
@@ -381,7 +386,8 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
         base, put_back[i], base_inputs = pruned_base(sel.node)
         x = ctx.input_for(sel.path)
         t = prepare_truncation(params, sel._replace(node=base), per_head=per_head,
-                               inputs=None if x is None else base_inputs(x))
+                               inputs=None if x is None else base_inputs(x),
+                               head_widths=ctx.head_widths)
         ranks = decide_ranks(t, mode, settings)
         cands.append(t)
         if ranks is None:

@@ -30,7 +30,8 @@ from flax.core import unfreeze
 
 from lowrank_jax.compress import Plan, Report, apply_plan, as_plan, normalize_rules, validate_plan
 from lowrank_jax.errors import ConfigError, PlanError, ShapeError
-from lowrank_jax.leaves import Dense, Leaf, leaf_dataclass, materialize
+from lowrank_jax.leaves import Dense, Leaf, get_path, leaf_dataclass, materialize
+from lowrank_jax.leaves.channel_masked import ChannelPruned
 
 KERNEL = "kernel"
 BIAS = "bias"
@@ -228,6 +229,34 @@ def materialize_tree(tree: Any, *, only_dense: bool = False) -> dict:
     return traverse_util.unflatten_dict(out)
 
 
+def head_widths(tree: Any, path: str) -> tuple[int, ...] | None:
+    """Per-head output widths of the leaf at a Flax kernel path, from its ``kernel_shape``.
+
+    A kernel over heads (``nn.DenseGeneral`` / ``nnx.LinearGeneral`` query, key, value:
+    ``[d, heads, head_dim]``) has ``out_shape = (heads, head_dim)``: ``heads`` outputs of width
+    ``head_dim`` each. Kernels with one output dimension (``nn.Dense``, the output projection
+    ``[heads, head_dim, d]``, whose *inputs* are heads) have none. For a leaf whose removed
+    output channels are gone (:class:`~lowrank_jax.leaves.ChannelPruned`, after ``prune``), the
+    widths of the kept outputs per head (heads with none kept left out). The ``svd`` method's
+    ``per_head`` reads this through :func:`lowrank_jax.apply_plan`'s ``head_widths``.
+    """
+    parts = path.split("/")
+    if parts[-1] != KERNEL:
+        return None
+    try:
+        shape = get_path(tree, "/".join(parts[:-1] + [SHAPE]))
+        leaf = get_path(tree, path)
+    except (KeyError, ValueError, IndexError, AttributeError, TypeError):
+        return None
+    if not isinstance(shape, KernelShape) or len(shape.out_shape) < 2:
+        return None
+    heads, width = shape.out_shape[0], math.prod(shape.out_shape[1:])
+    if isinstance(leaf, ChannelPruned) and leaf.cols is not None:
+        kept = np.bincount(np.asarray(leaf.cols) // width, minlength=heads)
+        return tuple(int(k) for k in kept if k)
+    return (width,) * heads
+
+
 def compress_tree(tree: Any, plan: Any, *, in_dims: Mapping[str, int] | None = None,
                   keep_flax_unchanged: bool = True, **kwargs) -> tuple[dict, Report]:
     """Apply a plan to a Flax variable dict by path rules over Flax's own paths.
@@ -243,6 +272,10 @@ def compress_tree(tree: Any, plan: Any, *, in_dims: Mapping[str, int] | None = N
       keep_flax_unchanged: layers a plan left dense go back to plain Flax ``kernel`` / ``bias``.
       **kwargs: passed to :func:`~lowrank_jax.apply_plan` (``key``, ``inputs``, ...).
 
+    ``svd`` with ``per_head=True`` truncates every head of a kernel over heads separately
+    (:func:`head_widths`; a :class:`~lowrank_jax.HeadLowRank` leaf, seed 000 eq. 20); other
+    kernels get the shared factorization, as in the library's own trees.
+
     Returns:
       ``(new_tree, report)``.
 
@@ -255,7 +288,7 @@ def compress_tree(tree: Any, plan: Any, *, in_dims: Mapping[str, int] | None = N
     plan = as_plan(plan)
     validate_plan(plan)
     leaves = to_leaves(tree, selected_kernels(tree, plan), in_dims=in_dims)
-    new, report = apply_plan(leaves, plan, **kwargs)
+    new, report = apply_plan(leaves, plan, head_widths=head_widths, **kwargs)
     if keep_flax_unchanged:
         new = materialize_tree(new, only_dense=True)
     return new, report
@@ -295,5 +328,5 @@ def leaf_mask(tree: Any) -> Any:
                                   is_leaf=is_leaf)
 
 
-__all__ = ["KernelShape", "compress_tree", "contract", "kernel_paths", "leaf_mask",
+__all__ = ["KernelShape", "compress_tree", "contract", "head_widths", "kernel_paths", "leaf_mask",
            "materialize_tree", "selected_kernels", "to_leaves"]

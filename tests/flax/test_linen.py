@@ -220,3 +220,83 @@ def test_leaf_on_unsupported_module_names_the_path():
     small, _ = ljl.compress(v, lj.Step("svd", ("conv/kernel",), {"rank": 1}))
     with pytest.raises(ConfigError, match="params/conv/kernel.*Conv"):
         ljl.apply(Net(), small, x)
+
+
+
+def _at(tree, path):
+    for k in path.split("/"):
+        tree = tree[k]
+    return tree
+
+
+def test_binarize_equals_model_on_materialized_weights(tmp_path, ref):
+    keep = 0.25
+    small, report = ljl.compress(VARS, lj.Step("binarize", (BLOCKS,), {"keep": keep}))
+    attn = small["params"]["encoderblock_0"]["MultiHeadDotProductAttention_0"]
+    assert isinstance(attn["query"]["kernel"], lj.MaskedBinary)
+    assert attn["query"]["kernel_shape"] == KernelShape((16,), (2, 8))
+    y = jax.jit(lambda v, x: ljl.apply(MODEL, v, x))(small, X)
+    dense = ljl.materialize(small)
+    np.testing.assert_allclose(y, MODEL.apply(dense, X), atol=1e-5, rtol=0)
+    assert len(report.rows) == 12
+    for row in report.rows:  # every kernel is NumPy's binarization of its [d_in, d_out] matrix
+        prefix = row.path[: -len("/kernel")]
+        k, b = _at(VARS, prefix)["kernel"], _at(VARS, prefix)["bias"]
+        n_in = k.ndim - b.ndim
+        want, n_keep = ref.binarize(np.reshape(k, (int(np.prod(k.shape[:n_in])), -1)), keep)
+        np.testing.assert_allclose(_at(dense, prefix)["kernel"], want.reshape(k.shape), atol=1e-5)
+        np.testing.assert_array_equal(_at(dense, prefix)["bias"], b)  # kept in float
+        # counts: one bit per kept weight + a float32 alpha, the bias in float32
+        assert (row.kind, row.details["n_keep"]) == ("binary", n_keep)
+        assert row.params_after == n_keep + 1 + b.size
+        assert row.bits_after == n_keep + 32 + 32 * b.size
+    assert report.tree["params_after"] == lj.param_count(small)
+    # Biprop trains the scores and the bias, never w
+    mask = leaf_mask(small)["params"]["encoderblock_1"]["Dense_0"]["kernel"]
+    assert (mask.w, mask.s, mask.b) == (False, True, True)
+    # packed into bits, still run by the unchanged model
+    from lowrank_jax.leaves import PackedBinary, pack_binary_tree
+
+    packed = pack_binary_tree(small)
+    assert isinstance(_at(packed, "params/encoderblock_1/Dense_1")["kernel"], PackedBinary)
+    np.testing.assert_allclose(ljl.apply(MODEL, packed, X), y, atol=1e-5, rtol=0)
+    # orbax round trip
+    save_params(tmp_path / "ckpt", small)
+    back = load_params(tmp_path / "ckpt")
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(small)
+    np.testing.assert_array_equal(ljl.apply(MODEL, back, X), ljl.apply(MODEL, small, X))
+
+
+
+def test_per_head_svd_on_attention_kernels(ref):
+    plan = lj.Step("svd", (r"MultiHeadDotProductAttention_0/.*kernel$",),
+                   {"rank": 3, "per_head": True})
+    small, report = ljl.compress(VARS, plan)
+    attn = small["params"]["encoderblock_1"]["MultiHeadDotProductAttention_0"]
+    for name in ("query", "key", "value"):  # [d, heads, head_dim]: one sketch per head
+        leaf = attn[name]["kernel"]
+        assert isinstance(leaf, lj.HeadLowRank) and leaf.u.shape == (16, 2, 3)  # [d, heads, r]
+    assert isinstance(attn["out"]["kernel"], lj.LowRank)  # its inputs are the heads: shared
+    y = jax.jit(lambda v, x: ljl.apply(MODEL, v, x))(small, X)
+    dense = ljl.materialize(small)
+    np.testing.assert_allclose(y, MODEL.apply(dense, X), atol=1e-5, rtol=0)
+    for blk in ("encoderblock_0", "encoderblock_1"):
+        a0 = VARS["params"][blk]["MultiHeadDotProductAttention_0"]
+        a1 = dense["params"][blk]["MultiHeadDotProductAttention_0"]
+        for name in ("query", "key", "value"):
+            k = np.asarray(a0[name]["kernel"])  # [16, 2, 8]
+            np.testing.assert_allclose(np.asarray(a1[name]["kernel"]).reshape(16, 16),
+                                       ref.per_head(k.reshape(16, 16), 2, 3), atol=1e-5)
+        k = np.asarray(a0["out"]["kernel"]).reshape(16, 16)
+        np.testing.assert_allclose(np.asarray(a1["out"]["kernel"]).reshape(16, 16),
+                                   _np_rank(k, 3), atol=1e-5)
+    kinds = {r.path.rsplit("/", 2)[-2]: (r.kind, r.details["rank"]) for r in report.rows}
+    assert kinds == {"query": ("svd-per-head", [3, 3]), "key": ("svd-per-head", [3, 3]),
+                     "value": ("svd-per-head", [3, 3]), "out": ("svd", 3)}
+    row = next(r for r in report.rows if r.path.endswith("encoderblock_0/"
+                                                         "MultiHeadDotProductAttention_0/query/kernel"))
+    assert (row.params_before, row.params_after) == (16 * 16 + 16, 2 * 3 * (16 + 8) + 16)
+    # a model whose heads are not a kernel axis (nn.Dense) keeps the shared factorization
+    full, rep = ljl.compress(VARS, lj.Step("svd", (r"encoderblock_0/Dense_0/kernel$",),
+                                           {"rank": 3, "per_head": True}))
+    assert isinstance(full["params"]["encoderblock_0"]["Dense_0"]["kernel"], lj.LowRank)

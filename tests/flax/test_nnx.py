@@ -109,3 +109,47 @@ def test_errors_name_the_nnx_path():
     tree["blocks"][0]["norm"]["scale"] = lj.Dense(jnp.ones((8, 8)))
     with pytest.raises(ConfigError, match="blocks/0/norm/scale"):
         ljn.with_leaves(MODEL, tree)
+
+
+def test_binarize_equals_model_on_materialized_weights(tmp_path, ref):
+    keep = 0.5
+    small, report = ljn.compress(MODEL, lj.Step("binarize", (r"blocks/\d+/.*kernel$",),
+                                                 {"keep": keep}))
+    assert isinstance(small.blocks[0].attn.key.kernel.get_value(), lj.MaskedBinary)
+    assert isinstance(small.blocks[1].mlp[1], ljn.LeafLinear)
+    y = nnx.jit(lambda m, x: m(x))(small, X)
+    dense = ljn.materialize(small)
+    np.testing.assert_allclose(y, dense(X), atol=1e-5, rtol=0)
+    for blk in range(2):
+        for name in ("query", "out"):
+            k = np.asarray(getattr(MODEL.blocks[blk].attn, name).kernel.get_value())
+            n_in = 1 if name == "query" else 2
+            want, n_keep = ref.binarize(k.reshape(int(np.prod(k.shape[:n_in])), -1), keep)
+            got = getattr(dense.blocks[blk].attn, name).kernel.get_value()
+            np.testing.assert_allclose(got, want.reshape(k.shape), atol=1e-5)
+            row = next(r for r in report.rows if r.path == f"blocks/{blk}/attn/{name}/kernel")
+            assert row.params_after == n_keep + 1 + 8  # + alpha + the float bias
+    assert report.tree["params_after"] == lj.param_count(ljn.param_tree(small))
+    save_params(tmp_path / "ckpt", ljn.param_tree(small))
+    back = ljn.with_leaves(MODEL, load_params(tmp_path / "ckpt"))
+    np.testing.assert_array_equal(back(X), small(X))
+
+
+def test_per_head_svd_on_attention_kernels(ref):
+    small, report = ljn.compress(MODEL, lj.Step("svd", (r"attn/.*kernel$",),
+                                                 {"rank": 2, "per_head": True}))
+    assert isinstance(small.blocks[1].attn.value.kernel.get_value(), lj.HeadLowRank)
+    assert isinstance(small.blocks[1].attn.out.kernel.get_value(), lj.LowRank)
+    np.testing.assert_allclose(nnx.jit(lambda m, x: m(x))(small, X), ljn.materialize(small)(X),
+                               atol=1e-5, rtol=0)
+    dense = ljn.materialize(small)
+    for blk in range(2):
+        for name in ("query", "key", "value"):  # [8, 2 heads, 4]
+            k = np.asarray(getattr(MODEL.blocks[blk].attn, name).kernel.get_value())
+            got = np.asarray(getattr(dense.blocks[blk].attn, name).kernel.get_value())
+            np.testing.assert_allclose(got.reshape(8, 8), ref.per_head(k.reshape(8, 8), 2, 2),
+                                       atol=1e-5)
+        k = np.asarray(MODEL.blocks[blk].attn.out.kernel.get_value()).reshape(8, 8)
+        got = np.asarray(dense.blocks[blk].attn.out.kernel.get_value()).reshape(8, 8)
+        np.testing.assert_allclose(got, ref.rank(k, 2), atol=1e-5)
+    assert sorted({r.kind for r in report.rows}) == ["svd", "svd-per-head"]
