@@ -11,12 +11,15 @@ import flax.
 * :mod:`lowrank_jax.interop.nnx`: :class:`~lowrank_jax.interop.nnx.LeafLinear`,
   :class:`~lowrank_jax.interop.nnx.LeafLinearGeneral`, ``compress`` (submodules replaced in a
   copy of the model), ``with_leaves``, ``materialize``.
+* :mod:`lowrank_jax.interop.prune`: structured pruning of Flax models:
+  :class:`~lowrank_jax.interop.prune.ChannelGroup` declarations over Flax paths (or
+  ``infer_groups``), magnitude and gradient ("Less is More" eq. 6) scores, removal.
 * :mod:`lowrank_jax.interop.kernels`: the shared part: Flax ``kernel`` / ``bias`` dicts <->
   leaves (:class:`KernelShape` for kernels over heads), ``compress_tree``,
   ``materialize_tree``, ``leaf_mask`` (train only the factors).
 """
 
-from lowrank_jax.interop import linen, nnx
+from lowrank_jax.interop import linen, nnx, prune
 from lowrank_jax.interop.kernels import (
     KernelShape,
     compress_tree,
@@ -25,6 +28,7 @@ from lowrank_jax.interop.kernels import (
     materialize_tree,
     to_leaves,
 )
+from lowrank_jax.interop.prune import ChannelGroup
 
-__all__ = ["KernelShape", "compress_tree", "kernel_paths", "leaf_mask", "linen",
-           "materialize_tree", "nnx", "to_leaves"]
+__all__ = ["ChannelGroup", "KernelShape", "compress_tree", "kernel_paths", "leaf_mask", "linen",
+           "materialize_tree", "nnx", "prune", "to_leaves"]

@@ -189,8 +189,13 @@ def to_leaves(tree: Any, paths, *, in_dims: Mapping[str, int] | None = None) -> 
     return traverse_util.unflatten_dict(flat)
 
 
+# one compiled program per leaf type and shape: op by op, a binary leaf's top-k mask alone
+# dispatches dozens of small programs
+dense_matrix = jax.jit(materialize)
+
+
 def _fold(path: str, leaf: Leaf, shape: KernelShape | None) -> tuple[Any, Any]:
-    w, b = materialize(leaf), leaf.bias
+    w, b = dense_matrix(leaf), leaf.bias
     if shape is None:
         return w, b
     if tuple(leaf.shape) != shape.matrix:

@@ -11,6 +11,9 @@
   by the leaf's ``linear`` wherever the module's kernel is a leaf; every other module runs its
   own code.
 * :func:`materialize`: plain Flax ``kernel`` / ``bias`` arrays the original model accepts.
+* :func:`prune`: structured pruning by channel groups over Flax paths (MLP hidden channels,
+  attention heads; :mod:`lowrank_jax.interop.prune`), scored by weight magnitude or by
+  :func:`gradient_scores` through the user's loss.
 
 Not covered: kernels stacked by ``nn.scan`` / ``nn.vmap`` (a leading layer axis), ``nn.Conv``,
 ``nn.Einsum`` and ``DenseGeneral(batch_dims=...)`` -- a leaf there is an error naming the path.
@@ -26,6 +29,7 @@ import jax
 import jax.numpy as jnp
 
 from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.interop import prune as _prune
 from lowrank_jax.interop.kernels import (
     KERNEL,
     SHAPE,
@@ -222,4 +226,49 @@ def materialize(variables: Any) -> dict:
     return materialize_tree(variables)
 
 
-__all__ = ["LeafDense", "LeafDenseGeneral", "apply", "compress", "intercept", "materialize"]
+def infer_groups(variables: Any) -> list:
+    """Channel groups of the common patterns of ``variables`` (attention heads of
+    ``nn.MultiHeadDotProductAttention``, two-layer MLPs):
+    :func:`lowrank_jax.interop.prune.infer_groups`. Check what it returns."""
+    return _prune.infer_groups(variables)
+
+
+def magnitude_scores(variables: Any, groups, **kwargs) -> dict:
+    """Weight-magnitude scores per unit: :func:`lowrank_jax.interop.prune.magnitude_scores`."""
+    return _prune.magnitude_scores(variables, groups, **kwargs)
+
+
+def gradient_scores(loss_fn: Callable[[Any, Any], Any], variables: Any, groups, batches,
+                    **kwargs) -> dict:
+    """"Less is More" eq. 6 per unit through ``loss_fn(variables, batch) -> loss``, which runs
+    the unchanged model (``model.apply``) on plain arrays:
+    :func:`lowrank_jax.interop.prune.gradient_scores`."""
+    return _prune.gradient_scores(loss_fn, variables, groups, batches, **kwargs)
+
+
+def prune(variables: Any, groups, *, target: float, scores: Any = "magnitude",
+          scope: str = "group", in_dims=None) -> tuple[dict, Any]:
+    """Structured pruning of linen variables by channel groups
+    (:func:`lowrank_jax.interop.prune.prune_tree`, whose module docstring says how removed
+    channels run in the unchanged model: full-width
+    :class:`~lowrank_jax.leaves.ChannelPruned` leaves, because ``nn.Dense(features=...)``
+    rejects a narrower plain kernel).
+
+    Args:
+      variables: ``model.init(...)`` output with plain kernels.
+      groups: :class:`~lowrank_jax.interop.prune.ChannelGroup` s (or :func:`infer_groups`).
+      target: fraction of the grouped kernels' parameters to remove.
+      scores: ``'magnitude'`` or :func:`gradient_scores`'s dict.
+      scope: ``'group'`` (each group loses ``target`` of its units) or ``'global'``.
+      in_dims: ``{regex: n}`` for kernels over heads without a bias.
+
+    Returns:
+      ``(new_variables, report)``; run them with :func:`apply`, compress them further with
+      :func:`compress`.
+    """
+    return _prune.prune_tree(variables, groups, target=target, scores=scores, scope=scope,
+                             in_dims=in_dims)
+
+
+__all__ = ["LeafDense", "LeafDenseGeneral", "apply", "compress", "gradient_scores",
+           "infer_groups", "intercept", "magnitude_scores", "materialize", "prune"]

@@ -13,6 +13,9 @@
 * :func:`materialize`: a copy with plain ``nnx.Linear`` / ``nnx.LinearGeneral`` modules.
 * :func:`param_tree`: ``nnx.state(model, nnx.Param)`` as a pure dict (what to save, count, or
   split for training with ``nnx.split`` / ``nnx.merge``).
+* :func:`prune`: structured pruning by channel groups over the state's paths (MLP hidden
+  channels, attention heads; :mod:`lowrank_jax.interop.prune`), scored by weight magnitude or
+  by :func:`gradient_scores` through the user's loss.
 """
 
 from __future__ import annotations
@@ -25,9 +28,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lowrank_jax.errors import ConfigError, ShapeError
-from lowrank_jax.interop.kernels import KERNEL, compress_tree, contract, flat_dict
+from lowrank_jax.interop import prune as _prune
+from lowrank_jax.interop.kernels import KERNEL, compress_tree, contract, dense_matrix, flat_dict
 from lowrank_jax.leaves import Dense, Leaf, linear
-from lowrank_jax.leaves import materialize as materialize_leaf
 
 LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
 
@@ -196,11 +199,15 @@ def compress(model: nnx.Module, plan: Any, **kwargs) -> tuple[nnx.Module, Any]:
       ConfigError: a selected kernel of a module that is not Linear / LinearGeneral (naming
         its path).
     """
-    linears = _linears(model)
-    in_dims = {"^" + re.escape(p) + "$": len(m.in_features) for p, (_, m) in linears.items()
-               if isinstance(m, nnx.LinearGeneral)}
-    tree, report = compress_tree(param_tree(model), plan, in_dims=in_dims, **kwargs)
+    tree, report = compress_tree(param_tree(model), plan, in_dims=_in_dims(model), **kwargs)
     return _replace(model, tree), report
+
+
+def _in_dims(model: nnx.Module) -> dict[str, int]:
+    """``{'^path$': n}``: the input dimensions of every ``nnx.LinearGeneral`` kernel, from the
+    module (a kernel over heads without a bias does not say them)."""
+    return {"^" + re.escape(p) + "$": len(m.in_features) for p, (_, m) in _linears(model).items()
+            if isinstance(m, (nnx.LinearGeneral, LeafLinearGeneral))}
 
 
 def with_leaves(model: nnx.Module, tree: dict) -> nnx.Module:
@@ -230,7 +237,7 @@ def with_leaves(model: nnx.Module, tree: dict) -> nnx.Module:
 def _plain(m: LeafLinear | LeafLinearGeneral) -> nnx.Module:
     """The plain nnx layer computing what the leaf module computes, on the densified leaf."""
     leaf = m.kernel.get_value()
-    w, b = materialize_leaf(leaf), leaf.bias
+    w, b = dense_matrix(leaf), leaf.bias
     kw = dict(use_bias=b is not None, dtype=m.dtype, param_dtype=w.dtype)
     if isinstance(m, LeafLinear):
         lin = nnx.eval_shape(lambda: nnx.Linear(leaf.d_in, leaf.d_out, rngs=nnx.Rngs(0), **kw))
@@ -255,5 +262,56 @@ def materialize(model: nnx.Module) -> nnx.Module:
     return new
 
 
-__all__ = ["LeafLinear", "LeafLinearGeneral", "compress", "materialize", "param_tree",
-           "with_leaves"]
+def infer_groups(model: nnx.Module) -> list:
+    """Channel groups of the common patterns of the model's parameters (heads of
+    ``nnx.MultiHeadAttention``, two-``nnx.Linear`` MLPs):
+    :func:`lowrank_jax.interop.prune.infer_groups` on :func:`param_tree`. Check what it
+    returns."""
+    return _prune.infer_groups(param_tree(model))
+
+
+def magnitude_scores(model: nnx.Module, groups) -> dict:
+    """Weight-magnitude scores per unit: :func:`lowrank_jax.interop.prune.magnitude_scores`."""
+    return _prune.magnitude_scores(param_tree(model), groups, in_dims=_in_dims(model))
+
+
+def gradient_scores(loss_fn: Callable[[nnx.Module, Any], Any], model: nnx.Module, groups,
+                    batches, **kwargs) -> dict:
+    """"Less is More" eq. 6 per unit through ``loss_fn(model, batch) -> loss`` on the unchanged
+    model class (rebuilt with ``nnx.merge`` from the masked parameters; every other variable
+    as the model holds it): :func:`lowrank_jax.interop.prune.gradient_scores`."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def tree_loss(tree, batch):
+        p = jax.tree_util.tree_map(lambda a: a, params)  # a fresh State for this trace
+        nnx.replace_by_pure_dict(p, tree)
+        return loss_fn(nnx.merge(graphdef, p, rest), batch)
+
+    return _prune.gradient_scores(tree_loss, nnx.to_pure_dict(params), groups, batches,
+                                  in_dims=_in_dims(model), **kwargs)
+
+
+def prune(model: nnx.Module, groups, *, target: float, scores: Any = "magnitude",
+          scope: str = "group") -> tuple[nnx.Module, Any]:
+    """Structured pruning of an nnx model by channel groups; the model itself is not modified
+    (:func:`lowrank_jax.interop.prune.prune_tree`; the grouped layers become
+    :class:`LeafLinear` / :class:`LeafLinearGeneral` on full-width
+    :class:`~lowrank_jax.leaves.ChannelPruned` leaves, so ``nnx.MultiHeadAttention`` keeps its
+    ``num_heads`` and the model class its code).
+
+    Args:
+      model: any ``nnx.Module`` with plain ``nnx.Linear`` / ``nnx.LinearGeneral`` layers.
+      groups: :class:`~lowrank_jax.interop.prune.ChannelGroup` s over the state paths
+        (``'blocks/0/mlp/0/kernel'``), or :func:`infer_groups`.
+      target, scores, scope: as :func:`lowrank_jax.interop.prune.prune_tree`.
+
+    Returns:
+      ``(new_model, report)``.
+    """
+    tree, report = _prune.prune_tree(param_tree(model), groups, target=target, scores=scores,
+                                     scope=scope, in_dims=_in_dims(model))
+    return _replace(model, tree), report
+
+
+__all__ = ["LeafLinear", "LeafLinearGeneral", "compress", "gradient_scores", "infer_groups",
+           "magnitude_scores", "materialize", "param_tree", "prune", "with_leaves"]
