@@ -139,6 +139,14 @@ def _in_ndim(path: str, kernel, bias, in_dims: Mapping[str, int] | None) -> int:
             return n
     if bias is not None:
         bshape, kshape = tuple(np.shape(bias)), tuple(np.shape(kernel))
+        if (len(bshape) >= 2 and len(kshape) > len(bshape) and kshape[0] == bshape[0]
+                and kshape[-(len(bshape) - 1):] == bshape[1:]) and kshape[-len(bshape):] != bshape:
+            raise ShapeError(f"{path}: kernel {kshape} and bias {bshape} share a leading axis of "
+                             f"{kshape[0]}: a stack of layers made by nn.scan / nn.vmap; pass "
+                             "stacked=('<path of the scanned module>',), e.g. "
+                             "stacked=('params/ScanLayer_0',), to compress every layer of it",
+                             where=path, expected=f"bias shape ending {kshape[-1:]}",
+                             actual=bshape)
         if not bshape or len(bshape) >= len(kshape) or kshape[-len(bshape):] != bshape:
             raise ShapeError(f"{path}: the bias {bshape} is not the trailing (output) part of the "
                              f"kernel {kshape}; a Flax linear layer stores kernel "
@@ -206,7 +214,111 @@ def _fold(path: str, leaf: Leaf, shape: KernelShape | None) -> tuple[Any, Any]:
             None if b is None else b.reshape(shape.out_shape))
 
 
-def materialize_tree(tree: Any, *, only_dense: bool = False) -> dict:
+def _stack_keys(flat: dict, stacked, where: str) -> list[tuple]:
+    prefixes = []
+    for p in stacked or ():
+        key = tuple(p.split("/")) if isinstance(p, str) else tuple(p)
+        if not any(k[:len(key)] == key and len(k) > len(key) for k in flat):
+            mods = sorted({_join(k[:2]) for k in flat})[:12]
+            raise ConfigError(f"{where}: stacked prefix {p!r} names no module of the tree; "
+                              f"modules: {mods}", where=str(p), expected="a module path",
+                              actual=p)
+        prefixes.append(key)
+    return prefixes
+
+
+def unstack(tree: Any, stacked) -> dict:
+    """The layers of ``nn.scan`` / ``nn.vmap`` stacks as separate subtrees.
+
+    ``nn.scan(..., variable_axes={'params': 0})`` stores every parameter of the scanned module
+    with a leading layer axis: ``'params/ScanLayer_0/Dense_0/kernel'`` is ``[L, d_in, d_out]``.
+    Here every node under a stacked prefix (plain arrays, and leaves whose arrays all carry the
+    layer axis) becomes ``L`` nodes at ``'<prefix>/0/...'``, ..., ``'<prefix>/<L-1>/...'``: the
+    per-layer tree a plan, the counts and :func:`materialize_tree` work on. :func:`restack`
+    is the inverse.
+
+    Args:
+      tree: a Flax variable dict.
+      stacked: paths of the scanned modules (``('params/ScanLayer_0',)``), layer axis 0.
+
+    Raises:
+      ConfigError: a prefix that names no module.
+      ShapeError: arrays under a prefix without one common leading axis (naming the path).
+    """
+    flat = flat_dict(tree)
+    for pre in _stack_keys(flat, stacked, "unstack"):
+        inner = {k: v for k, v in flat.items() if k[:len(pre)] == pre}
+        n = None
+        for k, v in inner.items():
+            for a in jax.tree_util.tree_leaves(v):
+                if n is None:
+                    n, first = np.shape(a)[0] if np.ndim(a) else None, k
+                if not np.ndim(a) or np.shape(a)[0] != n:
+                    raise ShapeError(f"{_join(k)}: under the stacked module {_join(pre)} every "
+                                     f"array has the layer axis first, of length {n} as at "
+                                     f"{_join(first)}; got shape {np.shape(a)}", where=_join(k),
+                                     expected=n, actual=np.shape(a))
+        for k, v in inner.items():
+            del flat[k]
+            for i in range(n):
+                flat[pre + (i,) + k[len(pre):]] = jax.tree_util.tree_map(lambda a, i=i: a[i], v)
+    return traverse_util.unflatten_dict(flat)
+
+
+def restack(tree: Any, stacked) -> dict:
+    """The inverse of :func:`unstack`: the layers under each stacked prefix joined again along
+    a leading axis (plain arrays, and leaves of one type and shape in every layer, which
+    ``nn.scan`` slices back into per-layer leaves inside the scanned module).
+
+    Raises:
+      ShapeError: the layers were not compressed alike -- a kernel that is a leaf in some
+        layers only, or leaves of different types, ranks or shapes (``eps`` and ``ratio``
+        choose a rank per layer; a stack needs a fixed ``rank``). The message names the first
+        differing path and the per-layer types and shapes.
+    """
+    flat = flat_dict(tree)
+    for pre in _stack_keys(flat, stacked, "restack"):
+        layers: dict[int, dict] = {}
+        for k in [k for k in flat if k[:len(pre)] == pre]:
+            if len(k) <= len(pre) + 1 or not isinstance(k[len(pre)], (int, np.integer)):
+                raise ConfigError(f"{_join(k)}: not a layer of the unstacked module "
+                                  f"{_join(pre)}", where=_join(k), expected=f"{_join(pre)}/<i>/...",
+                                  actual=_join(k))
+            layers.setdefault(int(k[len(pre)]), {})[k[len(pre) + 1:]] = flat.pop(k)
+        n = len(layers)
+        if sorted(layers) != list(range(n)):
+            raise ShapeError(f"{_join(pre)}: layers {sorted(layers)} are not 0..{n - 1}",
+                             where=_join(pre), expected=list(range(n)), actual=sorted(layers))
+        rests = list(layers[0])
+        for i in range(n):
+            if set(layers[i]) != set(rests):
+                diff = sorted(set(layers[i]) ^ set(rests), key=str)[0]
+                raise ShapeError(
+                    f"{_join(pre + (i,) + diff)}: the layers of the stack {_join(pre)} were not "
+                    "compressed alike (a rule selected some layers only); nn.scan runs one "
+                    rf"module on every layer: select all of them (e.g. {_join(pre)}/\d+/...)",
+                    where=_join(pre + (i,) + diff), expected=sorted(map(_join, rests))[:8],
+                    actual=sorted(map(_join, layers[i]))[:8])
+        for rest in rests:
+            nodes = [layers[i][rest] for i in range(n)]
+            sig = [(jax.tree_util.tree_structure(v),
+                    [np.shape(a) for a in jax.tree_util.tree_leaves(v)]) for v in nodes]
+            bad = next((i for i in range(n) if not (sig[i][0] == sig[0][0] and
+                                                   sig[i][1] == sig[0][1])), None)
+            if bad is not None:
+                where = _join(pre + (bad,) + rest)
+                kinds = [f"{type(v).__name__} {s[1]}"
+                         for v, s in zip(nodes, sig, strict=True)]
+                raise ShapeError(
+                    f"{where}: the layers of the stack {_join(pre)} differ here ({kinds[:4]}); "
+                    "nn.scan needs one type and shape per layer: compress a stack with a fixed "
+                    "rank (rank=, not eps or ratio, which choose ranks per layer)", where=where,
+                    expected=kinds[0], actual=kinds[bad])
+            flat[pre + rest] = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *nodes)
+    return traverse_util.unflatten_dict(flat)
+
+
+def materialize_tree(tree: Any, *, only_dense: bool = False, stacked=None) -> dict:
     """Every leaf of a Flax variable dict folded back into plain ``kernel`` / ``bias`` arrays
     (through :func:`lowrank_jax.materialize`, the only way the library densifies).
 
@@ -214,7 +326,10 @@ def materialize_tree(tree: Any, *, only_dense: bool = False) -> dict:
       tree: a dict from :func:`to_leaves` / :func:`compress_tree`.
       only_dense: fold only plain :class:`Dense` leaves (those a plan left unchanged) and keep
         compressed ones.
+      stacked: paths of ``nn.scan`` stacks (:func:`unstack`).
     """
+    if stacked:
+        return restack(materialize_tree(unstack(tree, stacked), only_dense=only_dense), stacked)
     flat = flat_dict(tree)
     out = {}
     for key, v in flat.items():
@@ -263,7 +378,8 @@ def head_widths(tree: Any, path: str) -> tuple[int, ...] | None:
 
 
 def compress_tree(tree: Any, plan: Any, *, in_dims: Mapping[str, int] | None = None,
-                  keep_flax_unchanged: bool = True, **kwargs) -> tuple[dict, Report]:
+                  keep_flax_unchanged: bool = True, stacked=None,
+                  **kwargs) -> tuple[dict, Report]:
     """Apply a plan to a Flax variable dict by path rules over Flax's own paths.
 
     The kernels some step selects become leaves (:func:`to_leaves`), then
@@ -275,6 +391,12 @@ def compress_tree(tree: Any, plan: Any, *, in_dims: Mapping[str, int] | None = N
         kernel paths such as ``'params/Encoder_0/block0/MlpBlock_0/Dense_0/kernel'``.
       in_dims: see :func:`to_leaves`.
       keep_flax_unchanged: layers a plan left dense go back to plain Flax ``kernel`` / ``bias``.
+      stacked: paths of modules stacked by ``nn.scan`` / ``nn.vmap`` (``('params/ScanLayer_0',)``,
+        layer axis 0): the plan sees one subtree per layer (:func:`unstack`; rules and report
+        rows at ``'params/ScanLayer_0/3/Dense_0/kernel'``, rank schedules by layer index) and
+        the result is stacked again (:func:`restack`: every layer must come out with the same
+        leaf type and shapes, e.g. a fixed ``rank``), which ``nn.scan`` slices back into
+        per-layer leaves when the unchanged model runs.
       **kwargs: passed to :func:`~lowrank_jax.apply_plan` (``key``, ``inputs``, ...).
 
     ``svd`` with ``per_head=True`` truncates every head of a kernel over heads separately
@@ -292,10 +414,23 @@ def compress_tree(tree: Any, plan: Any, *, in_dims: Mapping[str, int] | None = N
     """
     plan = as_plan(plan)
     validate_plan(plan)
+    for i, step in enumerate(plan.steps):
+        if step.method == "prune" and "target" in step.settings:
+            raise PlanError(f"step {i} (prune): a target on a Flax tree needs to know which "
+                            "kernels share channels, which a Flax model does not declare: use "
+                            "lowrank_jax.interop.linen.prune / nnx.prune with channel groups "
+                            "(interop.prune.ChannelGroup, infer_groups), or mask_tree and then a "
+                            "plan whose prune step has no target", where="target",
+                            expected="interop.*.prune(tree, groups, target=...)",
+                            actual=step.settings["target"])
+    if stacked:
+        tree = unstack(tree, stacked)
     leaves = to_leaves(tree, selected_kernels(tree, plan), in_dims=in_dims)
     new, report = apply_plan(leaves, plan, head_widths=head_widths, **kwargs)
     if keep_flax_unchanged:
         new = materialize_tree(new, only_dense=True)
+    if stacked:
+        new = restack(new, stacked)
     return new, report
 
 
@@ -334,4 +469,4 @@ def leaf_mask(tree: Any) -> Any:
 
 
 __all__ = ["KernelShape", "compress_tree", "contract", "head_widths", "kernel_paths", "leaf_mask",
-           "materialize_tree", "selected_kernels", "to_leaves"]
+           "materialize_tree", "restack", "selected_kernels", "to_leaves", "unstack"]

@@ -15,7 +15,9 @@
   attention heads; :mod:`lowrank_jax.interop.prune`), scored by weight magnitude or by
   :func:`gradient_scores` through the user's loss.
 
-Not covered: kernels stacked by ``nn.scan`` / ``nn.vmap`` (a leading layer axis), ``nn.Conv``,
+Kernels stacked by ``nn.scan`` (a leading layer axis): ``compress(..., stacked=('params/
+ScanLayer_0',))`` compresses every layer (:func:`lowrank_jax.interop.kernels.unstack`) and
+stacks the leaves again, which ``nn.scan`` slices per layer. Not covered: ``nn.Conv``,
 ``nn.Einsum`` and ``DenseGeneral(batch_dims=...)`` -- a leaf there is an error naming the path.
 """
 
@@ -210,7 +212,8 @@ def compress(variables: Any, plan: Any, **kwargs) -> tuple[dict, Any]:
       plan: a :class:`~lowrank_jax.Plan` (or step / list / dict); rules match kernel paths
         such as ``'params/Encoder_0/encoderblock_0/MlpBlock_0/Dense_0/kernel'`` and
         ``'.../MultiHeadDotProductAttention_0/query/kernel'``.
-      **kwargs: ``in_dims``, ``keep_flax_unchanged`` (see
+      **kwargs: ``in_dims``, ``keep_flax_unchanged``, ``stacked`` (modules stacked by
+        ``nn.scan``; see
         :func:`lowrank_jax.interop.kernels.compress_tree`) and :func:`~lowrank_jax.apply_plan`'s
         keywords.
 
@@ -220,10 +223,11 @@ def compress(variables: Any, plan: Any, **kwargs) -> tuple[dict, Any]:
     return compress_tree(variables, plan, **kwargs)
 
 
-def materialize(variables: Any) -> dict:
+def materialize(variables: Any, *, stacked=None) -> dict:
     """Plain Flax variables (every leaf densified with :func:`lowrank_jax.materialize`) that the
-    original model runs with ``model.apply``."""
-    return materialize_tree(variables)
+    original model runs with ``model.apply``; ``stacked``: the ``nn.scan`` stacks given to
+    :func:`compress`."""
+    return materialize_tree(variables, stacked=stacked)
 
 
 def infer_groups(variables: Any) -> list:

@@ -304,3 +304,60 @@ def test_per_head_svd_on_attention_kernels(ref):
     full, rep = ljl.compress(VARS, lj.Step("svd", (r"encoderblock_0/Dense_0/kernel$",),
                                            {"rank": 3, "per_head": True}))
     assert isinstance(full["params"]["encoderblock_0"]["Dense_0"]["kernel"], lj.LowRank)
+
+
+class ScanLayer(nn.Module):  # one layer of a stack run by nn.scan (big_vision's scan=True)
+    @nn.compact
+    def __call__(self, x, _):
+        x = x + nn.MultiHeadDotProductAttention(num_heads=2)(x, x)
+        return x + nn.Dense(8)(nn.gelu(nn.Dense(16)(x))), None
+
+
+class Scanned(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        stack = nn.scan(ScanLayer, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=3)
+        return stack(name="encoderblock")(x, None)[0]
+
+
+def test_scanned_stack_compresses_every_layer(tmp_path, ref):
+    from lowrank_jax.interop.kernels import restack, unstack
+
+    model, x = Scanned(), jax.random.normal(jax.random.PRNGKey(1), (2, 4, 8))
+    v = model.init(jax.random.PRNGKey(0), x)
+    stack = ("params/encoderblock",)
+    plan = [lj.Step("svd", (r"/(query|key|value)/kernel$",), {"rank": 2, "per_head": True}),
+            lj.Step("svd", (r"Dense_\d/kernel$", r"out/kernel$"), {"rank": 3})]
+    small, report = ljl.compress(v, plan, stacked=stack)
+    leaf = small["params"]["encoderblock"]["Dense_0"]["kernel"]  # the layer axis first
+    assert isinstance(leaf, lj.LowRank) and leaf.u.shape == (3, 16, 3) and leaf.v.shape == (3, 3, 8)
+    assert len(report.rows) == 18  # 6 kernels x 3 layers, at per-layer paths
+    assert "params/encoderblock/2/MultiHeadDotProductAttention_0/value/kernel" in {
+        r.path for r in report.rows}
+    assert report.tree["params_before"] == sum(np.size(a) for a in jax.tree_util.tree_leaves(v))
+    run = jax.jit(lambda t, x: ljl.apply(model, t, x))
+    y = run(small, x)
+    dense = ljl.materialize(small, stacked=stack)
+    assert jax.tree_util.tree_structure(dense) == jax.tree_util.tree_structure(v)
+    np.testing.assert_allclose(y, model.apply(dense, x), atol=1e-5, rtol=0)
+    p0, p1 = v["params"]["encoderblock"], dense["params"]["encoderblock"]
+    for i in range(3):  # every layer: NumPy truncations of its own kernels
+        np.testing.assert_allclose(p1["Dense_0"]["kernel"][i], ref.rank(p0["Dense_0"]["kernel"][i], 3),
+                                   atol=1e-5)
+        q = p0["MultiHeadDotProductAttention_0"]["query"]["kernel"][i].reshape(8, 8)
+        np.testing.assert_allclose(
+            p1["MultiHeadDotProductAttention_0"]["query"]["kernel"][i].reshape(8, 8),
+            ref.per_head(q, 2, 2), atol=1e-5)
+    # checkpoints hold the per-layer leaves (a stacked array is no leaf of its own)
+    save_params(tmp_path / "ckpt", unstack(small, stack))
+    np.testing.assert_array_equal(run(restack(load_params(tmp_path / "ckpt"), stack), x), y)
+    # errors name the path: no stacked=, ranks per layer, some layers only
+    with pytest.raises(ShapeError, match="encoderblock/Dense_0/kernel.*nn.scan"):
+        ljl.compress(v, lj.Step("svd", (r"Dense_0/kernel$",), {"rank": 2}))
+    with pytest.raises(ShapeError, match=r"params/encoderblock/\d/Dense_0/kernel.*fixed rank"):
+        ljl.compress(v, lj.Step("svd", ((r"encoderblock/1/Dense_0/kernel$", {"rank": 2}),
+                                        r"Dense_0/kernel$"), {"rank": 3}), stacked=stack)
+    with pytest.raises(ShapeError, match=r"params/encoderblock/\d/Dense_0.*select all of them"):
+        ljl.compress(v, lj.Step("svd", (r"encoderblock/0/Dense_0/kernel$",), {"rank": 2}),
+                     stacked=stack)

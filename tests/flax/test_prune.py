@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 import lowrank_jax as lj
-from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.errors import ConfigError, PlanError, ShapeError
 from lowrank_jax.interop import ChannelGroup
 from lowrank_jax.interop import linen as ljl
 from lowrank_jax.interop import nnx as ljn
@@ -417,3 +417,6 @@ def test_bad_groups_name_the_flax_path():
         ljl.prune(VARS, [g0], target=1.0)
     with pytest.raises(ConfigError, match="scores of group"):
         ljl.prune(VARS, [g0], target=0.5, scores={g0.name: np.ones(31)})
+    # the plan's prune method with a target needs a model family; on Flax, groups say it
+    with pytest.raises(PlanError, match="channel groups"):
+        ljl.compress(VARS, lj.Step("prune", (r"Dense_0/kernel$",), {"target": 0.5}))
