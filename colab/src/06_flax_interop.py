@@ -236,13 +236,14 @@ assert acc[f"rank {ranks[0]}"] < acc[f"rank {ranks[-2]}"] <= acc["rank 64"] + 0.
 #
 # A Flax model does not say which kernels share channels; `infer_groups` reads the common
 # patterns from the parameter tree (the heads of every `MultiHeadDotProductAttention`, the
-# hidden channels of every `MlpBlock`; print them to check). The scores are "Less is More"
+# hidden channels of every `MlpBlock`, its first layer the one the model calls first; print
+# them to check). The scores are "Less is More"
 # eq. 6 (per-sample mask gradients through our own loss, on four training batches); one global
 # ranking removes a quarter of the grouped parameters, and the unchanged model runs on the
 # kept channels.
 
 # %%
-groups = ljl.infer_groups(variables)
+groups = ljl.infer_groups(variables, model, x_test[:1])  # call order from an abstract run
 for g in groups[:2]:
     print(f"{g.name} ({g.unit}): outputs of {len(g.outputs)} kernel(s), inputs of {len(g.inputs)}")
 print(f"... {len(groups)} groups")

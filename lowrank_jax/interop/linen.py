@@ -230,11 +230,36 @@ def materialize(variables: Any, *, stacked=None) -> dict:
     return materialize_tree(variables, stacked=stacked)
 
 
-def infer_groups(variables: Any) -> list:
+def call_order(model: nn.Module, variables: Any, *args, **kwargs) -> list[str]:
+    """Kernel paths of the ``nn.Dense`` / ``nn.DenseGeneral`` layers in the order ``model``
+    calls them, from an abstract call (``jax.eval_shape``: nothing is computed)."""
+    order: list[str] = []
+
+    def record(next_fun, a, kw, context):
+        m = context.module
+        if context.method_name == "__call__" and isinstance(m, (nn.Dense, nn.DenseGeneral)):
+            where = _where(m)
+            if where not in order:
+                order.append(where)
+        return next_fun(*a, **kw)
+
+    def run(v, *a):
+        with nn.intercept_methods(record):
+            return model.apply(v, *a, **kwargs)
+
+    jax.eval_shape(run, variables, *args)
+    return order
+
+
+def infer_groups(variables: Any, model: nn.Module | None = None, *args, **kwargs) -> list:
     """Channel groups of the common patterns of ``variables`` (attention heads of
     ``nn.MultiHeadDotProductAttention``, two-layer MLPs):
-    :func:`lowrank_jax.interop.prune.infer_groups`. Check what it returns."""
-    return _prune.infer_groups(variables)
+    :func:`lowrank_jax.interop.prune.infer_groups`. With ``model`` and its inputs
+    (``infer_groups(variables, model, x)``), which MLP layer comes first is read from the
+    order the model calls them (:func:`call_order`) instead of from their widths. Check what
+    it returns."""
+    order = None if model is None else call_order(model, variables, *args, **kwargs)
+    return _prune.infer_groups(variables, call_order=order)
 
 
 def magnitude_scores(variables: Any, groups, **kwargs) -> dict:
@@ -274,5 +299,5 @@ def prune(variables: Any, groups, *, target: float, scores: Any = "magnitude",
                              in_dims=in_dims)
 
 
-__all__ = ["LeafDense", "LeafDenseGeneral", "apply", "compress", "gradient_scores",
+__all__ = ["LeafDense", "LeafDenseGeneral", "apply", "call_order", "compress", "gradient_scores",
            "infer_groups", "intercept", "magnitude_scores", "materialize", "prune"]

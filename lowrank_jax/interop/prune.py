@@ -231,18 +231,23 @@ def _natural(k) -> tuple:
                  for t in re.findall(r"\d+|\D+", str(k)))
 
 
-def infer_groups(tree: Any) -> list[ChannelGroup]:
+def infer_groups(tree: Any, *, call_order: Iterable[str] | None = None) -> list[ChannelGroup]:
     """Channel groups of the common Flax patterns, read from names and shapes.
 
     * **attention**: a module with children ``query``, ``key``, ``value``, ``out`` whose
       kernels are ``[d, heads, head_dim]`` (x3) and ``[heads, head_dim, d]``
       (``nn.MultiHeadDotProductAttention``, ``nnx.MultiHeadAttention``, big_vision): one group
       of whole heads, named by the module's path;
-    * **MLP**: a module with exactly two children holding 2-D kernels ``A [d, h]`` and
-      ``B [h, d]`` (in name order: ``Dense_0``/``Dense_1``, ``0``/``1``, ``fc1``/``fc2``):
-      one group of the ``h`` hidden channels, named by ``A``'s path. big_vision's
-      ``MlpBlock``, an ``nnx.List`` of two ``nnx.Linear``, and two ``nn.Dense`` beside the
-      norms and attention of an encoder block all match.
+    * **MLP**: a module with exactly two children holding 2-D kernels ``[d, h]`` and
+      ``[h, d]`` with ``h > d``: one group of the ``h`` hidden channels, the ``[d, h]`` kernel
+      the first layer (its path names the group). Shapes chain both ways in a residual MLP and
+      names do not tell the order (``nn.Dense(d)(nn.gelu(nn.Dense(h)(x)))`` names the *second*
+      layer ``Dense_0``): with ``call_order`` the layer called first is the first layer;
+      without it the hidden width is taken to be the larger, as transformer MLPs expand
+      (``h == d`` is then skipped, and a bottleneck, ``h < d``, would be read the wrong way
+      round: give ``call_order`` or declare it).
+      big_vision's ``MlpBlock``, an ``nnx.List`` of two ``nnx.Linear``, and two ``nn.Dense``
+      beside the norms and attention of an encoder block all match.
 
     It reads names and shapes, not the model's code: check the groups it returns (they print)
     before pruning; declare anything else (gated MLPs, query/key channel pairs) by hand.
@@ -250,10 +255,13 @@ def infer_groups(tree: Any) -> list[ChannelGroup]:
     Args:
       tree: a Flax variable dict (linen) or an nnx parameter tree
         (:func:`lowrank_jax.interop.nnx.param_tree`).
+      call_order: kernel paths in the order the model calls their layers
+        (:func:`lowrank_jax.interop.linen.infer_groups` records it from an abstract call).
 
     Returns:
       A list of :class:`ChannelGroup`, in tree order.
     """
+    rank = {p: i for i, p in enumerate(call_order or ())}
     flat = flat_dict(tree)
     kernels = {k[:-1]: v for k, v in flat.items() if k[-1] == KERNEL and np.ndim(v) >= 2
                and not isinstance(v, Leaf)}
@@ -277,7 +285,11 @@ def infer_groups(tree: Any) -> list[ChannelGroup]:
         if len(dense) == 2:
             a, b = dense
             (d, h), (h2, d2) = shapes[a], shapes[b]
-            if h == h2 and d == d2:
+            pa, pb = _join(parent + (a, KERNEL)), _join(parent + (b, KERNEL))
+            known = call_order is not None and pa in rank and pb in rank
+            if h == h2 and d == d2 and (known or h != d):
+                if (rank[pb] < rank[pa]) if known else h < d:  # b is the first layer
+                    a, b = b, a
                 groups.append(ChannelGroup(_join(parent + (a,)),
                                            outputs=(_join(parent + (a, KERNEL)),),
                                            inputs=(_join(parent + (b, KERNEL)),)))

@@ -217,6 +217,25 @@ def test_infer_groups_finds_heads_and_mlps():
     assert groups[1].inputs == ("blocks/0/mlp/1/kernel",)
     assert groups[0].inputs == ("blocks/0/attn/out/kernel",)
 
+    class Mlp(nn.Module):  # the second layer is created (and named) first
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(24)(x)))
+
+    class Bottleneck(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(x.shape[-1])(nn.gelu(nn.Dense(4)(x)))
+
+    x = jnp.ones((1, 8))
+    first = (("params/Dense_1/kernel",), ("params/Dense_0/kernel",))  # (outputs, inputs)
+    v = Mlp().init(jax.random.PRNGKey(0), x)
+    for g in (ljl.infer_groups(v), ljl.infer_groups(v, Mlp(), x)):  # by widths, by calls
+        assert [(g[0].outputs, g[0].inputs)] == [first]
+    v = Bottleneck().init(jax.random.PRNGKey(0), x)  # widths mislead: the calls tell
+    assert [(g.outputs, g.inputs) for g in ljl.infer_groups(v, Bottleneck(), x)] == [first]
+    assert ljl.call_order(Bottleneck(), v, x) == ["params/Dense_1/kernel", "params/Dense_0/kernel"]
+
 
 def test_linen_prune_equals_numpy_model_without_the_channels(tmp_path):
     groups = vit_groups()
