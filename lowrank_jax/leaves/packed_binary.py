@@ -268,15 +268,33 @@ class PackedBinary(Leaf):
 PackedBinary = leaf_dataclass(PackedBinary, meta=("d_in", "n_keep"))
 
 
+def _is_binary(x) -> bool:
+    return isinstance(x, (MaskedBinary, FrozenBinary))
+
+
+@jax.jit
+def _freeze_all(leaves: list) -> list:
+    """Every :class:`MaskedBinary` of ``leaves`` frozen, in one compiled program: frozen one by
+    one, each leaf's mask selection (a loop and a branch) is compiled anew on every call."""
+    return [x.freeze() if isinstance(x, MaskedBinary) else x for x in leaves]
+
+
 def pack_binary_tree(params: Any) -> Any:
     """``params`` with every :class:`~lowrank_jax.MaskedBinary` and
     :class:`~lowrank_jax.FrozenBinary` replaced by its :class:`PackedBinary` (wrappers such
-    as :class:`~lowrank_jax.leaves.FixedBias` are kept around the packed leaf)."""
-    def conv(x):
-        return PackedBinary.from_leaf(x) if isinstance(x, (MaskedBinary, FrozenBinary)) else x
+    as :class:`~lowrank_jax.leaves.FixedBias` are kept around the packed leaf).
 
-    return jax.tree_util.tree_map(conv, params,
-                                  is_leaf=lambda x: isinstance(x, (MaskedBinary, FrozenBinary)))
+    The masked leaves are frozen together in one jitted program (their masks and gains are
+    bit-identical to the eager ones: the gain is a fixed-order sum, see
+    :func:`~lowrank_jax.leaves.masked_binary.pairwise_sum`), then packed on the host.
+    """
+    flat, treedef = jax.tree_util.tree_flatten(params, is_leaf=_is_binary)
+    idx = [i for i, x in enumerate(flat) if _is_binary(x)]
+    if idx:
+        frozen = _freeze_all([flat[i] for i in idx])
+        for i, f in zip(idx, frozen, strict=True):
+            flat[i] = PackedBinary.from_leaf(f)
+    return jax.tree_util.tree_unflatten(treedef, flat)
 
 
 def pack_pm1(x) -> Array:
