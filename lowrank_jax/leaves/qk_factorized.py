@@ -114,10 +114,19 @@ class CPQueryKey(QK):
 
     def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
         _no_masks("CPQueryKey", q_mask, k_mask)
+        return self.logits_from_keys(xq, self.keys(xkv))
+
+    def keys(self, xkv, *, k_mask=None):
+        """The keys' CP coordinates ``[batch, k_len, R]`` (shared by all heads: a cache of
+        ``R`` numbers per key instead of ``heads * d_head``)."""
+        _no_masks("CPQueryKey", None, k_mask)
+        return linear(self.k, xkv)  # [b, k_len, R]
+
+    def logits_from_keys(self, xq, keys, *, q_mask=None):
+        _no_masks("CPQueryKey", q_mask, None)
         q = linear(self.q, xq)  # [b, q_len, R]
-        k = linear(self.k, xkv)  # [b, k_len, R]
         qh = q[:, :, None, :] * jnp.asarray(self.mix).astype(q.dtype)  # [b, q_len, H, R]
-        return jnp.einsum("bqhr,bkr->bhqk", qh, k)
+        return jnp.einsum("bqhr,bkr->bhqk", qh, keys)
 
     def score_flops(self, q_len, k_len):
         h, r = self.num_heads, self.rank
@@ -193,9 +202,17 @@ class BTDQueryKey(QK):
 
     def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
         _no_masks("BTDQueryKey", q_mask, k_mask)
+        return self.logits_from_keys(xq, self.keys(xkv))
+
+    def keys(self, xkv, *, k_mask=None):
+        """The keys' per-term coordinates ``[batch, k_len, T, max(ranks)]``."""
+        _no_masks("BTDQueryKey", None, k_mask)
+        return split_heads(linear(self.k, xkv), self.ranks)  # [b, k_len, T, L]
+
+    def logits_from_keys(self, xq, keys, *, q_mask=None):
+        _no_masks("BTDQueryKey", q_mask, None)
         q = split_heads(linear(self.q, xq), self.ranks)  # [b, q_len, T, L]
-        k = split_heads(linear(self.k, xkv), self.ranks)  # [b, k_len, T, L]
-        terms = jnp.einsum("bqtl,bktl->btqk", q, k)  # [b, T, q_len, k_len]
+        terms = jnp.einsum("bqtl,bktl->btqk", q, keys)  # [b, T, q_len, k_len]
         return jnp.einsum("ht,btqk->bhqk", jnp.asarray(self.mix).astype(terms.dtype), terms)
 
     def score_flops(self, q_len, k_len):

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import ShapeError
+from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves.base import (
     CONCRETE,
     Leaf,
@@ -39,6 +39,14 @@ from lowrank_jax.leaves.base import (
 from lowrank_jax.leaves.heads import as_int_tuple, head_offsets, split_heads
 
 Array = jax.Array
+
+
+def _no_cache(qk) -> ConfigError:
+    return ConfigError(
+        f"{type(qk).__name__} does not support key-value caching (it implements no "
+        "keys/logits_from_keys); decode without a cache", where="qk",
+        expected="a query-key type with keys() and logits_from_keys()",
+        actual=type(qk).__name__)
 
 
 class QK(abc.ABC):
@@ -69,6 +77,19 @@ class QK(abc.ABC):
         per-head queries and keys ("Sparse Binary Transformers", sec. 3.3.1); types without
         per-head query and key activations raise on them.
         """
+
+    def keys(self, xkv: Array, *, k_mask: Array | None = None) -> Array:
+        """What a key-value cache keeps of the keys' input: ``[batch, k_len, ...]``, one entry
+        per key, so that ``logits(xq, xkv) == logits_from_keys(xq, keys(xkv))`` and keys
+        computed one step at a time can be written into a preallocated buffer along axis 1
+        (:func:`lowrank_jax.nn.apply_attention_cached`). Types that implement both methods
+        support cached decoding; the default raises."""
+        raise _no_cache(self)
+
+    def logits_from_keys(self, xq: Array, keys: Array, *, q_mask: Array | None = None) -> Array:
+        """Unscaled logits ``[batch, heads, q_len, k_len]`` of queries against keys from
+        :meth:`keys` (possibly cached). The default raises (see :meth:`keys`)."""
+        raise _no_cache(self)
 
     @abc.abstractmethod
     def score_flops(self, q_len: int, k_len: int) -> int:
@@ -159,13 +180,20 @@ class QueryKey(QK):
         return self.k.d_in if isinstance(self.k, Leaf) else np.shape(self.k)[0]
 
     def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
-        q = split_heads(linear(self.q, xq), self.widths)  # [b, q_len, h, w]
+        return self.logits_from_keys(xq, self.keys(xkv, k_mask=k_mask), q_mask=q_mask)
+
+    def keys(self, xkv, *, k_mask=None):
+        """Per-head keys ``[batch, k_len, heads, max(widths)]`` (zero-padded per head)."""
         k = split_heads(linear(self.k, xkv), self.widths)  # [b, k_len, h, w]
-        if q_mask is not None:  # [q_len, w] -> [q_len, 1, w]: the same mask for every head
-            q = q * q_mask[:, None, :].astype(q.dtype)
-        if k_mask is not None:
+        if k_mask is not None:  # [k_len, w] -> [k_len, 1, w]: the same mask for every head
             k = k * k_mask[:, None, :].astype(k.dtype)
-        return jnp.einsum("bqhd,bkhd->bhqk", q, k)
+        return k
+
+    def logits_from_keys(self, xq, keys, *, q_mask=None):
+        q = split_heads(linear(self.q, xq), self.widths)  # [b, q_len, h, w]
+        if q_mask is not None:
+            q = q * q_mask[:, None, :].astype(q.dtype)
+        return jnp.einsum("bqhd,bkhd->bhqk", q, keys)
 
     def score_flops(self, q_len, k_len):
         return int(q_len) * int(k_len) * self.num_heads * max(self.widths, default=0)

@@ -13,10 +13,9 @@ Semantics follow ``chronos-forecasting``'s ``chronos.py`` (``MeanScaleUniformBin
   scale``. Longer horizons loop as the pipeline does: append the per-step median sample to the
   context and forecast again.
 
-Sampling is jit-friendly: static shapes, the encoder runs once, and the decoder is re-run on a
-fixed ``[batch * num_samples, horizon + 1]`` token buffer under ``lax.fori_loop`` with the causal
-mask (no KV cache: position ``t`` only sees tokens ``<= t``, so later buffer slots do not
-matter). That costs ``O(horizon^2)`` decoder work per forecast instead of ``O(horizon)``.
+Sampling is jit-friendly: static shapes, the encoder runs once, and the decoder steps under
+``lax.fori_loop`` with a key-value cache of ``horizon`` positions
+(:func:`lowrank_jax.models.t5.decode_loop`): ``O(horizon)`` decoder work per forecast.
 """
 
 from __future__ import annotations
@@ -250,33 +249,25 @@ def embed(params: dict, context: Array, cfg: ChronosConfig):
 
 def process_logits(logits: Array, *, eos_token_id: int, temperature: float, top_k: int | None,
                    top_p: float) -> Array:
-    """HF's sampling pipeline for Chronos: suppress EOS, then temperature, top-k, top-p.
+    """HF's sampling pipeline for Chronos: suppress EOS (``min_new_tokens``), then temperature,
+    top-k, top-p (:func:`lowrank_jax.models.t5.warp_logits`).
 
     Removed entries become ``-inf``. ``top_k`` 0/None and ``top_p >= 1`` disable those steps.
     """
     logits = logits.astype(jnp.float32).at[..., eos_token_id].set(-jnp.inf)  # min_new_tokens
-    if temperature != 1.0:
-        logits = logits / temperature
-    if top_k:
-        k = min(int(top_k), logits.shape[-1])
-        kth = jax.lax.top_k(logits, k)[0][..., -1:]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        order = jnp.argsort(logits, axis=-1)  # ascending, as HF
-        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
-        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
-        remove_sorted = (cum <= 1.0 - top_p).at[..., -1].set(False)  # keep >= 1 token
-        remove = jnp.take_along_axis(remove_sorted, jnp.argsort(order, axis=-1), axis=-1)
-        logits = jnp.where(remove, -jnp.inf, logits)
-    return logits
+    return t5_model.warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "horizon", "num_samples", "temperature",
-                                             "top_k", "top_p"))
+                                             "top_k", "top_p", "use_cache"))
 def sample_tokens(params: dict, input_ids: Array, attention_mask: Array, cfg: ChronosConfig,
                   key: Array, *, horizon: int, num_samples: int, temperature: float,
-                  top_k: int | None, top_p: float) -> Array:
+                  top_k: int | None, top_p: float, use_cache: bool = True) -> Array:
     """Sample ``num_samples`` token paths of length ``horizon`` (``ChronosModel.forward``).
+
+    The encoder runs once; the decoder keeps a key-value cache (``use_cache=False``: re-runs
+    on the whole prefix at every step, as before the cache existed; the same tokens for the
+    same key, to round-off in the logits).
 
     Returns:
       ``int32[batch, num_samples, horizon]``.
@@ -287,22 +278,16 @@ def sample_tokens(params: dict, input_ids: Array, attention_mask: Array, cfg: Ch
     # HF num_return_sequences: every series repeated num_samples times, consecutively.
     enc = jnp.repeat(enc, num_samples, axis=0)  # [batch * n, s, d]
     mask = jnp.repeat(attention_mask, num_samples, axis=0)  # [batch * n, s]
-    n = batch * num_samples
-    buf = jnp.full((n, horizon + 1), t5.decoder_start_token_id, jnp.int32)
 
-    def step(t, carry):
-        buf, key = carry
-        hidden = t5_model.decode(params, buf, t5, enc=enc, attention_mask=mask)  # [n, h+1, d]
-        h_t = jax.lax.dynamic_index_in_dim(hidden, t, axis=1, keepdims=False)  # [n, d]
-        logits = process_logits(t5_model.lm_logits(params, h_t, t5),
-                                eos_token_id=cfg.eos_token_id, temperature=temperature,
+    def choose(logits, t, sub):
+        del t
+        logits = process_logits(logits, eos_token_id=cfg.eos_token_id, temperature=temperature,
                                 top_k=top_k, top_p=top_p)  # [n, vocab]
-        key, sub = jax.random.split(key)
-        tok = jax.random.categorical(sub, logits, axis=-1).astype(jnp.int32)  # [n]
-        return jax.lax.dynamic_update_index_in_dim(buf, tok, t + 1, axis=1), key
+        return jax.random.categorical(sub, logits, axis=-1)
 
-    buf, _ = jax.lax.fori_loop(0, horizon, step, (buf, key))
-    return buf[:, 1:].reshape(batch, num_samples, horizon)
+    toks = t5_model.decode_loop(params, enc, t5, key, choose, steps=horizon,
+                                attention_mask=mask, use_cache=use_cache)
+    return toks.reshape(batch, num_samples, horizon)
 
 
 def predict(params: dict, context: Array, cfg: ChronosConfig, horizon: int | None = None,

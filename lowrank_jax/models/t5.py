@@ -20,6 +20,7 @@ Parameter tree::
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -41,8 +42,10 @@ from lowrank_jax.nn import (
     NormConfig,
     RelativeBiasConfig,
     apply_decoder,
+    apply_decoder_step,
     apply_encoder,
     init_decoder,
+    init_decoder_cache,
     init_encoder,
     padding_mask,
 )
@@ -311,6 +314,184 @@ def lm_logits(params: dict, hidden: Array, cfg: T5Config) -> Array:
     if cfg.tie_word_embeddings:
         return jnp.einsum("...d,vd->...v", hidden, params["shared"])  # [..., vocab]
     return linear(params["lm_head"], hidden)  # [..., vocab]
+
+
+# ---------------------------------------------------------------------------------------------
+# Autoregressive decoding.
+
+def init_cache(params: dict, cfg: T5Config, *, enc: Array, max_len: int) -> dict:
+    """A key-value cache for decoding ``max_len`` positions against encoder states ``enc``
+    (:func:`lowrank_jax.nn.init_decoder_cache`: the cross-attention keys and values are
+    computed here, once)."""
+    return init_decoder_cache(params["decoder"], cfg.decoder, enc=enc, max_len=max_len)
+
+
+def decode_step(params: dict, decoder_input_ids: Array, cfg: T5Config, cache: dict, *,
+                attention_mask: Array | None = None) -> tuple[Array, dict]:
+    """Decoder states of the next tokens, with a key-value cache.
+
+    Equals the last positions of :func:`decode` on the whole sequence so far (tested).
+
+    Args:
+      params: model parameters.
+      decoder_input_ids: ``int[batch, n]``, the tokens at positions ``cache['index'] ..``.
+      cfg: model configuration.
+      cache: from :func:`init_cache` or the previous step.
+      attention_mask: encoder padding ``[batch, s]``.
+
+    Returns:
+      ``(states [batch, n, d_model], cache)``.
+    """
+    y = _embed(params, decoder_input_ids, "decoder_input_ids")
+    return apply_decoder_step(params["decoder"], y, cfg.decoder, cache,
+                              cross_mask=_mask(attention_mask))
+
+
+def decode_loop(params: dict, enc: Array, cfg: T5Config, key: Array, choose, *, steps: int,
+                attention_mask: Array | None = None, use_cache: bool = True) -> Array:
+    """Generate ``steps`` tokens from the start token (a building block of :func:`generate`
+    and Chronos' sampler; traceable, call it inside ``jit``).
+
+    Step ``t`` feeds the token chosen at step ``t - 1`` (the start token at ``t = 0``), reads
+    the LM logits of that position and calls ``choose(logits [batch, vocab], t, subkey) ->
+    int[batch]``, with ``key, subkey = jax.random.split(key)`` at every step.
+
+    ``use_cache=True`` keeps the keys and values of earlier positions
+    (:func:`decode_step`: ``O(steps)`` projection work); ``False`` re-runs the decoder on a
+    fixed ``[batch, steps + 1]`` token buffer at every step (``O(steps^2)``: position ``t``
+    only sees tokens ``<= t``, so later slots do not matter), the reference the cached path is
+    tested against.
+
+    Returns:
+      ``int32[batch, steps]``.
+    """
+    batch = enc.shape[0]
+    start = jnp.full((batch,), cfg.decoder_start_token_id, jnp.int32)
+    out = jnp.zeros((batch, steps), jnp.int32)
+
+    def pick(hidden_t, t, key):
+        logits = lm_logits(params, hidden_t, cfg)  # [batch, vocab]
+        key, sub = jax.random.split(key)
+        return jnp.asarray(choose(logits, t, sub), jnp.int32), key
+
+    if use_cache:
+        cache = init_cache(params, cfg, enc=enc, max_len=steps)
+
+        def step(t, carry):
+            cache, prev, out, key = carry
+            hidden, cache = decode_step(params, prev[:, None], cfg, cache,
+                                        attention_mask=attention_mask)  # [batch, 1, d]
+            tok, key = pick(hidden[:, 0], t, key)
+            return cache, tok, out.at[:, t].set(tok), key
+
+        return jax.lax.fori_loop(0, steps, step, (cache, start, out, key))[2]
+
+    buf = jnp.concatenate([start[:, None], jnp.zeros((batch, steps), jnp.int32)], axis=1)
+
+    def step_uncached(t, carry):
+        buf, key = carry
+        hidden = decode(params, buf, cfg, enc=enc, attention_mask=attention_mask)
+        h_t = jax.lax.dynamic_index_in_dim(hidden, t, axis=1, keepdims=False)  # [batch, d]
+        tok, key = pick(h_t, t, key)
+        return jax.lax.dynamic_update_index_in_dim(buf, tok, t + 1, axis=1), key
+
+    return jax.lax.fori_loop(0, steps, step_uncached, (buf, key))[0][:, 1:]
+
+
+def warp_logits(logits: Array, *, temperature: float = 1.0, top_k: int | None = None,
+                top_p: float = 1.0) -> Array:
+    """Hugging Face's sampling warpers in their order: temperature, top-k, top-p.
+
+    Removed entries become ``-inf``; ``top_k`` 0/None and ``top_p >= 1`` disable those steps.
+    """
+    logits = logits.astype(jnp.float32)
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k:
+        k = min(int(top_k), logits.shape[-1])
+        kth = jax.lax.top_k(logits, k)[0][..., -1:]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        order = jnp.argsort(logits, axis=-1)  # ascending, as HF
+        sorted_logits = jnp.take_along_axis(logits, order, axis=-1)
+        cum = jnp.cumsum(jax.nn.softmax(sorted_logits, axis=-1), axis=-1)
+        remove_sorted = (cum <= 1.0 - top_p).at[..., -1].set(False)  # keep >= 1 token
+        remove = jnp.take_along_axis(remove_sorted, jnp.argsort(order, axis=-1), axis=-1)
+        logits = jnp.where(remove, -jnp.inf, logits)
+    return logits
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "min_new_tokens",
+                                             "do_sample", "temperature", "top_k", "top_p",
+                                             "use_cache"))
+def _generate(params, input_ids, attention_mask, cfg, key, *, max_new_tokens, min_new_tokens,
+              do_sample, temperature, top_k, top_p, use_cache):
+    enc = encode(params, input_ids, cfg, attention_mask=attention_mask)
+
+    def choose(logits, t, sub):
+        if min_new_tokens:  # HF MinNewTokensLengthLogitsProcessor
+            logits = jnp.where((t < min_new_tokens)
+                               & (jnp.arange(logits.shape[-1]) == cfg.eos_token_id),
+                               -jnp.inf, logits)
+        if not do_sample:
+            return jnp.argmax(logits, axis=-1)
+        logits = warp_logits(logits, temperature=temperature, top_k=top_k, top_p=top_p)
+        return jax.random.categorical(sub, logits, axis=-1)
+
+    toks = decode_loop(params, enc, cfg, key, choose, steps=max_new_tokens,
+                       attention_mask=attention_mask, use_cache=use_cache)
+    # HF: a finished sequence emits pad_token_id after its EOS.
+    after_eos = jnp.cumsum(toks == cfg.eos_token_id, axis=1) - (toks == cfg.eos_token_id) > 0
+    return jnp.where(after_eos, cfg.pad_token_id, toks)
+
+
+def generate(params: dict, input_ids: Array, cfg: T5Config, *,
+             attention_mask: Array | None = None, max_new_tokens: int = 20,
+             min_new_tokens: int = 0, do_sample: bool = False, key: Array | None = None,
+             temperature: float = 1.0, top_k: int | None = None, top_p: float = 1.0,
+             use_cache: bool = True) -> Array:
+    """Autoregressive generation, as Hugging Face ``T5ForConditionalGeneration.generate``.
+
+    Greedy by default (``do_sample=False``: equal to HF's greedy ``generate``, tested), or
+    sampling after the temperature / top-k / top-p warpers. The encoder runs once; with
+    ``use_cache`` (default) each step projects only the new token (:func:`decode_step`).
+    After a sequence's EOS its tokens are ``pad_token_id`` (HF does the same). Shapes are
+    static: all ``max_new_tokens`` steps run, where HF stops once every sequence has
+    finished (its output is then shorter and equals a prefix of this one).
+
+    Args:
+      params: model parameters.
+      input_ids: encoder tokens ``int[batch, s]``.
+      cfg: model configuration.
+      attention_mask: encoder padding ``[batch, s]`` (1 = token).
+      max_new_tokens: tokens to generate.
+      min_new_tokens: EOS is suppressed for the first ``min_new_tokens`` steps.
+      do_sample: sample instead of taking the argmax.
+      key: PRNG key (required when sampling).
+      temperature, top_k, top_p: the sampling warpers (:func:`warp_logits`).
+      use_cache: keep a key-value cache (``False``: re-run the decoder on the prefix at every
+        step, ``O(max_new_tokens^2)`` work; for comparison).
+
+    Returns:
+      ``int32[batch, max_new_tokens]``, without the decoder start token that HF's output
+      begins with.
+    """
+    ids = check_token_ids(input_ids, params["shared"].shape[0], "input_ids", "t5.generate")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or (
+            max_new_tokens < 1):
+        raise ConfigError(f"t5.generate: max_new_tokens must be a positive int, got "
+                          f"{max_new_tokens!r}", where="max_new_tokens", expected="int >= 1",
+                          actual=max_new_tokens)
+    if do_sample and key is None:
+        raise ConfigError("t5.generate: sampling needs a PRNG key (key=jax.random.PRNGKey(...))",
+                          where="key", expected="a PRNG key", actual=None)
+    mask = jnp.ones(ids.shape, jnp.int32) if attention_mask is None else jnp.asarray(
+        attention_mask)
+    return _generate(params, ids, mask, cfg, jax.random.PRNGKey(0) if key is None else key,
+                     max_new_tokens=max_new_tokens, min_new_tokens=int(min_new_tokens),
+                     do_sample=bool(do_sample), temperature=float(temperature),
+                     top_k=int(top_k) if top_k else None, top_p=float(top_p),
+                     use_cache=bool(use_cache))
 
 
 def shift_right(labels: Array, cfg: T5Config) -> Array:

@@ -38,7 +38,7 @@ from lowrank_jax.leaves import (
     split_heads,
 )
 from lowrank_jax.leaves.base import Leaf
-from lowrank_jax.nn.masks import qkv_activation_masks
+from lowrank_jax.nn.masks import combine_masks, qkv_activation_masks
 
 Array = jax.Array
 
@@ -132,17 +132,20 @@ def init_relative_bias(key: Array, cfg: RelativeBiasConfig, num_heads: int, *,
     return std * jax.random.normal(key, (cfg.num_buckets, num_heads), dtype)
 
 
-def relative_bias(table: Array, q_len: int, k_len: int, cfg: RelativeBiasConfig) -> Array:
+def relative_bias(table: Array, q_len: int, k_len: int, cfg: RelativeBiasConfig, *,
+                  q_offset: int | Array = 0) -> Array:
     """Additive attention bias from a relative-bias table (HF T5 ``compute_bias``).
 
     The relative position is ``memory_position - query_position`` with positions
-    ``arange(k_len)`` and ``arange(q_len)``.
+    ``arange(k_len)`` and ``q_offset + arange(q_len)``.
 
     Args:
       table: ``[num_buckets, heads]``.
       q_len: number of queries.
       k_len: number of keys.
       cfg: bucket configuration (its ``bidirectional`` is used as given).
+      q_offset: position of the first query (an int, or a traced scalar in cached decoding,
+        where the queries are the tokens at ``index, index + 1, ...`` of a longer sequence).
 
     Returns:
       ``float[1, heads, q_len, k_len]``.
@@ -153,7 +156,11 @@ def relative_bias(table: Array, q_len: int, k_len: int, cfg: RelativeBiasConfig)
             f"relative_bias: table must be [num_buckets={cfg.num_buckets}, heads], "
             f"got shape {tuple(table.shape)}"
         )
-    rel = np.arange(k_len)[None, :] - np.arange(q_len)[:, None]  # [q_len, k_len]
+    if isinstance(q_offset, (int, np.integer)):
+        rel = np.arange(k_len)[None, :] - (int(q_offset) + np.arange(q_len))[:, None]
+    else:  # a traced position: [q_len, k_len]
+        rel = (jnp.arange(k_len)[None, :]
+               - (jnp.asarray(q_offset, jnp.int32) + jnp.arange(q_len))[:, None])
     buckets = relative_position_bucket(
         rel, bidirectional=cfg.bidirectional, num_buckets=cfg.num_buckets,
         max_distance=cfg.max_distance,
@@ -369,22 +376,7 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
             actual=tuple(kv.shape))
     batch, q_len, _ = x.shape
     k_len = kv.shape[1]
-    target = (batch, heads.num_heads, q_len, k_len)
-    if bias is not None:
-        bias = jnp.asarray(bias)
-        if bias.ndim == 4:
-            bias = _select_heads("bias", bias, heads.ids)
-        _check_broadcast("bias", bias, target, "Use relative_bias(...) or a [1, h, q, k] array.")
-    if mask is not None:
-        mask = jnp.asarray(mask)
-        if mask.dtype != jnp.bool_:
-            raise ShapeError(
-                f"apply_attention: mask must be boolean (True = attend), got dtype {mask.dtype}; "
-                "pass additive masks as bias=", where="mask", expected="bool",
-                actual=str(mask.dtype))
-        if mask.ndim == 4:
-            mask = _select_heads("mask", mask, heads.ids)
-        _check_broadcast("mask", mask, target, "Build masks with padding_mask / causal_mask.")
+    bias, mask = _bias_and_mask(bias, mask, heads, (batch, heads.num_heads, q_len, k_len))
 
     q_mask = k_mask = v_mask = None
     if cfg.qkv_keep is not None:
@@ -402,6 +394,36 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
             v_mask = qkv_activation_masks(seed, k_len, w_v, cfg.qkv_keep)["v"]
 
     logits = attention_logits(qk, x, kv, q_mask=q_mask, k_mask=k_mask)  # [b, h, q, k]
+    vals = split_heads(linear(v, kv), heads.v)  # [batch, k_len, h, max(w_v)]
+    if v_mask is not None:
+        vals = vals * v_mask[:, None, :].astype(vals.dtype)
+    return _attend(logits, vals, o, heads, bias=bias, mask=mask)
+
+
+def _bias_and_mask(bias, mask, heads: HeadLayout, target: tuple[int, ...]):
+    """Check a bias and a mask against ``[batch, heads, q_len, k_len]``; keep the block's
+    heads of per-head ones."""
+    if bias is not None:
+        bias = jnp.asarray(bias)
+        if bias.ndim == 4:
+            bias = _select_heads("bias", bias, heads.ids)
+        _check_broadcast("bias", bias, target, "Use relative_bias(...) or a [1, h, q, k] array.")
+    if mask is not None:
+        mask = jnp.asarray(mask)
+        if mask.dtype != jnp.bool_:
+            raise ShapeError(
+                f"apply_attention: mask must be boolean (True = attend), got dtype {mask.dtype}; "
+                "pass additive masks as bias=", where="mask", expected="bool",
+                actual=str(mask.dtype))
+        if mask.ndim == 4:
+            mask = _select_heads("mask", mask, heads.ids)
+        _check_broadcast("mask", mask, target, "Build masks with padding_mask / causal_mask.")
+    return bias, mask
+
+
+def _attend(logits: Array, vals: Array, o, heads: HeadLayout, *, bias, mask) -> Array:
+    """``o(softmax(scale * logits + bias) vals)``: logits ``[b, h, q, k]``, per-head values
+    ``[b, k, h, w_v]``; masked logits become ``finfo(float32).min``, softmax in float32."""
     logits = logits.astype(jnp.float32)
     if heads.scale != 1.0:
         logits = logits * np.float32(heads.scale)
@@ -409,13 +431,123 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-
-    vals = split_heads(linear(v, kv), heads.v)  # [batch, k_len, h, max(w_v)]
-    if v_mask is not None:
-        vals = vals * v_mask[:, None, :].astype(vals.dtype)
     probs = jax.nn.softmax(logits, axis=-1).astype(vals.dtype)  # [batch, h, q_len, k_len]
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, vals)  # [batch, q_len, h, max(w_v)]
     return linear(o, merge_heads(out, heads.v))  # [batch, q_len, d_out]
+
+
+# ---------------------------------------------------------------------------------------------
+# Key-value cache (autoregressive decoding).
+
+def _no_activation_masks(cfg: AttentionConfig, owner: str) -> None:
+    if cfg.qkv_keep is not None:
+        raise ConfigError(
+            f"{owner}: fixed Q/K/V activation masks (qkv_keep) are drawn over the whole "
+            "sequence length and are not supported in cached decoding; decode without a cache",
+            where="qkv_keep", expected=None, actual=cfg.qkv_keep)
+
+
+def attention_cache(params: dict, kv: Array) -> dict:
+    """The key-value cache of an attention block for a fixed keys'/values' input (the encoder
+    output of a cross-attention): computed once, read at every decoding step.
+
+    Args:
+      params: ``{'qk', 'v', 'o', 'heads'}``.
+      kv: ``[batch, k_len, d_kv_in]``.
+
+    Returns:
+      ``{'k': qk.keys(kv) [batch, k_len, ...], 'v': per-head values [batch, k_len, h, w_v]}``
+      (the keys' layout is the query-key type's: per-head keys for a ``QueryKey``, ``R``
+      shared coordinates for a CP factorization, ...).
+    """
+    qk, v, _, heads = attention_params(params, "attention_cache")
+    kv = jnp.asarray(kv)
+    if kv.ndim != 3 or kv.shape[-1] != qk.d_k_in:
+        raise ShapeError(f"attention_cache: kv must be [batch, k_len, d_kv_in={qk.d_k_in}], got "
+                         f"shape {tuple(kv.shape)}", where="kv", expected=qk.d_k_in,
+                         actual=tuple(kv.shape))
+    return {"k": qk.keys(kv), "v": split_heads(linear(v, kv), heads.v)}
+
+
+def init_attention_cache(params: dict, batch: int, max_len: int, dtype=jnp.float32) -> dict:
+    """An empty (zero) self-attention cache of ``max_len`` positions, shaped like
+    :func:`attention_cache` of a ``[batch, max_len, d_kv_in]`` input (shapes only: nothing is
+    computed)."""
+    qk, _, _, _ = attention_params(params, "init_attention_cache")
+    _positive("init_attention_cache", "batch", batch)
+    _positive("init_attention_cache", "max_len", max_len)
+    spec = jax.ShapeDtypeStruct((int(batch), int(max_len), qk.d_k_in), dtype)
+    shapes = jax.eval_shape(lambda x: attention_cache(params, x), spec)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def apply_attention_cached(params: dict, x: Array, cfg: AttentionConfig, cache: dict, *,
+                           index: int | Array | None = None, mask: Array | None = None,
+                           bias: Array | None = None) -> tuple[Array, dict]:
+    """Attention of new queries against cached keys and values (autoregressive decoding).
+
+    Two uses:
+
+    * **self-attention** (``index`` given): ``x`` holds the ``n`` tokens at positions
+      ``index .. index + n - 1``; their keys and values are written into the cache there, and
+      query ``i`` attends to the cached positions ``<= index + i`` (causal; later buffer slots
+      are masked). ``index + n`` must not exceed the cache length (``dynamic_update_slice``
+      would clamp the write: this cannot be checked on traced indices).
+    * **cross-attention** (``index=None``): the cache (from :func:`attention_cache`) is read
+      as it is and returned unchanged.
+
+    The result equals :func:`apply_attention` of the whole sequence at those positions (to
+    float32 round-off: the logits of the masked slots are ``finfo(float32).min``, whose
+    softmax weight is exactly 0).
+
+    Args:
+      params: ``{'qk', 'v', 'o', 'heads'}``; the query-key type must implement
+        :meth:`~lowrank_jax.QK.keys` / :meth:`~lowrank_jax.QK.logits_from_keys`.
+      x: ``[batch, n, d_q_in]``.
+      cfg: attention configuration (``qkv_keep`` is not supported here).
+      cache: ``{'k', 'v'}`` of :func:`init_attention_cache` or :func:`attention_cache`.
+      index: position of ``x``'s first token (int or traced int32 scalar), or ``None``.
+      mask: extra boolean mask broadcastable to ``[batch, heads, n, cache length]`` (for
+        example the encoder padding in cross-attention).
+      bias: additive bias broadcastable to ``[batch, heads, n, cache length]``
+        (:func:`relative_bias` with ``q_offset=index``).
+
+    Returns:
+      ``(out [batch, n, d_out], cache)``.
+    """
+    qk, v, o, heads = attention_params(params, "apply_attention_cached")
+    _no_activation_masks(cfg, "apply_attention_cached")
+    x = jnp.asarray(x)
+    if x.ndim != 3 or x.shape[-1] != qk.d_q_in:
+        raise ShapeError(
+            f"apply_attention_cached: x must be [batch, n, d_model={qk.d_q_in}], got shape "
+            f"{tuple(x.shape)}", where="x", expected=qk.d_q_in, actual=tuple(x.shape))
+    if not isinstance(cache, dict) or set(cache) != {"k", "v"}:
+        raise ShapeError("apply_attention_cached: cache must be a dict {'k', 'v'} (from "
+                         "init_attention_cache or attention_cache)", where="cache",
+                         expected=["k", "v"],
+                         actual=sorted(cache) if isinstance(cache, dict) else type(cache))
+    batch, n, _ = x.shape
+    k_len = cache["k"].shape[1]
+    if cache["k"].shape[0] != batch:
+        raise ShapeError(f"apply_attention_cached: the cache holds {cache['k'].shape[0]} "
+                         f"sequences, x {batch}", where="cache", expected=batch,
+                         actual=cache["k"].shape[0])
+    if index is not None:
+        if isinstance(index, (int, np.integer)) and not 0 <= index <= k_len - n:
+            raise ShapeError(f"apply_attention_cached: {n} tokens at index {index} do not fit a "
+                             f"cache of {k_len} positions", where="index",
+                             expected=f"[0, {k_len - n}]", actual=int(index))
+        new = {"k": qk.keys(x), "v": split_heads(linear(v, x), heads.v)}
+        cache = {name: jax.lax.dynamic_update_slice_in_dim(
+            cache[name], new[name].astype(cache[name].dtype), index, axis=1)
+            for name in ("k", "v")}
+        pos = jnp.asarray(index, jnp.int32) + jnp.arange(n)  # [n]
+        visible = jnp.arange(k_len)[None, :] <= pos[:, None]  # [n, k_len]
+        mask = combine_masks(visible[None, None], mask)
+    bias, mask = _bias_and_mask(bias, mask, heads, (batch, heads.num_heads, n, k_len))
+    logits = qk.logits_from_keys(x, cache["k"])  # [b, h, n, k_len]
+    return _attend(logits, cache["v"], o, heads, bias=bias, mask=mask), cache
 
 
 def attention_score_flops(params: dict, q_len: int, k_len: int) -> int:

@@ -172,6 +172,59 @@ def test_lowrank_leaf_runs_in_place_of_dense(converted, forward):
     assert type(get_path(p2, path)).__name__ == "LowRank"
 
 
+def hf_greedy(model, ids, mask, steps, **kw):
+    # use_cache=False: transformers 5 sizes its decoder cache by num_layers, so a model with
+    # num_decoder_layers != num_layers (the v1.1 config) fails in its cached generate.
+    with torch.no_grad():
+        out = model.generate(input_ids=torch.tensor(ids), attention_mask=torch.tensor(mask),
+                             max_new_tokens=steps, do_sample=False, num_beams=1,
+                             use_cache=False, **kw)
+    return out.numpy()[:, 1:]  # HF's output starts with the decoder start token
+
+
+def test_greedy_generate_matches_hf(converted):
+    """Cached greedy decoding equals HF ``generate`` token for token, including a sequence
+    that stops at its EOS (then emits pad tokens) while the others go on."""
+    _, model, cfg, params = converted
+    ids, mask, _, _ = random_inputs(cfg.vocab_size, seed=7)
+    steps = 9
+    ours = np.asarray(t5.generate(params, ids, cfg, attention_mask=mask, max_new_tokens=steps))
+    ref = hf_greedy(model, ids, mask, steps)
+    assert ref.shape == (3, steps) and ours.shape == (3, steps)
+    np.testing.assert_array_equal(ours, ref)
+    # Make a token that one sequence emits (first at step t) and no other sequence emits the
+    # EOS: that sequence stops there and pads, the others go on unchanged.
+    i, t = next((i, t) for t in [*range(1, steps - 1), 0] for i in range(3)
+                if ours[i, t] not in ours[i, :t] and ours[i, t] != cfg.pad_token_id
+                and ours[i, t] not in np.delete(ours, i, axis=0))
+    eos = int(ours[i, t])
+    first = ours
+    ours = np.asarray(t5.generate(params, ids, dataclasses.replace(cfg, eos_token_id=eos),
+                                  attention_mask=mask, max_new_tokens=steps))
+    ref = hf_greedy(model, ids, mask, steps, eos_token_id=eos)
+    np.testing.assert_array_equal(ours[:, :ref.shape[1]], ref)
+    assert np.all(ours[i, t + 1:] == cfg.pad_token_id) and ours[i, t] == eos
+    np.testing.assert_array_equal(ours[i, :t + 1], first[i, :t + 1])
+    np.testing.assert_array_equal(np.delete(ours, i, axis=0), np.delete(first, i, axis=0))
+
+
+def test_generate_cached_equals_uncached_when_sampling(converted):
+    _, _, cfg, params = converted
+    ids, mask, _, _ = random_inputs(cfg.vocab_size, seed=8)
+    kw = dict(attention_mask=mask, max_new_tokens=7, do_sample=True, top_k=20, top_p=0.9,
+              temperature=0.8, key=jax.random.PRNGKey(5), min_new_tokens=7)
+    a = np.asarray(t5.generate(params, ids, cfg, **kw))
+    b = np.asarray(t5.generate(params, ids, cfg, use_cache=False, **kw))
+    np.testing.assert_array_equal(a, b)
+    assert not np.any(a == cfg.eos_token_id)  # min_new_tokens suppresses EOS
+    with pytest.raises(ValueError, match="PRNG key"):
+        t5.generate(params, ids, cfg, do_sample=True)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        t5.generate(params, ids, cfg, max_new_tokens=0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        t5.generate(params, ids + cfg.vocab_size, cfg)
+
+
 def test_init_tree_matches_converted_structure(converted):
     _, _, cfg, params = converted
     fresh = jax.eval_shape(lambda k: t5.init(k, cfg), jax.random.PRNGKey(0))

@@ -12,6 +12,7 @@ import pytest
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import (
     Dense,
+    HeadLayout,
     HeadLowRank,
     LowRank,
     MaskedBinary,
@@ -32,16 +33,23 @@ from lowrank_jax.nn import (
     MLPConfig,
     NormConfig,
     RelativeBiasConfig,
+    apply_attention,
+    apply_attention_cached,
     apply_decoder,
     apply_decoder_layer,
+    apply_decoder_step,
     apply_encoder,
     apply_encoder_layer,
+    causal_mask,
     init_attention,
+    init_attention_cache,
     init_decoder,
+    init_decoder_cache,
     init_decoder_layer,
     init_encoder,
     init_encoder_layer,
     init_mlp,
+    keep_heads,
     padding_mask,
     qkv_activation_masks,
 )
@@ -679,3 +687,108 @@ def test_encoder_mask_of_wrong_rank_raises():
     p = encoder_params(cfg, 40, 1)
     with pytest.raises(ShapeError, match="mask must be 4-D"):
         apply_encoder(p, rand(41, (2, 3, 8)), cfg, mask=jnp.ones((2, 3), bool))
+
+
+# ---------------------------------------------------------------------------------------------
+# Cached decoding (key-value cache).
+
+decoder_step = jax.jit(apply_decoder_step, static_argnames=("cfg",))
+
+
+def lowrank_of(leaf, r, seed):
+    """A LowRank leaf of rank ``r`` with NumPy-drawn factors and the leaf's bias."""
+    d_in, d_out = leaf.w.shape
+    return LowRank(u=rand(seed, (d_in, r), d_in ** -0.5), v=rand(seed + 1, (r, d_out)), b=leaf.b)
+
+
+@pytest.mark.parametrize("prenorm,norm", [(True, T5_NORM), (False, BERT_NORM)])
+def test_cached_decoder_steps_match_numpy_reference(prenorm, norm):
+    """Three tokens at once, then one at a time: every position equals the float64 NumPy decoder
+    on the whole sequence (causal relative bias whose log buckets are reached, encoder padding,
+    a LowRank leaf, and a layer with fewer heads than the other)."""
+    rb = RelativeBiasConfig(num_buckets=8, max_distance=12)
+    cfg = DecoderConfig(layer=t5_decoder_layer(prenorm, norm), relative_bias=rb)
+    p = decoder_params(cfg, 120, 2)
+    l0 = p["layers"][0]
+    l0 = dict(l0, self_attn=dict(l0["self_attn"], v=lowrank_of(l0["self_attn"]["v"], 2, 121)),
+              mlp=dict(l0["mlp"], wi=lowrank_of(l0["mlp"]["wi"], 3, 123)))
+    p = dict(p, layers=[l0, dict(p["layers"][1], self_attn=keep_heads(
+        p["layers"][1]["self_attn"], [1]), cross_attn=keep_heads(p["layers"][1]["cross_attn"],
+                                                                  [0]))])
+    assert p["layers"][1]["self_attn"]["heads"].ids == (1,)
+    steps = 11
+    x, enc = rand(124, (2, steps, 8)), rand(125, (2, 5, 6))
+    valid = np.array([[1] * 5, [1] * 3 + [0] * 2], bool)
+    ref, _ = np_decoder(densify(p), x, enc, cfg, cross_mask=padding_mask(valid))
+
+    cache = init_decoder_cache(p, cfg, enc=enc, max_len=steps)
+    cross = padding_mask(valid)
+    outs = []
+    y, cache = decoder_step(p, x[:, :3], cfg, cache, cross_mask=cross)
+    outs.append(y)
+    for t in range(3, steps):
+        y, cache = decoder_step(p, x[:, t:t + 1], cfg, cache, cross_mask=cross)
+        outs.append(y)
+    assert int(cache["index"]) == steps
+    got = jnp.concatenate(outs, axis=1)
+    assert max_err(got, ref) <= TOL
+    # The cache holds the per-head keys of every position: [batch, max_len, heads, width].
+    assert cache["layers"][1]["self"]["k"].shape == (2, steps, 1, 3)
+    assert cache["layers"][0]["cross"]["v"].shape == (2, 5, 2, 3)
+
+
+def factorized_block(kind, seed):
+    """An attention block (d_model 8, 3 heads of value width 2) with a CP or BTD query-key."""
+    from lowrank_jax.leaves import BTDQueryKey, CPQueryKey
+
+    q, k = (Dense(rand(seed + i, (8, 5), 8 ** -0.5), rand(seed + 2 + i, (5,), 0.2))
+            for i in range(2))
+    if kind == "cp":
+        qk = CPQueryKey(q=q, k=k, mix=rand(seed + 4, (3, 5)))
+    else:
+        qk = BTDQueryKey(q=q, k=k, mix=rand(seed + 4, (3, 2)), ranks=(3, 2))
+    return {"qk": qk, "v": Dense(rand(seed + 5, (8, 6), 8 ** -0.5)),
+            "o": Dense(rand(seed + 6, (6, 8), 6 ** -0.5)),
+            "heads": HeadLayout.uniform(3, 2, 0.5)}
+
+
+@pytest.mark.parametrize("kind", ["cp", "btd"])
+def test_cached_attention_with_factorized_query_key(kind):
+    """CP and BTD query-key tensors cache their own key coordinates (R numbers per key for CP)
+    and decode step by step as the whole-sequence attention with a causal mask computes."""
+    block = factorized_block(kind, 130)
+    cfg = AttentionConfig()
+    x = rand(137, (2, 6, 8))
+    full = apply_attention(block, x, cfg, mask=causal_mask(6))
+    cache = init_attention_cache(block, 2, 6)
+    assert cache["k"].shape == ((2, 6, 5) if kind == "cp" else (2, 6, 2, 3))
+    outs = []
+    for t in range(6):
+        y, cache = apply_attention_cached(block, x[:, t:t + 1], cfg, cache, index=t)
+        outs.append(y)
+    assert max_err(jnp.concatenate(outs, axis=1), full) <= TOL
+
+
+def test_cached_decoding_errors():
+    rb = RelativeBiasConfig(num_buckets=8, max_distance=12)
+    cfg = DecoderConfig(layer=t5_decoder_layer(), relative_bias=rb)
+    p = decoder_params(cfg, 140, 2)
+    enc = rand(141, (1, 3, 6))
+    cache = init_decoder_cache(p, cfg, enc=enc, max_len=4)
+    x = rand(142, (1, 5, 8))
+    with pytest.raises(ShapeError, match="exceed the cache's 4 positions"):
+        apply_decoder_step(p, x, cfg, dict(cache, index=0))
+    with pytest.raises(ShapeError, match="2 layers"):
+        apply_decoder_step(p, x[:, :1], cfg, dict(cache, layers=cache["layers"][:1]))
+    block = p["layers"][0]["self_attn"]
+    with pytest.raises(ShapeError, match="do not fit a cache of 4 positions"):
+        apply_attention_cached(block, x[:, :2], AttentionConfig(), cache["layers"][0]["self"],
+                               index=3)
+    with pytest.raises(ConfigError, match="qkv_keep"):
+        apply_attention_cached(block, x[:, :1], AttentionConfig(qkv_keep=0.5),
+                               cache["layers"][0]["self"], index=0)
+    from lowrank_jax.leaves import CompressedKeys
+
+    ck = CompressedKeys.from_query_key(block["qk"], jnp.ones((2, 3, 3)), jnp.zeros(2))
+    with pytest.raises(ConfigError, match="CompressedKeys does not support key-value caching"):
+        init_attention_cache(dict(block, qk=ck), 1, 4)
