@@ -274,10 +274,7 @@ def sample_tokens(params: dict, input_ids: Array, attention_mask: Array, cfg: Ch
     """
     t5 = cfg.t5
     batch = input_ids.shape[0]
-    enc = t5_model.encode(params, input_ids, t5, attention_mask=attention_mask)
-    # HF num_return_sequences: every series repeated num_samples times, consecutively.
-    enc = jnp.repeat(enc, num_samples, axis=0)  # [batch * n, s, d]
-    mask = jnp.repeat(attention_mask, num_samples, axis=0)  # [batch * n, s]
+    enc = t5_model.encode(params, input_ids, t5, attention_mask=attention_mask)  # [batch, s, d]
 
     def choose(logits, t, sub):
         del t
@@ -285,8 +282,11 @@ def sample_tokens(params: dict, input_ids: Array, attention_mask: Array, cfg: Ch
                                 top_k=top_k, top_p=top_p)  # [n, vocab]
         return jax.random.categorical(sub, logits, axis=-1)
 
+    # HF num_return_sequences: every series repeated num_samples times, consecutively (the
+    # cache keeps the encoder's keys and values once per series).
     toks = t5_model.decode_loop(params, enc, t5, key, choose, steps=horizon,
-                                attention_mask=mask, use_cache=use_cache)
+                                attention_mask=attention_mask, repeats=num_samples,
+                                use_cache=use_cache)
     return toks.reshape(batch, num_samples, horizon)
 
 

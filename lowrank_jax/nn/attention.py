@@ -447,6 +447,27 @@ def _no_activation_masks(cfg: AttentionConfig, owner: str) -> None:
             where="qkv_keep", expected=None, actual=cfg.qkv_keep)
 
 
+def _group_queries(arr, held: int, group: int, n: int):
+    """A mask or bias for queries stacked ``[held, group * n]`` (see
+    :func:`apply_attention_cached`): given per sequence ``[held * group, h, n or 1, k]``, per
+    cache row ``[held or 1, h, n or 1, k]``; anything else is left for the shape check."""
+    if arr is None:
+        return None
+    arr = jnp.asarray(arr)
+    if arr.ndim != 4:
+        return arr
+    b, h, q, k = arr.shape
+    if q == 1 and b in (1, held):
+        return arr  # broadcasts over the stacked queries as it is
+    if q not in (1, n):
+        return arr
+    arr = jnp.broadcast_to(arr, (b, h, n, k))
+    if b == held * group:
+        arr = arr.reshape(held, group, h, n, k).transpose(0, 2, 1, 3, 4)
+        return arr.reshape(held, h, group * n, k)
+    return jnp.tile(arr, (1, 1, group, 1)) if b in (1, held) else arr
+
+
 def attention_cache(params: dict, kv: Array) -> dict:
     """The key-value cache of an attention block for a fixed keys'/values' input (the encoder
     output of a cross-attention): computed once, read at every decoding step.
@@ -494,7 +515,10 @@ def apply_attention_cached(params: dict, x: Array, cfg: AttentionConfig, cache: 
       are masked). ``index + n`` must not exceed the cache length (``dynamic_update_slice``
       would clamp the write: this cannot be checked on traced indices).
     * **cross-attention** (``index=None``): the cache (from :func:`attention_cache`) is read
-      as it is and returned unchanged.
+      as it is and returned unchanged. It may hold ``batch / g`` rows: sequences
+      ``b g .. (b + 1) g - 1`` then share row ``b`` (the ``g`` sample paths drawn for one
+      encoder input, Hugging Face's ``num_return_sequences`` order), and their queries are
+      stacked against it in one product: ``g`` times less cache memory read per step.
 
     The result equals :func:`apply_attention` of the whole sequence at those positions (to
     float32 round-off: the logits of the masked slots are ``finfo(float32).min``, whose
@@ -508,7 +532,8 @@ def apply_attention_cached(params: dict, x: Array, cfg: AttentionConfig, cache: 
       cache: ``{'k', 'v'}`` of :func:`init_attention_cache` or :func:`attention_cache`.
       index: position of ``x``'s first token (int or traced int32 scalar), or ``None``.
       mask: extra boolean mask broadcastable to ``[batch, heads, n, cache length]`` (for
-        example the encoder padding in cross-attention).
+        example the encoder padding in cross-attention; with a shared cache it may also have
+        the cache's batch).
       bias: additive bias broadcastable to ``[batch, heads, n, cache length]``
         (:func:`relative_bias` with ``q_offset=index``).
 
@@ -528,11 +553,20 @@ def apply_attention_cached(params: dict, x: Array, cfg: AttentionConfig, cache: 
                          expected=["k", "v"],
                          actual=sorted(cache) if isinstance(cache, dict) else type(cache))
     batch, n, _ = x.shape
-    k_len = cache["k"].shape[1]
-    if cache["k"].shape[0] != batch:
-        raise ShapeError(f"apply_attention_cached: the cache holds {cache['k'].shape[0]} "
-                         f"sequences, x {batch}", where="cache", expected=batch,
-                         actual=cache["k"].shape[0])
+    k_len, held = cache["k"].shape[1], cache["k"].shape[0]
+    group = batch // held if held and batch % held == 0 else 0
+    if held != batch and (index is not None or not group):
+        raise ShapeError(
+            f"apply_attention_cached: the cache holds {held} sequences, x {batch}"
+            + ("" if index is not None else " (a fixed cache may hold a divisor of x's batch)"),
+            where="cache", expected=batch, actual=held)
+    if index is None and group > 1:
+        # Sequences b * group .. (b + 1) * group - 1 share cache row b (samples of one input):
+        # their queries are stacked along the query axis, one product per cache row.
+        out, _ = apply_attention_cached(params, x.reshape(held, group * n, x.shape[-1]), cfg,
+                                        cache, mask=_group_queries(mask, held, group, n),
+                                        bias=_group_queries(bias, held, group, n))
+        return out.reshape(batch, n, out.shape[-1]), cache
     if index is not None:
         if isinstance(index, (int, np.integer)) and not 0 <= index <= k_len - n:
             raise ShapeError(f"apply_attention_cached: {n} tokens at index {index} do not fit a "

@@ -40,7 +40,7 @@ Array = jax.Array
 
 
 def init_decoder_cache(params: dict, cfg: DecoderConfig, *, enc: Array, max_len: int,
-                       dtype=jnp.float32) -> dict:
+                       batch: int | None = None, dtype=jnp.float32) -> dict:
     """A decoder stack's cache: empty self-attention buffers of ``max_len`` positions and the
     cross-attention keys and values of ``enc``.
 
@@ -50,6 +50,10 @@ def init_decoder_cache(params: dict, cfg: DecoderConfig, *, enc: Array, max_len:
       enc: encoder output ``[batch, s, d_enc]``.
       max_len: number of decoder positions the cache holds (tokens fed to the decoder,
         including the start token).
+      batch: number of sequences decoded (default ``enc``'s batch). A multiple ``g`` of
+        ``enc``'s batch: sequences ``b g .. (b + 1) g - 1`` all read encoder row ``b`` (sample
+        paths of one input, Hugging Face's ``num_return_sequences`` order), and the
+        cross-attention cache is kept once per encoder row, not once per sequence.
       dtype: dtype of the self-attention buffers.
 
     Returns:
@@ -62,7 +66,13 @@ def init_decoder_cache(params: dict, cfg: DecoderConfig, *, enc: Array, max_len:
                          f"{tuple(enc.shape)}", where="enc", expected="[batch, s, d_enc]",
                          actual=tuple(enc.shape))
     layers = _layers("init_decoder_cache", params)
-    batch = enc.shape[0]
+    rows = enc.shape[0]
+    batch = rows if batch is None else batch
+    if isinstance(batch, bool) or not isinstance(batch, (int, np.integer)) or batch < 1 or (
+            batch % rows):
+        raise ShapeError(f"init_decoder_cache: batch must be a positive multiple of enc's "
+                         f"{rows} rows, got {batch!r}", where="batch",
+                         expected=f"a multiple of {rows}", actual=batch)
     return {
         "index": jnp.zeros((), jnp.int32),
         "layers": [{"self": init_attention_cache(lp["self_attn"], batch, max_len, dtype),
@@ -96,7 +106,8 @@ def apply_decoder_step(params: dict, x: Array, cfg: DecoderConfig, cache: dict, 
       x: embedded tokens ``[batch, n, d_model]`` at positions ``index .. index + n - 1``.
       cfg: stack configuration (``qkv_keep`` activation masks are not supported).
       cache: from :func:`init_decoder_cache` or a previous step.
-      cross_mask: boolean mask broadcastable to ``[batch, heads, n, s]`` (encoder padding).
+      cross_mask: boolean mask broadcastable to ``[batch, heads, n, s]`` (encoder padding);
+        with a cache shared by sample paths, ``[enc batch, 1, 1, s]`` serves them all.
 
     Returns:
       ``(y [batch, n, d_model], cache)`` with ``cache['index']`` advanced by ``n``.

@@ -225,6 +225,25 @@ def test_generate_cached_equals_uncached_when_sampling(converted):
         t5.generate(params, ids + cfg.vocab_size, cfg)
 
 
+def test_kth_largest_equals_sorting():
+    """The bitwise k-th largest against NumPy's sort: ties, infinities, signed zeros,
+    subnormal and huge magnitudes, every k from 1 to n on a small row."""
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        n = int(rng.integers(1, 200))
+        x = (rng.standard_normal((4, n)) * 10.0 ** rng.uniform(-42, 35)).astype(np.float32)
+        x[0, : n // 3] = x[0, -1]  # ties
+        x[1, ::3] = -np.inf
+        x[2, ::5] = np.inf
+        x[3, ::2] = -0.0
+        k = int(rng.integers(1, n + 1))
+        np.testing.assert_array_equal(np.asarray(t5.kth_largest(jnp.asarray(x), k)),
+                                      np.sort(x, axis=-1)[:, -k], err_msg=f"trial {trial}")
+    x = jnp.asarray(rng.standard_normal((2, 7)).astype(np.float32))
+    got = np.stack([np.asarray(t5.kth_largest(x, k)) for k in range(1, 8)], axis=-1)
+    np.testing.assert_array_equal(got, -np.sort(-np.asarray(x), axis=-1))
+
+
 def test_init_tree_matches_converted_structure(converted):
     _, _, cfg, params = converted
     fresh = jax.eval_shape(lambda k: t5.init(k, cfg), jax.random.PRNGKey(0))

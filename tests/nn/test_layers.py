@@ -792,3 +792,32 @@ def test_cached_decoding_errors():
     ck = CompressedKeys.from_query_key(block["qk"], jnp.ones((2, 3, 3)), jnp.zeros(2))
     with pytest.raises(ConfigError, match="CompressedKeys does not support key-value caching"):
         init_attention_cache(dict(block, qk=ck), 1, 4)
+
+
+@pytest.mark.parametrize("per_sequence_mask", [False, True])
+def test_cached_decoder_shares_the_encoder_cache_between_sample_paths(per_sequence_mask):
+    """Three sequences per encoder row (HF's num_return_sequences order): the cross-attention
+    cache is kept once per row, and every position equals the NumPy decoder on the repeated
+    encoder output, with the padding given per row or (different) per sequence."""
+    rb = RelativeBiasConfig(num_buckets=8, max_distance=12)
+    cfg = DecoderConfig(layer=t5_decoder_layer(), relative_bias=rb)
+    p = decoder_params(cfg, 150, 2)
+    enc = rand(151, (2, 5, 6))
+    valid = np.array([[1] * 5, [1] * 3 + [0] * 2], bool)
+    if per_sequence_mask:
+        valid = np.repeat(valid, 3, axis=0)
+        valid[1, 4] = valid[5, 1] = False
+    x = rand(152, (6, 4, 8))
+    per_seq = valid if per_sequence_mask else np.repeat(valid, 3, axis=0)
+    ref, _ = np_decoder(p, x, np.repeat(np.asarray(enc), 3, axis=0), cfg,
+                        cross_mask=np.asarray(padding_mask(per_seq)))
+    cache = init_decoder_cache(p, cfg, enc=enc, max_len=4, batch=6)
+    assert cache["layers"][0]["cross"]["k"].shape[0] == 2
+    assert cache["layers"][0]["self"]["k"].shape[0] == 6
+    outs = []
+    for t in range(4):
+        y, cache = decoder_step(p, x[:, t:t + 1], cfg, cache, cross_mask=padding_mask(valid))
+        outs.append(y)
+    assert max_err(jnp.concatenate(outs, axis=1), ref) <= TOL
+    with pytest.raises(ShapeError, match="multiple of enc's 2 rows"):
+        init_decoder_cache(p, cfg, enc=enc, max_len=4, batch=5)
