@@ -18,8 +18,9 @@ Scripts and the goals they answer (issue 15, "Goals"):
 ``peak.py``         2: dense Chronos-Bolt forward >= 90% of the GEMM rate and >= 1.3x PyTorch
                     eager, torch.compile; 3: compressed >= 2x dense PyTorch eager; 6: bf16
                     error; 7: XLA memory next to parameter bytes
-``decode.py``       4: decoding tokens/s against PyTorch ``generate`` (when the script exists;
-                    its JSON's ``goals`` entries become rows)
+``decode.py``       4: decoding tokens/s with the key-value cache against PyTorch
+                    ``generate`` and against decoding without the cache (its JSON's
+                    ``goals`` entries become rows)
 ==================  =========================================================================
 
 ``--all`` also runs the other benchmark scripts' quick modes (sweep, CP-ALS, irregular
@@ -190,8 +191,8 @@ def rows_goals(d: dict, source: str, goal: str) -> list[Row]:
     for name, e in g.items():
         if isinstance(e, dict):
             v = e.get("value")
-            out.append(Row(goal, name, str(e.get("goal", "-")),
-                           f"{v:.3g}" if isinstance(v, (int, float)) else str(v),
+            num = isinstance(v, (int, float)) and not isinstance(v, bool)
+            out.append(Row(goal, name, str(e.get("goal", "-")), f"{v:.3g}" if num else str(v),
                            e.get("holds"), source, v))
         else:
             out.append(Row(goal, name, "-", str(e), None, source, e))
