@@ -55,17 +55,23 @@ from lowrank_jax.nn.norms import (
     init_batch_norm,
     init_norm,
 )
+from lowrank_jax.nn.precision import (
+    bf16_forward,
+    cast_weights,
+    dot_accumulation_dtypes,
+    with_matmul_dtype,
+)
 
 __all__ = [
     "ACTIVATIONS", "AttentionConfig", "BatchNormConfig", "DecoderConfig", "DecoderLayerConfig",
     "EncoderConfig", "EncoderLayerConfig", "LayerSizes", "MLPConfig", "NormConfig",
     "RelativeBiasConfig", "activation_keep_count", "apply_attention", "apply_attention_cached",
     "apply_batch_norm", "apply_decoder", "apply_decoder_layer", "apply_decoder_step",
-    "attention_cache", "apply_encoder", "apply_encoder_layer", "apply_mlp",
-    "apply_norm", "attention_params", "attention_score_flops", "causal_mask", "combine_masks", "head_widths",
-    "init_attention", "init_attention_cache", "init_batch_norm", "init_decoder",
-    "init_decoder_cache", "init_decoder_layer", "init_encoder",
-    "init_encoder_layer", "init_mlp", "init_norm", "init_relative_bias", "keep_heads",
-    "keep_hidden", "padding_mask",
-    "qkv_activation_masks", "relative_bias", "relative_position_bucket", "step_t_mask",
+    "apply_encoder", "apply_encoder_layer", "apply_mlp", "apply_norm", "attention_cache",
+    "attention_params", "attention_score_flops", "bf16_forward", "cast_weights", "causal_mask",
+    "combine_masks", "dot_accumulation_dtypes", "head_widths", "init_attention",
+    "init_attention_cache", "init_batch_norm", "init_decoder", "init_decoder_cache",
+    "init_decoder_layer", "init_encoder", "init_encoder_layer", "init_mlp", "init_norm",
+    "init_relative_bias", "keep_heads", "keep_hidden", "padding_mask", "qkv_activation_masks",
+    "relative_bias", "relative_position_bucket", "step_t_mask", "with_matmul_dtype",
 ]
