@@ -9,19 +9,21 @@ with ``_logs``).
 
 Scripts and the goals they answer (issue 15, "Goals"):
 
-==================  =========================================================================
-``linear.py``       1: a ``LowRank`` leaf's time ratio <= 1.15 x its FLOP ratio (0.1-0.5)
-``pruning.py``      1: a physically pruned Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
-``models.py``       1: an SVD-compressed Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
-``binary.py``       1: binary leaves' time / FLOP; 5: packed binary >= frozen binary speed,
-                    leaf bytes
-``peak.py``         2: dense Chronos-Bolt forward >= 90% of the GEMM rate and >= 1.3x PyTorch
-                    eager, torch.compile; 3: compressed >= 2x dense PyTorch eager; 6: bf16
-                    error; 7: XLA memory next to parameter bytes
-``decode.py``       4: decoding tokens/s with the key-value cache against PyTorch
-                    ``generate`` and against decoding without the cache (its JSON's
-                    ``goals`` entries become rows)
-==================  =========================================================================
+======================  =======================================================================
+``linear.py``           1: a ``LowRank`` leaf's time ratio <= 1.15 x its FLOP ratio (0.1-0.5)
+``pruning.py``          1: a physically pruned Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
+``models.py``           1: an SVD-compressed Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
+``binary.py``           1: binary leaves' time / FLOP; 5: packed binary >= frozen binary speed,
+                        leaf bytes
+``peak.py``             2: dense Chronos-Bolt forward >= 90% of the GEMM rate and >= 1.3x PyTorch
+                        eager, torch.compile; 3: compressed >= 2x dense PyTorch eager; 6: bf16
+                        error; 7: XLA memory next to parameter bytes
+``recipe_quality.py``   3: goal 3's recipe (SVD attention + half MLPs) on the demo's pretrained
+                        model, WQL after a short fine-tune within 1 % of dense
+``decode.py``           4: decoding tokens/s with the key-value cache against PyTorch
+                        ``generate`` and against decoding without the cache (its JSON's
+                        ``goals`` entries become rows)
+======================  =======================================================================
 
 ``--all`` also runs the other benchmark scripts' quick modes (sweep, CP-ALS, irregular
 attention, partition, SBT, Flax ViT, train step, prune-then-finetune, pretraining seeds) as
@@ -192,7 +194,7 @@ def rows_goals(d: dict, source: str, goal: str) -> list[Row]:
         if isinstance(e, dict):
             v = e.get("value")
             num = isinstance(v, (int, float)) and not isinstance(v, bool)
-            out.append(Row(goal, name, str(e.get("goal", "-")), f"{v:.3g}" if num else str(v),
+            out.append(Row(goal, name, str(e.get("goal", "-")), f"{v:.4g}" if num else str(v),
                            e.get("holds"), source, v))
         else:
             out.append(Row(goal, name, "-", str(e), None, source, e))
@@ -214,6 +216,8 @@ GOAL_SCRIPTS = [
     Script("binary", rows_binary, "5"),
     Script("peak", rows_peak, "2"),
     Script("decode", lambda d: rows_goals(d, "decode.py", "4"), "4", optional=True),
+    Script("recipe_quality", lambda d: rows_goals(d, "recipe_quality.py", "3"), "3",
+           optional=True),
 ]
 SMOKE_SCRIPTS = [Script(n, None) for n in (
     "sweep", "cp_als", "irregular_attention", "partition", "sbt", "flax_vit_digits", "train",
