@@ -46,6 +46,8 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowrank_jax as lj
+from prune_then_finetune import train  # noqa: E402  (benchmarks/: the same training loop)
+
 from lowrank_jax.cli.pretrain_demo import (  # noqa: E402
     demo_config,
     eval_windows,
@@ -55,29 +57,10 @@ from lowrank_jax.cli.pretrain_demo import (  # noqa: E402
 from lowrank_jax.compress import ATTENTION_QKVO  # noqa: E402
 from lowrank_jax.datasets import builtin_datasets  # noqa: E402
 from lowrank_jax.models import chronos_bolt  # noqa: E402
-from lowrank_jax.train import (  # noqa: E402
-    WindowConfig,
-    WindowSampler,
-    default_optimizer,
-    fit,
-    full_params,
-)
+from lowrank_jax.train import WindowConfig, WindowSampler  # noqa: E402
 
 MLP_RULES = (r"mlp/(wi|wi_0|wi_1|wo)$",)
 WQL_GOAL = 1.01
-
-
-def train(cfg, params, sampler, steps: int, lr: float, seed: int, desc: str):
-    """``steps`` steps of the library's training loop; returns ``(params, losses)``."""
-    def batch_of(w):
-        return {"context": np.asarray(w["context"]), "target": np.asarray(w["target"])}
-
-    opt = default_optimizer(learning_rate=lr, total_steps=steps,
-                            warmup_steps=max(steps // 20, 0))
-    state, hist = fit(chronos_bolt.loss(cfg), params, sampler, steps=steps,
-                      key=jax.random.PRNGKey(seed), batch_fn=batch_of, optimizer=opt,
-                      progress=False, desc=desc)
-    return full_params(state), [h["loss"] for h in hist]
 
 
 def spread(values) -> dict:
