@@ -23,6 +23,10 @@ from lowrank_jax.leaves.base import (
     slice_bias,
 )
 
+#: irregular ranks whose sum is below this share of ``heads * max(ranks)`` run their first
+#: product on the true ranks (:class:`HeadLowRank`, "Execution").
+EXACT_BELOW = 0.9
+
 
 class HeadLowRank(Leaf):
     """Per-head factors for a projection that produces ``h`` heads of size ``d_h``.
@@ -44,13 +48,23 @@ class HeadLowRank(Leaf):
       v: ``[h, r, d_h]`` per-head lifts.
       b: optional bias ``[h * d_h]``.
       ranks: static per-head ranks when heads differ (irregular ranks from per-head eps
-        truncation). Factors are zero-padded to ``r = max(ranks)``; the padded columns are masked
-        in :meth:`apply`, so they stay exactly zero in the output and get zero gradients.
-        ``None`` means every head has rank ``r``.
+        truncation). Factors are stored zero-padded to ``r = max(ranks)``; padded entries never
+        reach the output and get zero gradients. ``None`` means every head has rank ``r``.
+
+    Execution with irregular ranks: when the true ranks sum to less than
+    :data:`EXACT_BELOW` of ``heads * r``, the first product runs on the true ranks only
+    (``x @ u[:, kept columns]``, one ``[d_in, sum(ranks)]`` matmul: the columns are gathered
+    from the weight, whose size does not grow with the tokens) and its result is spread into
+    the padded ``[heads, r]`` layout for the per-head lifts (the small second product, ``r``
+    per head against ``d_head``). Otherwise both products run padded, the padded columns
+    masked. On a 12-head, ``d = 768`` projection at 2048 tokens the exact first product was
+    1.4-1.7x faster for ranks summing to 54-65 % of the padded ones, and 3 % slower at 96 %.
 
     Counts: :meth:`param_count` and :meth:`storage_bits` use the true per-head ranks (the
     padding carries no information and a ragged store drops it); :meth:`flops` counts what is
-    executed, padding included, so irregular ranks are never reported as cheaper than they run.
+    executed (``d_in * sum(ranks) + heads * r * d_head`` per token on the exact path,
+    ``heads * r * (d_in + d_head)`` padded), so irregular ranks are never reported as cheaper
+    than they run.
 
     Surgery: input channels are rows of ``u``; output channels can only be removed a whole head
     at a time (:meth:`keep_outputs` raises otherwise).
@@ -108,12 +122,37 @@ class HeadLowRank(Leaf):
             np.float32
         )
 
+    def _exact_layout(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """For the exact first product: the kept columns of ``u`` as ``[d_in, h * r]`` and,
+        for every slot of the padded ``[h, r]`` layout, its column in ``[t, 0]`` (``t`` the
+        exact product, the appended zero for padding). ``None``: run padded."""
+        if self.ranks is None:
+            return None
+        h, r = self.num_heads, self.max_rank
+        total = sum(self.ranks)
+        if total >= EXACT_BELOW * h * r:
+            return None
+        cols = np.concatenate([hd * r + np.arange(k) for hd, k in enumerate(self.ranks)]
+                              or [np.zeros(0, np.int64)]).astype(np.int64)
+        off = np.concatenate([[0], np.cumsum(self.ranks)]).astype(np.int64)
+        spread = np.full((h, r), total, np.int64)
+        for hd, k in enumerate(self.ranks):
+            spread[hd, :k] = off[hd] + np.arange(k)
+        return cols, spread.ravel()
+
     def apply(self, x: Array) -> Array:
         d_in, h, r = self.u.shape
-        t = (x @ self.u.reshape(d_in, h * r)).reshape(*x.shape[:-1], h, r)  # [..., h, r]
-        mask = self._rank_mask()
-        if mask is not None:
-            t = t * mask.astype(t.dtype)
+        layout = self._exact_layout()
+        if layout is not None:
+            cols, spread = layout
+            t = x @ self.u.reshape(d_in, h * r)[:, cols]  # [..., sum(ranks)]
+            t = jnp.concatenate([t, jnp.zeros((*t.shape[:-1], 1), t.dtype)], axis=-1)
+            t = t[..., spread].reshape(*x.shape[:-1], h, r)  # [..., h, r], padding exactly 0
+        else:
+            t = (x @ self.u.reshape(d_in, h * r)).reshape(*x.shape[:-1], h, r)  # [..., h, r]
+            mask = self._rank_mask()
+            if mask is not None:
+                t = t * mask.astype(t.dtype)
         y = jnp.einsum("...hr,hrd->...hd", t, self.v).reshape(*x.shape[:-1], h * self.d_head)
         return y if self.b is None else y + self.b
 
@@ -132,7 +171,10 @@ class HeadLowRank(Leaf):
             array_bits(self.b)
 
     def flops(self, n_tokens: int) -> int:
-        return n_tokens * self.num_heads * self.max_rank * (self.d_in + self.d_head)
+        lift = self.num_heads * self.max_rank * self.d_head
+        if self._exact_layout() is not None:
+            return n_tokens * (self.d_in * sum(self.ranks) + lift)
+        return n_tokens * (self.num_heads * self.max_rank * self.d_in + lift)
 
     @property
     def bias(self):

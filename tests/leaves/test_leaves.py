@@ -73,8 +73,30 @@ def test_head_lowrank_matches_per_head_numpy(ranks):
     np.testing.assert_allclose(np.asarray(lj.materialize(leaf)), dense_ref, atol=1e-5)
     assert leaf.shape == (d_in, h * dh)
     assert lj.param_count(leaf) == sum(ri * (d_in + dh) for ri in eff)
-    # FLOPs count what runs: padded ranks included.
+    # FLOPs count what runs: irregular ranks summing to 6 of 9 run the first product exactly,
+    # the per-head lift padded.
+    if ranks is None:
+        assert lj.flops(leaf, 5) == 5 * h * rmax * (d_in + dh)
+    else:
+        assert lj.flops(leaf, 5) == 5 * (d_in * sum(ranks) + h * rmax * dh)
+
+
+def test_head_lowrank_nearly_uniform_ranks_run_padded():
+    """Ranks summing to >= 90 % of the padded ones run both products padded (masked): same
+    outputs as the per-head reference, FLOPs of the padded products."""
+    r = rng(5)
+    d_in, h, rmax, dh = 7, 10, 4, 3
+    ranks = (4,) * 9 + (3,)
+    u, v, x = r.normal(size=(d_in, h, rmax)), r.normal(size=(h, rmax, dh)), r.normal(size=(5, d_in))
+    leaf = lj.HeadLowRank(jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32), ranks=ranks)
+    assert leaf._exact_layout() is None
+    np.testing.assert_allclose(np.asarray(lj.linear(leaf, jnp.asarray(x, jnp.float32))),
+                               _head_reference(x, u, v, ranks), atol=1e-5)
     assert lj.flops(leaf, 5) == 5 * h * rmax * (d_in + dh)
+    zero = lj.HeadLowRank(jnp.asarray(u, jnp.float32), jnp.asarray(v, jnp.float32),
+                          ranks=(0,) * h)  # every head at rank 0: exact path, zero output
+    assert np.all(np.asarray(lj.linear(zero, jnp.asarray(x, jnp.float32))) == 0)
+    assert lj.flops(zero, 5) == 5 * h * rmax * dh
 
 
 def test_head_lowrank_padding_gets_no_gradient():
