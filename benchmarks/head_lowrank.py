@@ -1,15 +1,15 @@
-"""``HeadLowRank`` with irregular per-head ranks: the first product on the true ranks against the
-padded execution it replaced (issue 15, goal 1: "execute irregular ranks so that executed FLOPs
-are the true ones, and count what is executed").
+"""``HeadLowRank`` with irregular per-head ranks: execution on the true ranks against the padded
+execution it replaced (issue 15, goal 1: "execute irregular ranks so that executed FLOPs are the
+true ones, and count what is executed").
 
 A 12-head projection (``d_in = 768``, ``d_head = 64``) with per-head ranks as per-head eps
 truncation gives them, at 512 / 2048 / 8192 tokens. Three jitted calls per row, interleaved
-(median of ``--runs``): the dense ``[768, 768]`` leaf, the leaf as it runs now (first product
-``x @ u[:, kept columns]``, lift padded: ``HeadLowRank._exact_layout``) and the same leaf run
-fully padded (the module's ``EXACT_BELOW`` set to 0 while tracing: the execution before
-2026-11-27). ``flop ratio`` = :func:`lowrank_jax.flops` of the leaf as it runs now / dense;
-``padded flop ratio`` what the padded execution runs; outputs of the two executions agree to
-float32 round-off (``max rel diff``).
+(median of ``--runs``): the dense ``[768, 768]`` leaf, the leaf as it runs now (both products on
+the true ranks: ``x @ u[:, kept columns]``, then each head's lift) and the same leaf run padded
+(the module's ``EXACT_BELOW`` set to 0 while tracing: how irregular ranks ran before
+2026-11-27, with today's head-major lift). ``flop ratio`` = :func:`lowrank_jax.flops` of the
+leaf as it runs now / dense; ``pad t/f`` uses the padded execution's FLOPs; outputs of the two
+executions agree to float32 round-off (``rel diff``).
 
 Usage::
 
