@@ -447,6 +447,17 @@ def _no_activation_masks(cfg: AttentionConfig, owner: str) -> None:
             where="qkv_keep", expected=None, actual=cfg.qkv_keep)
 
 
+def _known_int(index) -> int | None:
+    """``index`` as an int when its value is known here (a Python or NumPy int, or a concrete
+    array outside ``jit``), else ``None`` (traced: the caller cannot check it)."""
+    if isinstance(index, jax.core.Tracer):
+        return None
+    try:
+        return int(index)
+    except (TypeError, ValueError):
+        return None
+
+
 def _group_queries(arr, held: int, group: int, n: int):
     """A mask or bias for queries stacked ``[held, group * n]`` (see
     :func:`apply_attention_cached`): given per sequence ``[held * group, h, n or 1, k]``, per
@@ -568,10 +579,11 @@ def apply_attention_cached(params: dict, x: Array, cfg: AttentionConfig, cache: 
                                         bias=_group_queries(bias, held, group, n))
         return out.reshape(batch, n, out.shape[-1]), cache
     if index is not None:
-        if isinstance(index, (int, np.integer)) and not 0 <= index <= k_len - n:
-            raise ShapeError(f"apply_attention_cached: {n} tokens at index {index} do not fit a "
+        known = _known_int(index)
+        if known is not None and not 0 <= known <= k_len - n:
+            raise ShapeError(f"apply_attention_cached: {n} tokens at index {known} do not fit a "
                              f"cache of {k_len} positions", where="index",
-                             expected=f"[0, {k_len - n}]", actual=int(index))
+                             expected=f"[0, {k_len - n}]", actual=known)
         new = {"k": qk.keys(x), "v": split_heads(linear(v, x), heads.v)}
         cache = {name: jax.lax.dynamic_update_slice_in_dim(
             cache[name], new[name].astype(cache[name].dtype), index, axis=1)

@@ -27,6 +27,7 @@ import numpy as np
 
 from lowrank_jax.errors import ShapeError
 from lowrank_jax.nn.attention import (
+    _known_int,
     apply_attention_cached,
     attention_cache,
     init_attention_cache,
@@ -121,10 +122,11 @@ def apply_decoder_step(params: dict, x: Array, cfg: DecoderConfig, cache: dict, 
     n = x.shape[1]
     index = cache["index"]
     max_len = cache["layers"][0]["self"]["v"].shape[1]
-    if isinstance(index, (int, np.integer)) and int(index) + n > max_len:
-        raise ShapeError(f"apply_decoder_step: {n} more tokens at position {int(index)} exceed "
+    known = _known_int(index)
+    if known is not None and known + n > max_len:
+        raise ShapeError(f"apply_decoder_step: {n} more tokens at position {known} exceed "
                          f"the cache's {max_len} positions", where="cache",
-                         expected=f"<= {max_len}", actual=int(index) + n)
+                         expected=f"<= {max_len}", actual=known + n)
     bias = None
     if cfg.relative_bias is not None:
         causal_cfg = dataclasses.replace(cfg.relative_bias, bidirectional=False)

@@ -778,6 +778,8 @@ def test_cached_decoding_errors():
     x = rand(142, (1, 5, 8))
     with pytest.raises(ShapeError, match="exceed the cache's 4 positions"):
         apply_decoder_step(p, x, cfg, dict(cache, index=0))
+    with pytest.raises(ShapeError, match="2 more tokens at position 3"):  # a concrete array
+        apply_decoder_step(p, x[:, :2], cfg, dict(cache, index=jnp.asarray(3, jnp.int32)))
     with pytest.raises(ShapeError, match="2 layers"):
         apply_decoder_step(p, x[:, :1], cfg, dict(cache, layers=cache["layers"][:1]))
     block = p["layers"][0]["self_attn"]
