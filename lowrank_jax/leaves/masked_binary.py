@@ -34,6 +34,30 @@ def keep_count(n: int, keep: float) -> int:
     return n - int((1.0 - keep) * n)
 
 
+def kth_largest_key(key: Array, k: int) -> Array:
+    """The ``k``-th largest of unsigned integer keys along the last axis, row by row, by radix
+    select: the answer's bits are decided from the top one down, each by counting the keys at
+    least the candidate (one pass per bit of the key type). Float bit patterns mapped to keys
+    that order as the floats do make this an exact k-th largest float without sorting.
+
+    Args:
+      key: ``uint[..., n]``.
+      k: in ``[1, n]``.
+
+    Returns:
+      ``uint[...]``, same dtype as ``key``.
+    """
+    utype = key.dtype
+    bits = jnp.dtype(utype).itemsize * 8
+
+    def next_bit(i, prefix):
+        cand = prefix | (jnp.asarray(1, utype) << (bits - 1 - i).astype(utype))
+        count = jnp.sum(key >= cand[..., None], axis=-1, dtype=jnp.int32)
+        return jnp.where(count >= k, cand, prefix)
+
+    return jax.lax.fori_loop(0, bits, next_bit, jnp.zeros(key.shape[:-1], utype))
+
+
 def top_mask(scores: Array, keep: float) -> Array:
     """"Sparse Binary Transformers" eq. 1: 1 for the ``keep_count`` largest ``|scores|`` of the
     layer, else 0; among equal scores at the threshold the lowest flat indices are kept (as
@@ -50,15 +74,9 @@ def top_mask(scores: Array, keep: float) -> Array:
     n = int(np.prod(scores.shape))
     k = keep_count(n, keep)
     a = jnp.abs(scores).reshape(-1)
-    bits = jnp.dtype(a.dtype).itemsize * 8
-    utype = jnp.dtype(f"uint{bits}")
+    utype = jnp.dtype(f"uint{jnp.dtype(a.dtype).itemsize * 8}")
     key = jax.lax.bitcast_convert_type(a, utype)
-
-    def next_bit(i, prefix):
-        cand = prefix | (jnp.asarray(1, utype) << (bits - 1 - i).astype(utype))
-        return jnp.where(jnp.sum(key >= cand, dtype=jnp.int32) >= k, cand, prefix)
-
-    v = jax.lax.fori_loop(0, bits, next_bit, jnp.asarray(0, utype))  # the k-th largest key
+    v = kth_largest_key(key[None], k)[0]  # the k-th largest key
     above, tied = key > v, key == v
     need = k - jnp.sum(above, dtype=jnp.int32)
     keep_mask = jax.lax.cond(
@@ -431,4 +449,5 @@ FixedBias = leaf_dataclass(FixedBias)
 
 
 __all__ = ["ALPHA_BITS", "FixedBias", "FrozenBinary", "MaskedBinary", "alpha_divisor",
+           "kth_largest_key",
            "init_masked_binary", "keep_count", "pairwise_sum", "top_mask"]

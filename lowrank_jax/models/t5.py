@@ -28,6 +28,7 @@ import numpy as np
 
 from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.leaves.masked_binary import kth_largest_key
 from lowrank_jax.models.common import check_inputs, check_token_ids, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models.hf import HFRow, HFSpec, Widen, attention_rows, mlp_rows, norm_rows
@@ -417,7 +418,8 @@ def kth_largest(x: Array, k: int) -> Array:
 
     A bitwise binary search: float32 values map to unsigned integers in the same order, and
     the 32 bits of the answer are decided from the top one down, each by counting the entries
-    at or above a candidate (``32`` compare-and-count passes over the row). On XLA:CPU this is
+    at or above a candidate (:func:`lowrank_jax.leaves.masked_binary.kth_largest_key`, the
+    radix select of Biprop's masks; ``32`` passes over the row). On XLA:CPU this is
     about 18x faster than ``lax.top_k`` for a ``[20, 4096]`` row block with ``k = 50`` (0.6 vs
     10.6 ms), which made top-k the largest part of a Chronos decoding step. NaNs are not
     supported.
@@ -434,11 +436,7 @@ def kth_largest(x: Array, k: int) -> Array:
     sign = jnp.uint32(0x80000000)
     # Order-preserving map: negative floats reversed below the positive ones.
     keys = jnp.where(bits >= sign, ~bits, bits | sign)
-    res = jnp.zeros(x.shape[:-1], jnp.uint32)
-    for bit in range(31, -1, -1):
-        cand = res | jnp.uint32(1 << bit)
-        count = jnp.sum(keys >= cand[..., None], axis=-1)
-        res = jnp.where(count >= k, cand, res)
+    res = kth_largest_key(keys, k)
     bits = jnp.where(res >= sign, res & ~sign, ~res)
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
