@@ -19,8 +19,6 @@ compressed attention also keeps a smaller cache. Every weight is applied through
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,10 +29,13 @@ from lowrank_jax.nn.attention import (
     apply_attention_cached,
     attention_cache,
     init_attention_cache,
-    relative_bias,
 )
-from lowrank_jax.nn.layers import DecoderConfig, _layers, _residual
-from lowrank_jax.nn.mlp import apply_mlp
+from lowrank_jax.nn.layers import (
+    DecoderConfig,
+    _layers,
+    decoder_layer_body,
+    decoder_self_bias,
+)
 from lowrank_jax.nn.norms import apply_norm
 
 Array = jax.Array
@@ -127,11 +128,7 @@ def apply_decoder_step(params: dict, x: Array, cfg: DecoderConfig, cache: dict, 
         raise ShapeError(f"apply_decoder_step: {n} more tokens at position {known} exceed "
                          f"the cache's {max_len} positions", where="cache",
                          expected=f"<= {max_len}", actual=known + n)
-    bias = None
-    if cfg.relative_bias is not None:
-        causal_cfg = dataclasses.replace(cfg.relative_bias, bidirectional=False)
-        bias = relative_bias(params["rel_bias"], n, max_len, causal_cfg,
-                             q_offset=index)  # [1, H, n, max_len]
+    bias = decoder_self_bias(params, cfg, n, max_len, q_offset=index)  # [1, H, n, max_len]
     lc = cfg.layer
     new_layers = []
     for lp, c in zip(layers, cache["layers"], strict=True):
@@ -147,10 +144,7 @@ def apply_decoder_step(params: dict, x: Array, cfg: DecoderConfig, cache: dict, 
                                                        c["cross"], mask=cross_mask)
             return out
 
-        x = _residual(lc.prenorm, lp["self_attn_norm"], lc.norm, x, self_attn)
-        x = _residual(lc.prenorm, lp["cross_attn_norm"], lc.norm, x, cross_attn)
-        x = _residual(lc.prenorm, lp["mlp_norm"], lc.norm, x,
-                      lambda h, lp=lp: apply_mlp(lp["mlp"], h, lc.mlp))
+        x = decoder_layer_body(lp, x, lc, self_attn, cross_attn)
         new_layers.append(new)
     if cfg.final_norm:
         x = apply_norm(params["final_norm"], x, lc.norm)

@@ -256,10 +256,18 @@ def apply_decoder_layer(params: dict, x: Array, cfg: DecoderLayerConfig, *, enc:
         return apply_attention(params["cross_attn"], h, cfg.cross_attention, kv=enc,
                                mask=cross_mask, bias=cross_bias, layer_index=layer_index)
 
+    return decoder_layer_body(params, x, cfg, self_attn, cross_attn)  # [batch, t, d_model]
+
+
+def decoder_layer_body(params: dict, x: Array, cfg: DecoderLayerConfig, self_attn,
+                       cross_attn) -> Array:
+    """A decoder layer's residual wiring around given attention functions (``h -> out``):
+    self-attention, cross-attention, MLP, each with its norm (pre- or post-norm). Shared by
+    :func:`apply_decoder_layer` and cached decoding (:mod:`lowrank_jax.nn.decoding`)."""
     x = _residual(cfg.prenorm, params["self_attn_norm"], cfg.norm, x, self_attn)
     x = _residual(cfg.prenorm, params["cross_attn_norm"], cfg.norm, x, cross_attn)
     return _residual(cfg.prenorm, params["mlp_norm"], cfg.norm, x,
-                     lambda h: apply_mlp(params["mlp"], h, cfg.mlp))  # [batch, t, d_model]
+                     lambda h: apply_mlp(params["mlp"], h, cfg.mlp))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -408,6 +416,16 @@ def init_decoder(key: Array, cfg: DecoderConfig, *, d_model: int, layers: Sequen
                                                        d_enc=d_enc))
 
 
+def decoder_self_bias(params: dict, cfg: DecoderConfig, q_len: int, k_len: int, *,
+                      q_offset=0) -> Array | None:
+    """The stack's self-attention relative bias ``[1, H, q_len, k_len]`` (``None`` without a
+    table), always with causal buckets (HF ``is_decoder``); queries start at ``q_offset``."""
+    if cfg.relative_bias is None:
+        return None
+    causal_cfg = dataclasses.replace(cfg.relative_bias, bidirectional=False)
+    return relative_bias(params["rel_bias"], q_len, k_len, causal_cfg, q_offset=q_offset)
+
+
 def apply_decoder(params: dict, x: Array, cfg: DecoderConfig, *, enc: Array,
                   self_mask: Array | None = None, cross_mask: Array | None = None,
                   return_hidden: bool = False):
@@ -427,10 +445,7 @@ def apply_decoder(params: dict, x: Array, cfg: DecoderConfig, *, enc: Array,
     """
     layers = _layers("apply_decoder", params)
     t = x.shape[1]
-    bias = None
-    if cfg.relative_bias is not None:
-        causal_cfg = dataclasses.replace(cfg.relative_bias, bidirectional=False)
-        bias = relative_bias(params["rel_bias"], t, t, causal_cfg)  # [1, H, t, t]
+    bias = decoder_self_bias(params, cfg, t, t)  # [1, H, t, t] or None
     hidden = []
     for i, lp in enumerate(layers):
         hidden.append(x)
