@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
@@ -27,3 +28,28 @@ def other_load(before, after) -> float | None:
         return None
     others = (after[0] - before[0]) - (after[2] - before[2])
     return min(1.0, max(0.0, others / (after[1] - before[1])))
+
+
+def time_interleaved(fns: list, runs: int, warmup: int, *, cpu: bool = False):
+    """Seconds of each zero-argument ``fn`` per run, calls interleaved within each run and the
+    order reversed on every other run (no call is always first after a pause or always right
+    after the most expensive one).
+
+    Returns one list of wall-clock seconds per ``fn``; with ``cpu=True`` a pair ``(wall,
+    cpu)``, ``cpu`` holding this process's CPU seconds (all threads, ``time.process_time``)
+    per call: what a call cost this process, while wall time also holds the waits for cores
+    that other processes were using.
+    """
+    for fn in fns:
+        for _ in range(warmup):
+            fn()
+    wall: list[list[float]] = [[] for _ in fns]
+    cpu_s: list[list[float]] = [[] for _ in fns]
+    order = list(range(len(fns)))
+    for i in range(runs):
+        for j in (order if i % 2 == 0 else order[::-1]):
+            c0, t0 = time.process_time(), time.perf_counter()
+            fns[j]()
+            wall[j].append(time.perf_counter() - t0)
+            cpu_s[j].append(time.process_time() - c0)
+    return (wall, cpu_s) if cpu else wall

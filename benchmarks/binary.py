@@ -32,12 +32,11 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -62,28 +61,6 @@ def make_leaves(d: int, keep: float, seed: int) -> dict:
             "packed": L.PackedBinary.from_leaf(masked)}
 
 
-def time_interleaved(fns: list, runs: int, warmup: int) -> tuple[list, list]:
-    """Wall-clock and process CPU seconds of each zero-argument ``fn`` per run, calls
-    interleaved, the order reversed on every other run.
-
-    CPU time (all threads of this process, ``time.process_time``) is what a call cost this
-    process; wall time also holds the waits for cores other processes were using.
-    """
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    wall: list[list[float]] = [[] for _ in fns]
-    cpu: list[list[float]] = [[] for _ in fns]
-    order = list(range(len(fns)))
-    for i in range(runs):
-        for j in (order if i % 2 == 0 else order[::-1]):
-            c0, t0 = time.process_time(), time.perf_counter()
-            fns[j]()
-            wall[j].append(time.perf_counter() - t0)
-            cpu[j].append(time.process_time() - c0)
-    return wall, cpu
-
-
 def bench(d: int, n_tokens: int, *, keep: float, runs: int, warmup: int, seed: int = 0) -> dict:
     """One row: medians of the four leaves at ``[n_tokens, d] @ [d, d]``."""
     leaves = make_leaves(d, keep, seed)
@@ -93,7 +70,7 @@ def bench(d: int, n_tokens: int, *, keep: float, runs: int, warmup: int, seed: i
                                np.asarray(fn(leaves["frozen"], x))))
     calls = [lambda lf=leaves[k]: jax.block_until_ready(fn(lf, x)) for k in KINDS]
     before = cpu_snapshot()
-    times, cpu_times = time_interleaved(calls, runs, warmup)
+    times, cpu_times = time_interleaved(calls, runs, warmup, cpu=True)
     load = other_load(before, cpu_snapshot())
     t = dict(zip(KINDS, times, strict=True))
     c = dict(zip(KINDS, cpu_times, strict=True))

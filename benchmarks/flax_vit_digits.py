@@ -29,7 +29,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _machine import cpu_snapshot, other_load  # noqa: E402  (benchmarks/_machine.py)
+from _machine import cpu_snapshot, other_load, time_interleaved  # noqa: E402  (benchmarks/_machine.py)
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
@@ -206,13 +206,10 @@ def main(argv=None) -> dict:
                 np.asarray(fn(p, xte)) - np.asarray(dense_fn(ljl.materialize(p), xte))).max())
         rows.append(row)
 
-    times = {name: [] for name in variants}
     snap = cpu_snapshot()
-    for _ in range(reps):  # interleaved: every variant once per round
-        for name, (fn, p, _) in variants.items():
-            t = time.perf_counter()
-            fn(p, xbig).block_until_ready()
-            times[name].append(time.perf_counter() - t)
+    times = dict(zip(variants, time_interleaved(  # every variant once per round
+        [lambda fn=fn, p=p: fn(p, xbig).block_until_ready() for fn, p, _ in variants.values()],
+        reps, 0), strict=True))
     load = other_load(snap, cpu_snapshot())
     med = {k: float(np.median(v)) for k, v in times.items()}
     for row in rows:

@@ -24,12 +24,11 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -79,16 +78,9 @@ def main(argv=None) -> dict:
             calls = {"dense": lambda x=x, w=dense: fn(w, x),
                      "now": lambda x=x, f=now, lf=leaf: f(lf, x),
                      "padded": lambda x=x, f=padded, lf=leaf: f(lf, x)}
-            for c in calls.values():
-                jax.block_until_ready(c())
-            times = {k: [] for k in calls}
-            order = list(calls)
-            for i in range(runs):
-                for k in (order if i % 2 == 0 else order[::-1]):
-                    t0 = time.perf_counter()
-                    jax.block_until_ready(calls[k]())
-                    times[k].append(time.perf_counter() - t0)
-            med = {k: statistics.median(t) for k, t in times.items()}
+            times = time_interleaved([lambda c=c: jax.block_until_ready(c())
+                                      for c in calls.values()], runs, 1)
+            med = {k: statistics.median(t) for k, t in zip(calls, times, strict=True)}
             f_dense, f_now = lj.flops(dense, n), lj.flops(leaf, n)
             rows.append({
                 "ranks": name, "sum_ranks": sum(ranks), "max_rank": r, "tokens": n,

@@ -25,11 +25,10 @@ import os
 import platform
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -38,25 +37,6 @@ except ImportError:  # run from a checkout without `pip install -e .`
     import lowrank_jax as lj
 
 GOAL = 1.15
-
-
-def _time_interleaved(fn, leaves, x, runs: int, warmup: int) -> list[float]:
-    """Median seconds of ``fn(leaf, x)`` for each leaf, calls interleaved within each run.
-
-    The order inside a run alternates (forward, backward) so no leaf is always first after a
-    pause or always right after the most expensive call.
-    """
-    for leaf in leaves:
-        for _ in range(warmup):
-            jax.block_until_ready(fn(leaf, x))
-    times: list[list[float]] = [[] for _ in leaves]
-    order = list(range(len(leaves)))
-    for i in range(runs):
-        for j in (order if i % 2 == 0 else order[::-1]):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fn(leaves[j], x))
-            times[j].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
 
 
 def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
@@ -69,7 +49,8 @@ def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
     lowranks = [lj.init_lowrank(k, d, d, r) for k, r in zip(kl, ranks, strict=True)]
     fn = jax.jit(lambda leaf, x: lj.linear(leaf, x))
     before = cpu_snapshot()
-    med = _time_interleaved(fn, [dense, *lowranks], x, runs, warmup)
+    calls = [lambda lf=lf: jax.block_until_ready(fn(lf, x)) for lf in [dense, *lowranks]]
+    med = [statistics.median(t) for t in time_interleaved(calls, runs, warmup)]
     load = other_load(before, cpu_snapshot())
     dense_flops = lj.flops(dense, n_tokens)
     rows = []

@@ -49,7 +49,7 @@ import statistics
 import sys
 import time
 
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved  # noqa: F401 (peak.py, decode.py use M.time_interleaved)
 
 QUANTILES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 SPEEDUP_GOAL = 2.0  # JAX at least 2x faster than PyTorch eager
@@ -221,22 +221,6 @@ def memory_stats(fn, params, x) -> dict:
     out["total_bytes"] = (out["argument_size_in_bytes"] + out["output_size_in_bytes"]
                           + out["temp_size_in_bytes"])
     return out
-
-
-def time_interleaved(fns: list, runs: int, warmup: int) -> list[list[float]]:
-    """Seconds of each zero-argument ``fn`` per run, calls interleaved, order reversed on
-    every other run."""
-    for fn in fns:
-        for _ in range(warmup):
-            fn()
-    times: list[list[float]] = [[] for _ in fns]
-    order = list(range(len(fns)))
-    for i in range(runs):
-        for j in (order if i % 2 == 0 else order[::-1]):
-            t0 = time.perf_counter()
-            fns[j]()
-            times[j].append(time.perf_counter() - t0)
-    return times
 
 
 # -- report ----------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _machine import cpu_snapshot, other_load  # noqa: E402  (benchmarks/_machine.py)
+from _machine import cpu_snapshot, other_load, time_interleaved  # noqa: E402  (benchmarks/_machine.py)
 from jax.sharding import Mesh  # noqa: E402
 
 try:
@@ -260,14 +260,9 @@ def timing(w: np.ndarray, rank: int, tokens: int, runs: int) -> dict:
              "partitioned_8_devices": lambda: sharded(leaf, x)}
     for f in calls.values():
         jax.block_until_ready(f())
-    times = {k: [] for k in calls}
-    names = list(calls)
     before = cpu_snapshot()
-    for i in range(runs):
-        for k in (names if i % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            jax.block_until_ready(calls[k]())
-            times[k].append(time.perf_counter() - t0)
+    times = dict(zip(calls, time_interleaved([lambda c=c: jax.block_until_ready(c())
+                                              for c in calls.values()], runs, 0), strict=True))
     load = other_load(before, cpu_snapshot())
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
     return {"d": d, "rank": rank, "tokens": tokens, "runs": runs, "median_ms": med,

@@ -52,7 +52,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -200,13 +200,10 @@ def time_models(cfg: ChronosBoltConfig, models: dict, context, rounds: int) -> d
     for n in names:  # compile, and one warm call
         jax.block_until_ready(fwd(models[n], context))
         jax.block_until_ready(fwd(models[n], context))
-    times = {n: [] for n in names}
     before = cpu_snapshot()
-    for i in range(rounds):
-        for n in (names if i % 2 == 0 else names[::-1]):
-            t0 = time.perf_counter()
-            jax.block_until_ready(fwd(models[n], context))
-            times[n].append(time.perf_counter() - t0)
+    all_s = time_interleaved([lambda m=models[n]: jax.block_until_ready(fwd(m, context))
+                              for n in names], rounds, 0)
+    times = dict(zip(names, all_s, strict=True))
     load = other_load(before, cpu_snapshot())
     return {"median_s": {n: statistics.median(v) for n, v in times.items()}, "other_load": load,
             "all_s": times}

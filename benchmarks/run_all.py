@@ -13,6 +13,8 @@ Scripts and the goals they answer (issue 15, "Goals"):
 ``linear.py``           1: a ``LowRank`` leaf's time ratio <= 1.15 x its FLOP ratio (0.1-0.5)
 ``head_lowrank.py``     1: a ``HeadLowRank`` leaf with irregular ranks: time / FLOP, and its
                         execution on the true ranks against the padded one
+``query_key.py``        1: the query-key objects of irregular attention (TruncAtt, CP-SlimAtt,
+                        BTD) against the dense one: time ratio <= 1.15 x FLOP ratio
 ``pruning.py``          1: a physically pruned Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
 ``models.py``           1: an SVD-compressed Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
 ``binary.py``           1: binary leaves' time / FLOP; 5: packed binary >= frozen binary speed,
@@ -205,6 +207,19 @@ def rows_head_lowrank(d: dict) -> list[Row]:
     ]
 
 
+def rows_query_key(d: dict) -> list[Row]:
+    g = d["goals"]["qk_time_per_flop"]
+    rows = d["rows"]
+    worst = max(rows, key=lambda r: r["time_per_flop_ratio"])
+    by_kind = ", ".join(f"{k}: {v:.2f}" for k, v in g["detail"].items())
+    return [Row("1", "irregular-attention query-keys (TruncAtt, CP, BTD) time/FLOP, FLOP ratio "
+                "0.1-0.5", g["goal"],
+                f"worst {g['value']:.2f} ({worst['kind']}, d {worst['d']}, {worst['tokens']} "
+                f"tokens, flop ratio {worst['flop_ratio']:.2f}; worst per kind {by_kind}); "
+                f"{g['rows_meeting']}/{g['rows']} rows meet it", g["holds"], "query_key.py",
+                g["value"])]
+
+
 def rows_goals(d: dict, source: str, goal: str) -> list[Row]:
     """Generic: a JSON with ``goals: {name: {value, goal, holds}}``."""
     g = d.get("goals") if isinstance(d, dict) else None
@@ -234,6 +249,7 @@ class Script:
 GOAL_SCRIPTS = [
     Script("linear", rows_linear, "1"),
     Script("head_lowrank", rows_head_lowrank, "1", optional=True),
+    Script("query_key", rows_query_key, "1", optional=True),
     Script("pruning", rows_pruning, "1"),
     Script("models", rows_models, "1"),
     Script("binary", rows_binary, "5"),

@@ -125,8 +125,12 @@ class CPQueryKey(QK):
     def logits_from_keys(self, xq, keys, *, q_mask=None):
         _no_masks("CPQueryKey", q_mask, None)
         q = linear(self.q, xq)  # [b, q_len, R]
-        qh = q[:, :, None, :] * jnp.asarray(self.mix).astype(q.dtype)  # [b, q_len, H, R]
-        return jnp.einsum("bqhr,bkr->bhqk", qh, keys)
+        # Heads ahead of the queries, so that the product's rows [b, (H, q_len)] are already
+        # the logits' layout: with [b, q_len, H, R] XLA transposes the whole [b, H, q, k]
+        # result afterwards (2.2x slower at 256 tokens, benchmarks/query_key.py).
+        mix = jnp.asarray(self.mix).astype(q.dtype)
+        qh = q[:, None, :, :] * mix[None, :, None, :]  # [b, H, q_len, R]
+        return jnp.einsum("bhqr,bkr->bhqk", qh, keys)
 
     def score_flops(self, q_len, k_len):
         h, r = self.num_heads, self.rank
@@ -212,8 +216,15 @@ class BTDQueryKey(QK):
     def logits_from_keys(self, xq, keys, *, q_mask=None):
         _no_masks("BTDQueryKey", q_mask, None)
         q = split_heads(linear(self.q, xq), self.ranks)  # [b, q_len, T, L]
-        terms = jnp.einsum("bqtl,bktl->btqk", q, keys)  # [b, T, q_len, k_len]
-        return jnp.einsum("ht,btqk->bhqk", jnp.asarray(self.mix).astype(terms.dtype), terms)
+        # The terms with T leading make the head fusion one [H, T] @ [T, b q k] product;
+        # fused per batch element ([b, T, q, k] and a batched [H, T] product) XLA:CPU ran it
+        # 2.6x slower at 256 tokens (benchmarks/query_key.py). One transpose of the logits
+        # remains.
+        terms = jnp.einsum("bqtl,bktl->tbqk", q, keys)  # [T, b, q_len, k_len]
+        t, b, nq, nk = terms.shape
+        mix = jnp.asarray(self.mix).astype(terms.dtype)
+        heads = (mix @ terms.reshape(t, b * nq * nk)).reshape(mix.shape[0], b, nq, nk)
+        return heads.transpose(1, 0, 2, 3)
 
     def score_flops(self, q_len, k_len):
         n = int(q_len) * int(k_len)
@@ -223,6 +234,27 @@ class BTDQueryKey(QK):
         q = split_heads(materialize(self.q), self.ranks)  # [d_q, T, L]
         k = split_heads(materialize(self.k), self.ranks)  # [d_k, T, L]
         return jnp.einsum("itl,jtl,ht->ijh", q, k, jnp.asarray(self.mix))
+
+    def as_cp(self) -> CPQueryKey:
+        """The same logits as a :class:`CPQueryKey` of rank ``R = sum(ranks)``: the head
+        fusion folded into the queries (``S^Q = [A_1 ... A_T]``, ``S^K = [B_1 ... B_T]``,
+        ``S^H(h, r) = C(h, t(r))`` for the term ``t(r)`` of column ``r``).
+
+        Not from the paper: an execution choice for inference. The BTD form executes
+        ``N^2 (T max(ranks) + H T)`` multiply-adds for the logits but writes and reads a
+        ``[T, batch, N, N]`` intermediate for its head fusion, a pass over memory as large as
+        the logits themselves per stage; the CP form executes more (``N^2 H R``) in one
+        product with no intermediate. Which is faster depends on the term rank: on a 2-core
+        AVX-512 CPU (``benchmarks/query_key.py``, ``N = 256``, 512-8192 tokens, ``H`` = 8 and
+        12 terms) the CP form was 1.0-1.9x faster at term rank 5 (though it executes 1.8-1.9x
+        the multiply-adds), 0.7-1.2x at 14 and 0.6-0.9x at 30; measure on your
+        hardware before choosing. The counts follow the form: a CPQueryKey counts what it
+        executes.
+        Parameters are the same arrays (``q``, ``k`` shared; ``mix`` gathered), so the result
+        is no longer a BTD for further compression or fine-tuning of the fusion matrix.
+        """
+        term = np.repeat(np.arange(len(self.ranks)), self.ranks)  # term of every column
+        return CPQueryKey(q=self.q, k=self.k, mix=jnp.asarray(self.mix)[:, term])
 
     def keep_heads(self, idx):
         return BTDQueryKey(q=self.q, k=self.k, mix=jnp.asarray(self.mix)[np.asarray(idx, np.int64)],

@@ -101,6 +101,18 @@ def test_btd_scores_against_numpy(xs):
     assert qk.score_flops(5, 7) == 5 * 7 * 3 * 4 + 5 * 7 * H * 3
 
 
+def test_btd_as_cp_gives_the_btd_scores_and_counts_what_it_executes(xs):
+    qk = btd_qk()  # ranks (2, 0, 4): a rank-0 term, biases on both sides
+    xq, xk = xs
+    cp = qk.as_cp()
+    assert isinstance(cp, CPQueryKey) and cp.rank == sum(qk.ranks) and cp.num_heads == H
+    np.testing.assert_allclose(np.asarray(lj.attention_logits(cp, xq, xk)),
+                               btd_reference(qk, xq, xk), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cp.mix),
+                               np.asarray(qk.mix)[:, [0, 0, 2, 2, 2, 2]], atol=0)
+    assert cp.score_flops(5, 7) == 5 * H * 6 + 5 * 7 * H * 6
+
+
 def test_rank_zero_head_attends_uniformly_without_nan(xs):
     """With C = I the head of the rank-0 term has constant logits: uniform attention; the
     gradients are finite and only reach the real columns."""

@@ -1,0 +1,214 @@
+"""Time the query-key leaves of irregular attention against the dense query-key they replace.
+
+Issue 15, goal 1, for the low-rank leaves of "Vision Transformer with Irregular Attention"
+(arXiv:2306.16440): every compressed query-key object's time ratio to the dense
+:class:`~lowrank_jax.QueryKey` should be within 1.15x of its FLOP ratio. The work of a
+query-key object is what it owns in an attention block: the query and key projections and the
+logits ``[batch, heads, N, N]``; the softmax and the value side are the same for all of them and
+are left out.
+
+For model width ``d`` (``H = d / 64`` heads), sequence length ``N`` and a number of tokens
+(``batch = tokens / N`` sequences), at each target FLOP ratio the script builds:
+
+* ``truncatt``: TruncAtt, a :class:`~lowrank_jax.QueryKey` whose heads all have width ``r``
+  (the per-head truncated SVD of the query-key tensor; uniform ranks);
+* ``cp``: :class:`~lowrank_jax.leaves.qk_factorized.CPQueryKey` (CP-SlimAtt) of rank ``R``;
+* ``btd``: :class:`~lowrank_jax.leaves.qk_factorized.BTDQueryKey` (BTD-(L,L,1)) with ``H``
+  terms of rank ``L`` and a dense ``[H, H]`` head fusion,
+
+each with the rank whose FLOP ratio is closest to the target, and
+
+* ``btd_as_cp``: the same BTD object executed as a CP-SlimAtt of rank ``H L``
+  (:meth:`~lowrank_jax.leaves.qk_factorized.BTDQueryKey.as_cp`: the head fusion folded into
+  the queries), with its FLOP ratio counted for what that form executes (higher than the BTD
+  form's).
+ FLOPs (multiply-adds, as
+executed) are :func:`lowrank_jax.flops` of the object's projections plus ``batch *
+score_flops(N, N)``; the weights are random (the time does not depend on their values).
+
+Each figure is the median of ``--runs`` calls of ``jax.jit(lambda qk, x: qk.logits(x, x))``
+(the object is an argument), after warm-up, each call ended by ``block_until_ready``; all
+objects of one size are timed in one loop with the dense one, the order reversed on every
+other run. ``time/flop = (ms / dense ms) / flop ratio``; the goal is ``<= 1.15``.
+
+Usage::
+
+    python benchmarks/query_key.py                       # d 768 and 512, N 256, 512-8192 tokens
+    python benchmarks/query_key.py --quick               # fewer runs and sizes: a smoke test
+    python benchmarks/query_key.py --seq 197 --d 768 --json qk.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
+
+try:
+    import lowrank_jax as lj
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import lowrank_jax as lj
+from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
+
+GOAL = 1.15
+KINDS = ("truncatt", "cp", "btd")
+REPORTED = (*KINDS, "btd_as_cp")
+HEAD_DIM = 64
+
+
+def make_qk(kind: str, key, d: int, heads: int, rank: int):
+    """A random query-key object of ``kind`` with rank parameter ``rank`` (``truncatt``: the
+    width of every head; ``cp``: ``R``; ``btd``: the rank ``L`` of each of ``heads`` terms;
+    ``dense``: ``d / heads`` per head)."""
+    kq, kk, km = jax.random.split(key, 3)
+    if kind in ("dense", "truncatt"):
+        w = d // heads if kind == "dense" else rank
+        return lj.QueryKey(q=lj.init_dense(kq, d, heads * w), k=lj.init_dense(kk, d, heads * w),
+                           widths=(w,) * heads)
+    if kind == "cp":
+        return CPQueryKey(q=lj.init_dense(kq, d, rank), k=lj.init_dense(kk, d, rank),
+                          mix=jax.random.normal(km, (heads, rank), jnp.float32))
+    if kind == "btd":
+        return BTDQueryKey(q=lj.init_dense(kq, d, heads * rank),
+                           k=lj.init_dense(kk, d, heads * rank),
+                           mix=jax.random.normal(km, (heads, heads), jnp.float32),
+                           ranks=(rank,) * heads)
+    raise ValueError(f"query_key.py: unknown kind {kind!r}; expected one of {KINDS}")
+
+
+def qk_flops(qk, batch: int, seq: int) -> int:
+    """Multiply-adds of ``qk.logits(x, x)`` for ``batch`` sequences of ``seq`` tokens."""
+    return lj.flops(qk, batch * seq) + batch * qk.score_flops(seq, seq)
+
+
+def pick_rank(kind: str, target: float, d: int, heads: int, batch: int, seq: int,
+              dense_flops: int) -> int:
+    """The rank whose FLOP ratio to the dense object is closest to ``target`` (FLOPs are
+    affine in the rank, so two evaluations give the line)."""
+    f1 = qk_flops(jax.eval_shape(lambda: make_qk(kind, jax.random.key(0), d, heads, 1)),
+                  batch, seq)
+    f2 = qk_flops(jax.eval_shape(lambda: make_qk(kind, jax.random.key(0), d, heads, 2)),
+                  batch, seq)
+    slope, base = f2 - f1, 2 * f1 - f2
+    return max(1, round((target * dense_flops - base) / slope))
+
+
+def bench(d: int, seq: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
+          seed: int = 0) -> list[dict]:
+    """Rows of the table for one ``(d, seq, n_tokens)``: one row per kind and target."""
+    heads = d // HEAD_DIM
+    batch = max(1, n_tokens // seq)
+    key = jax.random.key(seed)
+    x = jax.random.normal(jax.random.fold_in(key, 1), (batch, seq, d), jnp.float32)
+    dense = make_qk("dense", jax.random.fold_in(key, 2), d, heads, 0)
+    dense_flops = qk_flops(dense, batch, seq)
+    objs = []  # (kind, target, rank, object)
+    for i, kind in enumerate(KINDS):
+        for j, q in enumerate(ratios):
+            r = pick_rank(kind, q, d, heads, batch, seq, dense_flops)
+            obj = make_qk(kind, jax.random.fold_in(key, 10 + 10 * i + j), d, heads, r)
+            objs.append((kind, q, r, obj))
+            if kind == "btd":
+                objs.append(("btd_as_cp", q, r, obj.as_cp()))
+    fn = jax.jit(lambda qk, x: qk.logits(x, x))
+    calls = [lambda o=o: jax.block_until_ready(fn(o, x)) for o in [dense, *(o[3] for o in objs)]]
+    before = cpu_snapshot()
+    times = time_interleaved(calls, runs, warmup)
+    load = other_load(before, cpu_snapshot())
+    med = [statistics.median(t) for t in times]
+    rows = []
+    for (kind, q, r, o), t in zip(objs, med[1:], strict=True):
+        flop_ratio = qk_flops(o, batch, seq) / dense_flops
+        time_ratio = t / med[0]
+        rows.append({
+            "kind": kind, "d": d, "heads": heads, "seq": seq, "batch": batch,
+            "tokens": batch * seq, "target_ratio": q, "rank": r, "flop_ratio": flop_ratio,
+            "dense_ms": med[0] * 1e3, "ms": t * 1e3, "time_ratio": time_ratio,
+            "time_per_flop_ratio": time_ratio / flop_ratio, "other_load": load,
+        })
+    return rows
+
+
+HEADER = (f"{'kind':<9} {'d':>4} {'N':>4} {'tokens':>6} {'target':>6} {'rank':>4} "
+          f"{'flop ratio':>10} {'dense ms':>9} {'ms':>8} {'time ratio':>10} {'time/flop':>9} "
+          f"{'other load':>10}")
+
+
+def format_row(row: dict) -> str:
+    flag = "" if row["time_per_flop_ratio"] <= GOAL else "  > goal"
+    load = "n/a" if row["other_load"] is None else f"{100 * row['other_load']:.0f}%"
+    return (f"{row['kind']:<9} {row['d']:>4} {row['seq']:>4} {row['tokens']:>6} "
+            f"{row['target_ratio']:>6.2f} {row['rank']:>4} {row['flop_ratio']:>10.4f} "
+            f"{row['dense_ms']:>9.3f} {row['ms']:>8.3f} {row['time_ratio']:>10.3f} "
+            f"{row['time_per_flop_ratio']:>9.2f} {load:>10}{flag}")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--d", type=int, nargs="+", default=None,
+                   help=f"model widths, multiples of {HEAD_DIM} (default 768 512; quick 512)")
+    p.add_argument("--seq", type=int, nargs="+", default=[256], help="sequence lengths N")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens per call, batch = tokens // N (default 512 2048 8192; quick "
+                        "512 2048)")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.25, 0.5],
+                   help="target FLOP ratios to the dense query-key")
+    p.add_argument("--runs", type=int, default=None, help="timed runs (default 30; quick 5)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="d 512, 512 and 2048 tokens, 5 runs")
+    p.add_argument("--json", metavar="PATH", help="write the setup, rows and goal as JSON")
+    args = p.parse_args(argv)
+    for d in args.d or []:
+        if d % HEAD_DIM:
+            p.error(f"--d {d}: must be a multiple of the head width {HEAD_DIM}")
+    d_list = args.d or ([512] if args.quick else [768, 512])
+    tokens = args.tokens or ([512, 2048] if args.quick else [512, 2048, 8192])
+    runs = args.runs if args.runs is not None else (5 if args.quick else 30)
+    warmup = 1 if args.quick else args.warmup
+
+    setup = {"jax": jax.__version__, "backend": jax.default_backend(),
+             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+             "runs": runs, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs), median of "
+          f"{runs} interleaved runs of qk.logits(x, x); time/flop = (ms / dense ms) / flop "
+          f"ratio, goal <= {GOAL}; other load = CPU share used by other processes meanwhile")
+    print(HEADER)
+    rows = []
+    for d in d_list:
+        for seq in args.seq:
+            for n in tokens:
+                for row in bench(d, seq, n, args.ratios, runs=runs, warmup=warmup):
+                    print(format_row(row), flush=True)
+                    rows.append(row)
+    worst = {k: max((r for r in rows if r["kind"] == k), key=lambda r: r["time_per_flop_ratio"])
+             for k in REPORTED}
+    for k, r in worst.items():
+        n_ok = sum(x["time_per_flop_ratio"] <= GOAL for x in rows if x["kind"] == k)
+        n_all = sum(x["kind"] == k for x in rows)
+        print(f"# {k}: worst time/flop {r['time_per_flop_ratio']:.2f} (d {r['d']}, "
+              f"{r['tokens']} tokens, flop ratio {r['flop_ratio']:.2f}); {n_ok}/{n_all} rows "
+              f"meet {GOAL}")
+    w = max(rows, key=lambda r: r["time_per_flop_ratio"])
+    goals = {"qk_time_per_flop": {
+        "value": w["time_per_flop_ratio"], "goal": f"<= {GOAL}",
+        "holds": w["time_per_flop_ratio"] <= GOAL,
+        "detail": {k: r["time_per_flop_ratio"] for k, r in worst.items()},
+        "rows_meeting": sum(r["time_per_flop_ratio"] <= GOAL for r in rows),
+        "rows": len(rows)}}
+    result = {"setup": setup, "rows": rows, "goals": goals}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
