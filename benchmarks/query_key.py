@@ -18,6 +18,10 @@ For model width ``d`` (``H = d / 64`` heads), sequence length ``N`` and a number
 
 each with the rank whose FLOP ratio is closest to the target, and
 
+* ``truncatt_irr``: TruncAtt with irregular head widths, spread evenly from ``r / 4`` to
+  ``7 r / 4`` over the heads in a shuffled order (``r``: the uniform TruncAtt's width; its
+  FLOPs are the executed ones, every head padded to the widest);
+
 * ``btd_as_cp``: the same BTD object executed as a CP-SlimAtt of rank ``H L``
   (:meth:`~lowrank_jax.leaves.qk_factorized.BTDQueryKey.as_cp`: the head fusion folded into
   the queries), with its FLOP ratio counted for what that form executes (higher than the BTD
@@ -49,6 +53,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
 
 try:
@@ -60,7 +65,13 @@ from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
 
 GOAL = 1.15
 KINDS = ("truncatt", "cp", "btd")
-REPORTED = (*KINDS, "btd_as_cp")
+REPORTED = (*KINDS, "truncatt_irr", "btd_as_cp")
+
+
+def spread_widths(rank: int, heads: int) -> tuple[int, ...]:
+    """Head widths spread evenly over ``[rank / 4, 7 rank / 4]`` (mean ``rank``), shuffled."""
+    w = np.round(rank * (0.25 + 1.5 * np.arange(heads) / max(heads - 1, 1))).astype(int)
+    return tuple(int(v) for v in w[np.random.default_rng(0).permutation(heads)])
 HEAD_DIM = 64
 
 
@@ -73,6 +84,10 @@ def make_qk(kind: str, key, d: int, heads: int, rank: int):
         w = d // heads if kind == "dense" else rank
         return lj.QueryKey(q=lj.init_dense(kq, d, heads * w), k=lj.init_dense(kk, d, heads * w),
                            widths=(w,) * heads)
+    if kind == "truncatt_irr":
+        widths = spread_widths(rank, heads)
+        return lj.QueryKey(q=lj.init_dense(kq, d, sum(widths)), k=lj.init_dense(kk, d, sum(widths)),
+                           widths=widths)
     if kind == "cp":
         return CPQueryKey(q=lj.init_dense(kq, d, rank), k=lj.init_dense(kk, d, rank),
                           mix=jax.random.normal(km, (heads, rank), jnp.float32))
@@ -118,6 +133,9 @@ def bench(d: int, seq: int, n_tokens: int, ratios: list[float], *, runs: int, wa
             objs.append((kind, q, r, obj))
             if kind == "btd":
                 objs.append(("btd_as_cp", q, r, obj.as_cp()))
+            if kind == "truncatt":
+                irr = make_qk("truncatt_irr", jax.random.fold_in(key, 100 + j), d, heads, r)
+                objs.append(("truncatt_irr", q, r, irr))
     fn = jax.jit(lambda qk, x: qk.logits(x, x))
     calls = [lambda o=o: jax.block_until_ready(fn(o, x)) for o in [dense, *(o[3] for o in objs)]]
     before = cpu_snapshot()
@@ -137,7 +155,7 @@ def bench(d: int, seq: int, n_tokens: int, ratios: list[float], *, runs: int, wa
     return rows
 
 
-HEADER = (f"{'kind':<9} {'d':>4} {'N':>4} {'tokens':>6} {'target':>6} {'rank':>4} "
+HEADER = (f"{'kind':<12} {'d':>4} {'N':>4} {'tokens':>6} {'target':>6} {'rank':>4} "
           f"{'flop ratio':>10} {'dense ms':>9} {'ms':>8} {'time ratio':>10} {'time/flop':>9} "
           f"{'other load':>10}")
 
@@ -145,7 +163,7 @@ HEADER = (f"{'kind':<9} {'d':>4} {'N':>4} {'tokens':>6} {'target':>6} {'rank':>4
 def format_row(row: dict) -> str:
     flag = "" if row["time_per_flop_ratio"] <= GOAL else "  > goal"
     load = "n/a" if row["other_load"] is None else f"{100 * row['other_load']:.0f}%"
-    return (f"{row['kind']:<9} {row['d']:>4} {row['seq']:>4} {row['tokens']:>6} "
+    return (f"{row['kind']:<12} {row['d']:>4} {row['seq']:>4} {row['tokens']:>6} "
             f"{row['target_ratio']:>6.2f} {row['rank']:>4} {row['flop_ratio']:>10.4f} "
             f"{row['dense_ms']:>9.3f} {row['ms']:>8.3f} {row['time_ratio']:>10.3f} "
             f"{row['time_per_flop_ratio']:>9.2f} {load:>10}{flag}")
