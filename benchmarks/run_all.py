@@ -15,6 +15,7 @@ Scripts and the goals they answer (issue 15, "Goals"):
                         execution on the true ranks against the padded one
 ``query_key.py``        1: the query-key objects of irregular attention (TruncAtt, CP-SlimAtt,
                         BTD) against the dense one: time ratio <= 1.15 x FLOP ratio
+``attention.py``        2 (reported): attention on CPU in batch chunks against the whole batch
 ``pruning.py``          1: a physically pruned Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
 ``models.py``           1: an SVD-compressed Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
 ``binary.py``           1: binary leaves' time / FLOP; 5: packed binary >= frozen binary speed,
@@ -250,6 +251,7 @@ GOAL_SCRIPTS = [
     Script("linear", rows_linear, "1"),
     Script("head_lowrank", rows_head_lowrank, "1", optional=True),
     Script("query_key", rows_query_key, "1", optional=True),
+    Script("attention", lambda d: rows_goals(d, "attention.py", "2"), "2", optional=True),
     Script("pruning", rows_pruning, "1"),
     Script("models", rows_models, "1"),
     Script("binary", rows_binary, "5"),

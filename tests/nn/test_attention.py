@@ -456,6 +456,71 @@ def test_irregular_head_widths_match_per_head_reference(qkv_keep):
     assert max_err(y, y2) <= TOL
 
 
+@pytest.mark.parametrize("chunk_bytes,chunk", [(700, 2), (320, 1)])
+@pytest.mark.parametrize("qkv_keep", [None, 0.5])
+def test_batch_chunks_match_per_head_reference(monkeypatch, chunk_bytes, chunk, qkv_keep):
+    """Attention computed a chunk of the batch at a time (lax.map; forced here by the byte
+    thresholds) equals the NumPy loop: per-sequence mask and bias chunked with the inputs, the
+    shared relative bias and the activation masks broadcast to every chunk; the gradient
+    equals the unchunked one."""
+    from lowrank_jax.nn import attention as attn
+
+    p, full = irregular_block(80)
+    x, kv = rand(81, (6, 4, D)), rand(82, (6, 5, D_KV))
+    rcfg = RelativeBiasConfig(num_buckets=8, max_distance=12)
+    shared = np.asarray(relative_bias(rand(83, (8, ORIG_HEADS)), 4, 5, rcfg))  # [1, 8, 4, 5]
+    per_seq = shared + rand(84, (6, ORIG_HEADS, 4, 5), 0.3)  # [6, 8, 4, 5]
+    mask = np.random.default_rng(85).random((6, ORIG_HEADS, 4, 5)) < 0.7
+    mask[..., 0] = True
+    cfg = AttentionConfig(qkv_keep=qkv_keep, qkv_mask_seed=3)
+    act = None
+    if qkv_keep is not None:
+        act = (qkv_activation_masks(4, 4, max(QK_W), qkv_keep)["q"],
+               qkv_activation_masks(4, 5, max(QK_W), qkv_keep)["k"],
+               qkv_activation_masks(4, 5, max(V_W), qkv_keep)["v"])
+
+    def run(p, x, kv, bias):  # a new function: traced under the patched thresholds
+        return apply_attention(p, x, cfg, kv=kv, bias=bias, mask=jnp.asarray(mask),
+                               layer_index=1)
+
+    plain = jax.jit(jax.value_and_grad(lambda p, b: jnp.sum(run(p, x, kv, b) ** 2)))
+    want_val, want_grad = plain(p, jnp.asarray(per_seq))
+    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setattr(attn, "CHUNK_BYTES", chunk_bytes)
+    assert attn.batch_chunk(6, 4, 4, 5) == chunk
+    for bias in (shared, per_seq):
+        y = jax.jit(run)(p, x, kv, jnp.asarray(bias))
+        b64 = np.broadcast_to(np.asarray(bias, np.float64), (6, ORIG_HEADS, 4, 5))
+        ref = np.concatenate([  # np_irregular reads bias[0]: one sequence at a time
+            np_irregular(full, np.asarray(x[i:i + 1], np.float64),
+                         np.asarray(kv[i:i + 1], np.float64), b64[i:i + 1], mask[i:i + 1], act)
+            for i in range(6)])
+        assert max_err(y, ref) <= TOL
+    chunked = jax.jit(jax.value_and_grad(lambda p, b: jnp.sum(run(p, x, kv, b) ** 2)))
+    val, grad = chunked(p, jnp.asarray(per_seq))
+    assert abs(float(val) - float(want_val)) <= 1e-4 * abs(float(want_val))
+    for g, w in zip(jax.tree_util.tree_leaves(grad), jax.tree_util.tree_leaves(want_grad),
+                    strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
+
+
+def test_batch_chunk_policy(monkeypatch):
+    from lowrank_jax.nn import attention as attn
+
+    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 8 << 20)
+    monkeypatch.setattr(attn, "CHUNK_BYTES", 2 << 20)
+    assert jax.default_backend() == "cpu"
+    # 32 x 12 heads x 256^2 float32 logits = 100 MB: one sequence (3.1 MB) per chunk.
+    assert attn.batch_chunk(32, 12, 256, 256) == 1
+    # 32 sequences of 33 tokens (Chronos-Bolt): 1.7 MB in all, no chunks.
+    assert attn.batch_chunk(32, 12, 33, 33) is None
+    # 30 x 8 heads x 128^2 = 15.7 MB: 4 sequences fit 2 MiB but do not divide 30; 3 do.
+    assert attn.batch_chunk(30, 8, 128, 128) == 3
+    assert attn.batch_chunk(1, 12, 1024, 1024) is None  # one sequence cannot be split
+    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", None)
+    assert attn.batch_chunk(32, 12, 256, 256) is None
+
+
 def test_width_zero_query_key_head_attends_uniformly():
     # Only head 1 (q/k width 0) reads value columns: zero the other heads' o rows.
     p, _ = irregular_block(75)
