@@ -122,9 +122,14 @@ class CPQueryKey(QK):
         _no_masks("CPQueryKey", None, k_mask)
         return linear(self.k, xkv)  # [b, k_len, R]
 
-    def logits_from_keys(self, xq, keys, *, q_mask=None):
+    def queries(self, xq, *, q_mask=None):
+        """The queries' CP coordinates ``[batch, q_len, R]`` (scaled per head in
+        :meth:`logits_from_queries`)."""
         _no_masks("CPQueryKey", q_mask, None)
-        q = linear(self.q, xq)  # [b, q_len, R]
+        return linear(self.q, xq)  # [b, q_len, R]
+
+    def logits_from_queries(self, queries, keys):
+        q = queries
         # Heads ahead of the queries, so that the product's rows [b, (H, q_len)] are already
         # the logits' layout: with [b, q_len, H, R] XLA transposes the whole [b, H, q, k]
         # result afterwards (2.2x slower at 256 tokens, benchmarks/query_key.py).
@@ -213,9 +218,13 @@ class BTDQueryKey(QK):
         _no_masks("BTDQueryKey", None, k_mask)
         return split_heads(linear(self.k, xkv), self.ranks)  # [b, k_len, T, L]
 
-    def logits_from_keys(self, xq, keys, *, q_mask=None):
+    def queries(self, xq, *, q_mask=None):
+        """The queries' per-term coordinates ``[batch, q_len, T, max(ranks)]``."""
         _no_masks("BTDQueryKey", q_mask, None)
-        q = split_heads(linear(self.q, xq), self.ranks)  # [b, q_len, T, L]
+        return split_heads(linear(self.q, xq), self.ranks)  # [b, q_len, T, L]
+
+    def logits_from_queries(self, queries, keys):
+        q = queries
         # The terms with T leading make the head fusion one [H, T] @ [T, b q k] product;
         # fused per batch element ([b, T, q, k] and a batched [H, T] product) XLA:CPU ran it
         # 2.6x slower at 256 tokens (benchmarks/query_key.py). One transpose of the logits

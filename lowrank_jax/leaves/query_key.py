@@ -88,7 +88,20 @@ class QK(abc.ABC):
 
     def logits_from_keys(self, xq: Array, keys: Array, *, q_mask: Array | None = None) -> Array:
         """Unscaled logits ``[batch, heads, q_len, k_len]`` of queries against keys from
-        :meth:`keys` (possibly cached). The default raises (see :meth:`keys`)."""
+        :meth:`keys` (possibly cached): ``logits_from_queries(queries(xq), keys)``."""
+        return self.logits_from_queries(self.queries(xq, q_mask=q_mask), keys)
+
+    def queries(self, xq: Array, *, q_mask: Array | None = None) -> Array:
+        """The queries' side of the logits, ``[batch, q_len, ...]`` (the counterpart of
+        :meth:`keys`): ``logits(xq, xkv) == logits_from_queries(queries(xq), keys(xkv))``, and
+        both may be computed on a whole batch and then sliced along axis 0
+        (:func:`lowrank_jax.nn.apply_attention` on CPU projects once, then computes the logits
+        a chunk of the batch at a time). The default raises (see :meth:`keys`)."""
+        raise _no_cache(self)
+
+    def logits_from_queries(self, queries: Array, keys: Array) -> Array:
+        """Unscaled logits ``[batch, heads, q_len, k_len]`` from :meth:`queries` and
+        :meth:`keys`. The default raises (see :meth:`keys`)."""
         raise _no_cache(self)
 
     @abc.abstractmethod
@@ -189,11 +202,15 @@ class QueryKey(QK):
             k = k * k_mask[:, None, :].astype(k.dtype)
         return k
 
-    def logits_from_keys(self, xq, keys, *, q_mask=None):
+    def queries(self, xq, *, q_mask=None):
+        """Per-head queries ``[batch, q_len, heads, max(widths)]`` (zero-padded per head)."""
         q = split_heads(linear(self.q, xq), self.widths)  # [b, q_len, h, w]
         if q_mask is not None:
             q = q * q_mask[:, None, :].astype(q.dtype)
-        return jnp.einsum("bqhd,bkhd->bhqk", q, keys)
+        return q
+
+    def logits_from_queries(self, queries, keys):
+        return jnp.einsum("bqhd,bkhd->bhqk", queries, keys)
 
     def score_flops(self, q_len, k_len):
         return int(q_len) * int(k_len) * self.num_heads * max(self.widths, default=0)

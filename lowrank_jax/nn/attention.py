@@ -401,12 +401,22 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
         logits = attention_logits(qk, x, kv, q_mask=q_mask, k_mask=k_mask)  # [b, h, q, k]
         return _attend(logits, vals, o, heads, bias=bias, mask=mask)
 
+    # Projections on the whole batch where the query-key type separates them (QK.queries /
+    # QK.keys): only the logits, softmax and values run per chunk.
+    apart = type(qk).queries is not QK.queries and type(qk).keys is not QK.keys
+
     def one_chunk(xs):  # logits, softmax and weighted values of `chunk` sequences
-        logits = attention_logits(qk, xs["x"], xs["kv"], q_mask=q_mask, k_mask=k_mask)
+        if apart:
+            logits = qk.logits_from_queries(xs["q"], xs["k"])
+        else:
+            logits = attention_logits(qk, xs["x"], xs["kv"], q_mask=q_mask, k_mask=k_mask)
         return _weighted_values(logits, xs["vals"], heads, bias=xs.get("bias", bias),
                                 mask=xs.get("mask", mask))
 
-    xs = {"x": x, "kv": kv, "vals": vals}
+    if apart:
+        xs = {"q": qk.queries(x, q_mask=q_mask), "k": qk.keys(kv, k_mask=k_mask), "vals": vals}
+    else:
+        xs = {"x": x, "kv": kv, "vals": vals}
     for name, arr in (("bias", bias), ("mask", mask)):
         if arr is not None and arr.ndim == 4 and arr.shape[0] == batch:
             xs[name] = arr  # per sequence: chunked with the inputs; else shared by all chunks
@@ -435,9 +445,10 @@ def batch_chunk(batch: int, heads: int, q_len: int, k_len: int) -> int | None:
     sequence at a time (295 -> 154 ms), 6.5x with heads of rank 6 (194 -> 30 ms); chunks of
     four sequences (12.6 MB of logits) were slower than none (``benchmarks/attention.py``).
     Off on GPU and TPU (their fused attention kernels need the whole batch) and for
-    ``CHUNK_ABOVE_BYTES = None``. The projections of the values and the output run on the
-    whole batch; those of the queries and keys run inside the chunk (the query-key object
-    computes its logits from its inputs). Values are the same up to float32 round-off.
+    ``CHUNK_ABOVE_BYTES = None``. The projections run on the whole batch (those of the
+    queries and keys through :meth:`~lowrank_jax.QK.queries` / :meth:`~lowrank_jax.QK.keys`;
+    a query-key type without them computes its logits, projections included, per chunk).
+    Values are the same up to float32 round-off. Read when a function is traced.
     """
     if CHUNK_ABOVE_BYTES is None or jax.default_backend() != "cpu":
         return None
