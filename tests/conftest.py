@@ -62,3 +62,56 @@ def _no_cache_for_multi_device_programs() -> None:
 
 _no_cache_for_multi_device_programs()
 
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared test types.
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from lowrank_jax.leaves import QK, leaf_dataclass  # noqa: E402
+
+
+@leaf_dataclass(meta=("heads",))
+class JointQK(QK):
+    """A query-key type holding only the joint tensor ``y: [d_q, d_k, heads]``: logits, no
+    q/k weights and no ``queries`` / ``keys`` (the exporter and chunked attention must handle
+    query-key types they have never seen)."""
+
+    y: jax.Array
+    heads: int = 1
+
+    @property
+    def num_heads(self):
+        return self.heads
+
+    @property
+    def d_q_in(self):
+        return self.y.shape[0]
+
+    @property
+    def d_k_in(self):
+        return self.y.shape[1]
+
+    def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
+        return jnp.einsum("bqd,deh,bke->bhqk", xq, self.y, xkv)
+
+    def score_flops(self, q_len, k_len):
+        return q_len * k_len * self.heads
+
+    def joint(self):
+        return self.y
+
+    def keep_heads(self, idx):
+        return JointQK(self.y[..., np.asarray(idx)], len(idx))
+
+    def keep_inputs(self, idx, side):
+        return self
+
+
+@pytest.fixture
+def joint_qk():
+    """The :class:`JointQK` type (test modules are imported apart, so it comes as a fixture)."""
+    return JointQK

@@ -37,10 +37,8 @@ from lowrank_jax import nn  # noqa: E402
 from lowrank_jax.convert import load_pretrained, save_pretrained, state_dict_from_params  # noqa: E402
 from lowrank_jax.errors import ShapeError  # noqa: E402
 from lowrank_jax.leaves import (  # noqa: E402
-    QK,
     HeadLayout,
     get_path,
-    leaf_dataclass,
     param_count,
     replace_paths,
 )
@@ -686,42 +684,7 @@ def test_bert_per_layer_sizes_export(bert_src, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # Query-key objects other than QueryKey.
 
-@leaf_dataclass(meta=("heads",))
-class JointQK(QK):
-    """A query-key object holding the joint tensor ``y: [d, d, heads]`` (no q/k weights)."""
-
-    y: jax.Array
-    heads: int = 1
-
-    @property
-    def num_heads(self):
-        return self.heads
-
-    @property
-    def d_q_in(self):
-        return self.y.shape[0]
-
-    @property
-    def d_k_in(self):
-        return self.y.shape[1]
-
-    def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
-        return jnp.einsum("bqd,deh,bke->bhqk", xq, self.y, xkv)
-
-    def score_flops(self, q_len, k_len):
-        return q_len * k_len * self.heads
-
-    def joint(self):
-        return self.y
-
-    def keep_heads(self, idx):
-        return JointQK(self.y[..., np.asarray(idx)], len(idx))
-
-    def keep_inputs(self, idx, side):
-        return self
-
-
-def test_other_query_key_objects_export_exactly_or_are_refused(t5_src):
+def test_other_query_key_objects_export_exactly_or_are_refused(t5_src, joint_qk):
     """A query-key object of a type the exporter has never seen is rewritten as q/k weights by
     a per-head SVD of its joint tensor: exact when every slice has rank <= the head width (the
     exported ``W^Q_h (W^K_h)^T`` equal the slices, checked in NumPy), refused with a
@@ -736,7 +699,7 @@ def test_other_query_key_objects_export_exactly_or_are_refused(t5_src):
         a, b = rng.integers(-3, 4, size=(cfg.d_model, r)), rng.integers(-3, 4, size=(cfg.d_model, r))
         slices.append((a @ b.T).astype(np.float64))
     y = np.stack(slices, axis=-1).astype(np.float32)
-    good = replace_paths(params, {"decoder/layers/1/cross_attn": {**attn, "qk": JointQK(
+    good = replace_paths(params, {"decoder/layers/1/cross_attn": {**attn, "qk": joint_qk(
         jnp.asarray(y), heads)}})
     sd, _, _ = state_dict_from_params(cfg, good)
     pre = "decoder.block.1.layer.1.EncDecAttention."
@@ -747,7 +710,7 @@ def test_other_query_key_objects_export_exactly_or_are_refused(t5_src):
         np.testing.assert_allclose(got, y[..., h], rtol=0, atol=1e-4 * np.abs(y).max(),
                                    err_msg=f"head {h}")
     y[..., 3] = rng.normal(size=(cfg.d_model, cfg.d_model))  # full rank 16 > d_kv
-    bad = replace_paths(params, {"decoder/layers/1/cross_attn": {**attn, "qk": JointQK(
+    bad = replace_paths(params, {"decoder/layers/1/cross_attn": {**attn, "qk": joint_qk(
         jnp.asarray(y), heads)}})
     with pytest.raises(ShapeError, match="decoder/layers/1/cross_attn"):
         state_dict_from_params(cfg, bad)

@@ -16,7 +16,6 @@ import pytest
 
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import (
-    QK,
     Dense,
     HeadLayout,
     HeadLowRank,
@@ -26,7 +25,6 @@ from lowrank_jax.leaves import (
     is_leaf,
     keep_inputs,
     keep_outputs,
-    leaf_dataclass,
     materialize,
 )
 from lowrank_jax.nn import (
@@ -506,47 +504,11 @@ def test_batch_chunks_match_per_head_reference(monkeypatch, chunk_bytes, chunk, 
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-4, atol=1e-5)
 
 
-@leaf_dataclass(meta=("heads",))
-class JointOnlyQK(QK):
-    """A query-key type with logits only (no queries/keys): chunked attention computes its
-    logits, projections included, per chunk."""
-
-    y: jax.Array  # [d_q, d_k, heads]
-    heads: int = 1
-
-    @property
-    def num_heads(self):
-        return self.heads
-
-    @property
-    def d_q_in(self):
-        return self.y.shape[0]
-
-    @property
-    def d_k_in(self):
-        return self.y.shape[1]
-
-    def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
-        return jnp.einsum("bqd,deh,bke->bhqk", xq, self.y, xkv)
-
-    def score_flops(self, q_len, k_len):
-        return q_len * k_len * self.heads
-
-    def joint(self):
-        return self.y
-
-    def keep_heads(self, idx):
-        return JointOnlyQK(self.y[..., np.asarray(idx)], len(idx))
-
-    def keep_inputs(self, idx, side):
-        return self
-
-
-def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch):
+def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch, joint_qk):
     from lowrank_jax.nn import attention as attn
 
     y = rand(90, (D, D_KV, 3), 0.3)
-    p = {"qk": JointOnlyQK(jnp.asarray(y), 3), "v": Dense(rand(91, (D_KV, 6), 0.4), None),
+    p = {"qk": joint_qk(jnp.asarray(y), 3), "v": Dense(rand(91, (D_KV, 6), 0.4), None),
          "o": Dense(rand(92, (6, D_OUT), 0.4), None), "heads": HeadLayout.uniform(3, 2, 0.5)}
     x, kv = rand(93, (4, 3, D)), rand(94, (4, 5, D_KV))
     mask = np.random.default_rng(95).random((4, 1, 3, 5)) < 0.8
