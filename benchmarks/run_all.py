@@ -13,6 +13,8 @@ Scripts and the goals they answer (issue 15, "Goals"):
 ``linear.py``           1: a ``LowRank`` leaf's time ratio <= 1.15 x its FLOP ratio (0.1-0.5)
 ``head_lowrank.py``     1: a ``HeadLowRank`` leaf with irregular ranks: time / FLOP, and its
                         execution on the true ranks against the padded one
+``rank_multiple.py``    1 (reported): ``LowRank`` leaves with their rank rounded up to a
+                        multiple of 8 or 16 (``compress(..., rank_multiple=k)``): speed-up
 ``query_key.py``        1: the query-key objects of irregular attention (TruncAtt, CP-SlimAtt,
                         BTD) against the dense one: time ratio <= 1.15 x FLOP ratio
 ``attention.py``        2 (reported): attention on CPU in batch chunks against the whole batch
@@ -251,6 +253,8 @@ GOAL_SCRIPTS = [
     Script("linear", rows_linear, "1"),
     Script("head_lowrank", rows_head_lowrank, "1", optional=True),
     Script("query_key", rows_query_key, "1", optional=True),
+    Script("rank_multiple", lambda d: rows_goals(d, "rank_multiple.py", "1"), "1",
+           optional=True),
     Script("attention", lambda d: rows_goals(d, "attention.py", "2"), "2", optional=True),
     Script("pruning", rows_pruning, "1"),
     Script("models", rows_models, "1"),

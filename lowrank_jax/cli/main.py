@@ -145,6 +145,8 @@ def _parse_schedule(text: str) -> tuple[str, list[float]]:
 def _svd_settings(args, params) -> dict:
     """The ``svd`` step's settings from --eps / --rank / --ratio / --schedule."""
     settings: dict = {"per_head": args.per_head, "allocation": args.allocation}
+    if args.rank_multiple is not None:
+        settings["rank_multiple"] = args.rank_multiple
     if args.schedule:
         from lowrank_jax.compress import interpolation_schedule, power_schedule
 
@@ -180,6 +182,10 @@ def _check_compress_flags(args) -> None:
         raise ConfigError("give --plan FILE, or one of --eps/--rank/--ratio/--schedule",
                           where="--eps/--rank/--ratio/--schedule/--plan",
                           expected="one of them", actual=None)
+    if args.plan and args.rank_multiple is not None:
+        raise ConfigError("--rank-multiple sets the svd step of --eps/--rank/--ratio/--schedule; "
+                          "with --plan put \"rank_multiple\" in the plan's svd step settings",
+                          where="--rank-multiple", expected="no --plan", actual=args.rank_multiple)
     if args.plan and os.path.isdir(args.plan):
         raise ConfigError(f"--plan {args.plan} is a directory; expected a JSON plan file",
                           where="--plan", expected="a file", actual="a directory")
@@ -452,6 +458,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="eps",
         help="with --ratio: one global eps, or ranks by singular-value energy",
     )
+    c.add_argument("--rank-multiple", type=int, metavar="K",
+                   help="round every chosen rank up to a multiple of K (never a larger error; "
+                   "matrix kernels tile by 8-16 on GPUs, 128 on TPUs; on a 2-core AVX-512 CPU "
+                   "ranks 26-30 ran 1.06-1.22x faster at 32)")
     c.add_argument("--family", help=family_help)
     c.add_argument("--out", help="save the compressed tree to this directory (a lowrank_jax "
                                  "checkpoint; never the input or inside it)")

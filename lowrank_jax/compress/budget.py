@@ -10,7 +10,9 @@ Both allocators work on *candidates*: any objects with
 * ``energy_norm``: ``||T||_F^2`` of what is truncated;
 * ``before``: parameters of the weight now;
 * ``factored(ranks)`` and ``after(ranks, keep_dense)``: parameters at given ranks, without and
-  with the "keep it if the factorization is not smaller" rule.
+  with the "keep it if the factorization is not smaller" rule;
+* optionally ``rank_multiple`` (default 1): ranks are multiples of it (capped at the group's
+  largest rank), and ``rounded(ranks)`` rounds ranks up to them.
 
 (:class:`lowrank_jax.compress.svd_method.Truncation` is one.) They return the ranks, one tuple
 per candidate, and raise :class:`~lowrank_jax.errors.PlanError` when the budget cannot be met.
@@ -30,6 +32,9 @@ from lowrank_jax.errors import PlanError
 def allocate_eps(cands: Sequence, budget: float, fixed_after: int, keep_dense: bool,
                  total_before: int, ratio: float) -> tuple[float, list[tuple]]:
     """Smallest eps (largest ratio) with ``params_after <= budget``.
+
+    With a candidate's ``rank_multiple`` > 1 its eps-ranks are rounded up before they are
+    counted; rounding up is monotone, so the search stays exact.
 
     ``params_after(eps)`` is a non-increasing step function of eps that changes only at the
     normalized singular values ``sigma_j / sigma_1`` of the candidates, so the search is exact:
@@ -57,8 +62,9 @@ def allocate_eps(cands: Sequence, budget: float, fixed_after: int, keep_dense: b
     def ranks_at(eps):
         out = []
         for c, n in zip(cands, norms, strict=True):
-            out.append(tuple(min(m, max(1, int(a.size - np.searchsorted(a, eps, side="right"))))
-                             for a, m in zip(n, c.max_ranks, strict=True)))
+            r = tuple(min(m, max(1, int(a.size - np.searchsorted(a, eps, side="right"))))
+                      for a, m in zip(n, c.max_ranks, strict=True))
+            out.append(c.rounded(r) if _multiple(c) > 1 else r)
         return out
 
     def total(eps):
@@ -70,7 +76,8 @@ def allocate_eps(cands: Sequence, budget: float, fixed_after: int, keep_dense: b
         raise PlanError(
             f"svd: ratio={ratio!r} is not reachable: the smallest achievable ratio over the "
             f"selected weights is {total(eps_list[hi]) / total_before:.6g} (every matrix at its "
-            "minimum rank); raise ratio or select fewer weights", where="ratio",
+            f"minimum rank{_min_rank_note(cands)}); raise ratio or select fewer weights",
+            where="ratio",
             expected=f">= {total(eps_list[hi]) / total_before:.6g}", actual=ratio)
     while lo < hi:  # first index whose total fits; totals are non-increasing in the index
         mid = (lo + hi) // 2
@@ -94,31 +101,43 @@ def allocate_energy(cands: Sequence, budget: float, fixed_after: int, keep_dense
     reach its current size offers, in place of its next value, the step "keep it": the rest of
     its energy for the rest of its size.
 
+    With a candidate's ``rank_multiple`` ``k > 1`` its groups start at rank ``min(k, max)``
+    and take singular values in blocks of ``k`` (the last block of a group up to its largest
+    rank), ordered by the block's energy per parameter; a block of zero singular values is
+    never taken. With ``k = 1`` this is the allocation above, value by value.
+
     Args and raises: as :func:`allocate_eps`.
 
     Returns:
       One tuple of group ranks per candidate.
     """
-    offers: list[list[tuple[float, int, int | None]]] = []  # per candidate: (energy, cost, group)
+    # per candidate: offers (energy, cost, group, size); group None is the "keep it" step
+    offers: list[list[tuple[float, int, int | None, int]]] = []
+    starts: list[tuple] = []
     base_after = 0
     for c in cands:
-        mand = (1,) * len(c.max_ranks)
+        k = _multiple(c)
+        mand = tuple(min(k, m) for m in c.max_ranks)  # rank 1, rounded up
+        starts.append(mand)
         base_after += c.after(mand, keep_dense)
         items = []
-        for g, (s, m) in enumerate(zip(c.spectra, c.max_ranks, strict=True)):
-            for j in range(1, m):
-                if s[j] > 0:
-                    items.append((float(s[j] ** 2) / c.energy_norm, c.unit_cost, g))
-        items.sort(key=lambda t: -t[0])  # stable: a group's values stay in order
+        for g, (s, m, r0) in enumerate(zip(c.spectra, c.max_ranks, mand, strict=True)):
+            for j in range(r0, m, k):
+                size = min(k, m - j)
+                e = float(np.sum(np.asarray(s[j:j + size], np.float64) ** 2))
+                if e > 0:
+                    items.append((e / c.energy_norm, size * c.unit_cost, g, size))
+        items.sort(key=lambda t: -t[0] / t[1])  # stable: a group's blocks stay in order
         if keep_dense:
             base = c.factored(mand)
             if base >= c.before:
                 items = []  # kept whatever its rank
             else:
-                k_save = min(len(items), (c.before - base - 1) // c.unit_cost)
+                costs = np.cumsum([0] + [cost for _, cost, _, _ in items])
+                k_save = int(np.sum(base + costs[1:] < c.before))  # prefix still smaller
                 if len(items) > k_save:
-                    rest = sum(e for e, _, _ in items[k_save:])
-                    jump = (rest, c.before - (base + k_save * c.unit_cost), None)
+                    rest = sum(e for e, _, _, _ in items[k_save:])
+                    jump = (rest, c.before - (base + int(costs[k_save])), None, 0)
                     items = items[:k_save] + [jump]
         offers.append(items)
     left = budget - fixed_after - base_after
@@ -126,32 +145,44 @@ def allocate_energy(cands: Sequence, budget: float, fixed_after: int, keep_dense
         smallest = (fixed_after + base_after) / total_before
         raise PlanError(
             f"svd: ratio={ratio!r} is not reachable: the smallest achievable ratio over the "
-            f"selected weights is {smallest:.6g} (every matrix at rank 1); raise ratio or "
-            "select fewer weights", where="ratio", expected=f">= {smallest:.6g}", actual=ratio)
+            f"selected weights is {smallest:.6g} (every matrix at rank 1"
+            f"{_min_rank_note(cands)}); raise ratio or select fewer weights", where="ratio",
+            expected=f">= {smallest:.6g}", actual=ratio)
     taken = [0] * len(cands)
     heap = [(-items[0][0] / items[0][1], i, 0) for i, items in enumerate(offers) if items]
     heapq.heapify(heap)
     while heap:
         _, i, k = heapq.heappop(heap)
-        _, cost, _ = offers[i][k]
+        cost = offers[i][k][1]
         if cost > left:
             continue  # this matrix is closed
         left -= cost
         taken[i] = k + 1
         if k + 1 < len(offers[i]):
-            e, c, _ = offers[i][k + 1]
+            e, c, _, _ = offers[i][k + 1]
             heapq.heappush(heap, (-e / c, i, k + 1))
     out = []
-    for c, items, k in zip(cands, offers, taken, strict=True):
-        ranks = [1] * len(c.max_ranks)
+    for c, items, k, start in zip(cands, offers, taken, starts, strict=True):
+        ranks = list(start)
         if k and items[k - 1][2] is None:  # the "keep it" step was taken: all values
             ranks = [1 + int(np.sum(s[1:m] > 0))
                      for s, m in zip(c.spectra, c.max_ranks, strict=True)]
+            if _multiple(c) > 1:
+                ranks = list(c.rounded(ranks))
         else:
-            for _, _, g in items[:k]:
-                ranks[g] += 1
+            for _, _, g, size in items[:k]:
+                ranks[g] += size
         out.append(tuple(ranks))
     return out
+
+
+def _multiple(c) -> int:
+    return int(getattr(c, "rank_multiple", 1) or 1)
+
+
+def _min_rank_note(cands) -> str:
+    ks = sorted({_multiple(c) for c in cands} - {1})
+    return f", rounded up to rank_multiple={ks[0] if len(ks) == 1 else ks}" if ks else ""
 
 
 __all__ = ["allocate_eps", "allocate_energy"]

@@ -176,3 +176,24 @@ def test_quick_demo_compiles_at_optimization_level_0_and_restores_the_flags(monk
     monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=3")
     with _quick_compile(True):  # the user's choice wins
         assert os.environ["XLA_FLAGS"] == "--xla_backend_optimization_level=3"
+
+
+def test_compress_rank_multiple_rounds_eps_ranks_up(saved, tmp_path, capsys):
+    d, params = saved
+    js = tmp_path / "c.json"
+    # eps-ranks of 5 (spectra exp(-0.4 j)) rounded up to 6: still smaller than the 16 x 16
+    assert main(["compress", str(d), "--eps", "0.2", "--rank-multiple", "3", "--json", str(js),
+                 "--no-progress"]) == 0
+    rep = json.loads(js.read_text())
+    rows = {w["path"]: w for w in rep["rows"]}
+    for i in range(2):
+        for n in "qkvo":
+            w = weight(params, i, n)
+            r = -(-np_eps_rank(w, 0.2) // 3) * 3
+            assert np_eps_rank(w, 0.2) % 3 and r % 3 == 0
+            row = rows[f"layers/{i}/attn/{PROJ[n]}"]
+            assert row["kind"] == "svd" and row["details"]["rank"] == r
+            assert row["details"]["rank_multiple"] == 3
+    assert main(["compress", str(d), "--plan", str(js), "--rank-multiple", "4",
+                 "--no-progress"]) == 2
+    assert "--rank-multiple" in capsys.readouterr().err

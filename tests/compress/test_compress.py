@@ -385,6 +385,130 @@ def test_ratio_with_fixed_overrides():
             assert rank(row) == eps_rank(ws[row.path][0], chosen)
 
 
+def round_up(r, k, limit):
+    return min(limit, -(-r // k) * k)
+
+
+@pytest.mark.parametrize("k", [4, 5])
+def test_rank_multiple_eps_rounds_up(k):
+    t = make_tree(3)
+    ws = weights(t)
+    new, rep = compress(t, eps=0.6, rank_multiple=k, keep_dense_if_larger=False)
+    rounded = 0
+    for row in rep.rows:
+        w, nb = ws[row.path]
+        s = sv(w)
+        r0 = eps_rank(w, 0.6)
+        r = round_up(r0, k, D)
+        rounded += r > r0
+        assert rank(row) == r and row.details["rank_multiple"] == k
+        assert row.params_after == r * 2 * D + nb and row.flops_after == r * 2 * D
+        # more singular values kept: the error is that of rank r, within eps
+        assert row.error == pytest.approx(s[r] / s[0], rel=1e-9) and row.error <= 0.6
+        leaf = leaf_at(new, row.path)
+        assert isinstance(leaf, LowRank) and leaf.rank == r
+        np.testing.assert_allclose(np.asarray(materialize(leaf), np.float64), np_truncate(w, r),
+                                   atol=1e-5)
+    assert rounded >= 3  # the test exercises rounding
+
+
+def test_rank_multiple_caps_at_head_width_and_rule_override():
+    t = make_tree(3)
+    ws = weights(t)
+    dh = D // HEADS  # 6: multiples of 4 are 4, then the cap 6
+    rules = [(r"^layers/0/attn/v$", {"rank_multiple": 1}), r"attn/(qk/q|qk/k|v)$"]
+    new, rep = compress(t, rules=rules, eps=0.6, per_head=True, rank_multiple=4,
+                        keep_dense_if_larger=False)
+    x = np.random.default_rng(1).standard_normal((5, D)).astype(np.float32)
+    for row in rep.rows:
+        w, nb = ws[row.path]
+        heads = [w[:, i * dh:(i + 1) * dh] for i in range(HEADS)]
+        k = 1 if row.path == "layers/0/attn/v" else 4
+        ranks = tuple(round_up(eps_rank(h, 0.6), k, dh) for h in heads)
+        assert row.kind == "svd-per-head" and rank(row) == ranks
+        if k == 4:
+            assert set(ranks) <= {4, 6}
+        leaf = leaf_at(new, row.path)
+        ref = np.concatenate([np_truncate(h, r) for h, r in zip(heads, ranks, strict=True)], axis=1)
+        b = 0.0 if leaf.b is None else np.asarray(leaf.b)
+        np.testing.assert_allclose(np.asarray(linear(leaf, x)), x @ ref + b, atol=1e-5)
+    assert any(r != 1 and r % 4 for r in rank(rep.row("layers/0/attn/v")))
+
+
+@pytest.mark.parametrize("target", [0.4, 0.6])
+def test_rank_multiple_ratio_eps_search(target):
+    t = make_tree(1)
+    k = 4
+    ws = weights(t)
+    new, rep = compress(t, ratio=target, rank_multiple=k)
+    before = sum(w.size + nb for w, nb in ws.values())
+
+    def after(eps):
+        return sum(cost(w, nb, round_up(eps_rank(w, eps), k, D)) for w, nb in ws.values())
+
+    chosen = rep.info()["chosen_eps"]
+    cand = sorted({float(c) for w, _ in ws.values() for c in sv(w) / sv(w)[0] if 0 < c < 1})
+    assert rep.params_after == after(chosen) <= target * before
+    # every smaller candidate eps (more singular values) would exceed the budget
+    assert all(after(c) > target * before for c in cand if c < chosen)
+    for row in rep.rows:
+        r = round_up(eps_rank(ws[row.path][0], chosen), k, D)
+        assert rank(row) == r and (row.kind == "kept-dense" or r % k == 0)
+
+
+def energy_blocks_reference(ws, budget, k):
+    """Greedy over blocks of k singular values: start at rank k each, then the step with the
+    best energy / parameters that fits; one that does not fit closes its matrix. A block that
+    would make the factorization as large as the matrix is replaced by "keep it dense": all
+    the remaining energy for the remaining parameters."""
+    ranks = {p: k for p in ws}
+    left = budget - sum(cost(w, nb, k) for w, nb in ws.values())
+    closed = set()
+
+    def step(p):  # (energy / parameters, parameters, new rank) of p's next step
+        w, nb = ws[p]
+        s, r = sv(w), ranks[p]
+        dense = w.size + nb
+        if cost(w, nb, r + k, keep=False) >= dense:
+            return np.sum(s[r:] ** 2) / np.sum(s ** 2) / (dense - cost(w, nb, r)), \
+                dense - cost(w, nb, r), len(s)
+        return np.sum(s[r:r + k] ** 2) / np.sum(s ** 2) / (k * sum(w.shape)), \
+            k * sum(w.shape), r + k
+
+    while True:
+        live = [p for p in ws if p not in closed and ranks[p] < len(sv(ws[p][0]))]
+        if not live:
+            return ranks
+        best = max(live, key=lambda p: step(p)[0])
+        _, c, r = step(best)
+        if c > left:
+            closed.add(best)
+        else:
+            left -= c
+            ranks[best] = r
+
+
+@pytest.mark.parametrize("target", [0.25, 0.4])
+def test_rank_multiple_energy_allocation(target):
+    t = make_tree(2)
+    k = 3
+    rules = (r"attn/(qk/q|qk/k|v|o)$", r"mlp/w")
+    ws = weights(t, re.compile(r"attn/(qk/q|qk/k|v|o)$|mlp/w"))
+    new, rep = compress(t, rules=rules, ratio=target, allocation="energy", rank_multiple=k)
+    budget = target * rep.params_before
+    ranks = energy_blocks_reference(ws, budget, k)
+    got = {r.path: rank(r) for r in rep.rows}
+    assert got == ranks
+    assert all(r % k == 0 for r in ranks.values()) and len(set(ranks.values())) > 1
+    assert rep.params_after == sum(cost(w, nb, ranks[p]) for p, (w, nb) in ws.items()) <= budget
+    # the budget is used up: no factorized matrix can take its next block
+    for row in rep.rows:
+        if row.kind == "svd":
+            w, nb = ws[row.path]
+            nxt = min(k * sum(w.shape), row.params_before - row.params_after)
+            assert rep.params_after + nxt > budget
+
+
 def test_schedule():
     t = make_tree()
     sched = power_schedule(2, 0.5, LAYERS)  # [2, 3, 4]
@@ -466,6 +590,11 @@ def test_progress_same_result():
     (dict(ratio=0.01), ["0.01", "not reachable"]),
     (dict(ratio=0.01, allocation="energy"), ["0.01", "not reachable"]),
     (dict(ratio=0.5, allocation="greedy"), ["allocation", "greedy"]),
+    (dict(eps=0.1, rank_multiple=0), ["rank_multiple", "0"]),
+    (dict(ratio=0.3, rank_multiple=4), ["0.3", "not reachable", "rank_multiple=4"]),
+    (dict(ratio=0.3, allocation="energy", rank_multiple=4), ["not reachable", "rank_multiple=4"]),
+    (dict(eps=0.1, rank_multiple=2.0), ["rank_multiple", "2.0"]),
+    (dict(eps=0.1, rules=[(r"attn/v$", {"rank_multiple": -8})]), ["layers/0/attn/v", "-8"]),
     (dict(), ["layers/0/attn/o", "eps="]),
 ])
 def test_errors(kwargs, needles):
