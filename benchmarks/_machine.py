@@ -5,6 +5,12 @@ from __future__ import annotations
 import os
 import time
 
+# The benchmarks run as the lowrank-jax command does: glibc malloc keeps freed memory for reuse
+# (lowrank_jax.runtime.keep_freed_memory, applied when lowrank_jax is imported), so large XLA
+# buffers are not page-faulted in again on every call. LOWRANK_JAX_KEEP_FREED_MEMORY=0 measures
+# glibc's default; benchmarks/allocator.py compares the two.
+os.environ.setdefault("LOWRANK_JAX_KEEP_FREED_MEMORY", "1")
+
 
 def cpu_snapshot() -> tuple[float, float, float] | None:
     """(busy CPU seconds of the whole machine, elapsed CPU seconds, this process's CPU seconds)."""

@@ -12,7 +12,7 @@ the dense product's speed per multiply-add; the goal is ``<= 1.15``.
 
 Usage::
 
-    python benchmarks/linear.py                 # d = 768 and 512; 512, 2048, 8192 tokens
+    python benchmarks/linear.py                 # d = 1024, 768, 512; 512, 2048, 8192 tokens
     python benchmarks/linear.py --quick         # fewer runs, for a smoke test
     python benchmarks/linear.py --json out.json --d 768 --tokens 8192 --runs 60
 """
@@ -81,7 +81,7 @@ def format_row(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--d", type=int, nargs="+", default=[768, 512], help="model widths")
+    p.add_argument("--d", type=int, nargs="+", default=[1024, 768, 512], help="model widths")
     p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.25, 0.5],
                    help="target FLOP ratios of the low-rank leaves to the dense one")
@@ -98,10 +98,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "devices": [str(dv) for dv in jax.devices()], "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(), "runs": runs,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "keep_freed_memory": lj.runtime.freed_memory_kept(),
     }
     print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs), median of "
           f"{runs} interleaved runs; time/flop = (lowrank ms / dense ms) / flop ratio, "
-          f"goal <= {GOAL}; other load = CPU share used by other processes meanwhile")
+          f"goal <= {GOAL}; other load = CPU share used by other processes meanwhile; malloc "
+          f"keeps freed memory: {bool(setup['keep_freed_memory'])}")
     print(HEADER)
     rows = []
     for d in args.d:

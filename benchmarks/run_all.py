@@ -15,6 +15,9 @@ Scripts and the goals they answer (issue 15, "Goals"):
                         execution on the true ranks against the padded one
 ``rank_multiple.py``    1 (reported): ``LowRank`` leaves with their rank rounded up to a
                         multiple of 8 or 16 (``compress(..., rank_multiple=k)``): speed-up
+``allocator.py``        1, 2 (reported): glibc ``malloc`` with and without
+                        ``lowrank_jax.runtime.keep_freed_memory`` (page faults of large XLA
+                        buffers), in child processes
 ``query_key.py``        1: the query-key objects of irregular attention (TruncAtt, CP-SlimAtt,
                         BTD) against the dense one: time ratio <= 1.15 x FLOP ratio
 ``attention.py``        2 (reported): attention on CPU in batch chunks against the whole batch
@@ -255,6 +258,7 @@ GOAL_SCRIPTS = [
     Script("query_key", rows_query_key, "1", optional=True),
     Script("rank_multiple", lambda d: rows_goals(d, "rank_multiple.py", "1"), "1",
            optional=True),
+    Script("allocator", lambda d: rows_goals(d, "allocator.py", "2"), "2", optional=True),
     Script("attention", lambda d: rows_goals(d, "attention.py", "2"), "2", optional=True),
     Script("pruning", rows_pruning, "1"),
     Script("models", rows_models, "1"),
@@ -269,7 +273,7 @@ SMOKE_SCRIPTS = [Script(n, None) for n in (
     "prune_then_finetune", "pretrain_seeds")]
 
 
-def run_script(s: Script, *, quick: bool, logs: str, timeout: int) -> dict:
+def run_script(s: Script, *, quick: bool, logs: str, timeout: int, env=None) -> dict:
     path = os.path.join(HERE, f"{s.name}.py")
     out_json = os.path.join(logs, f"{s.name}.json")
     log = os.path.join(logs, f"{s.name}.log")
@@ -286,7 +290,7 @@ def run_script(s: Script, *, quick: bool, logs: str, timeout: int) -> dict:
     with open(log, "w") as f:
         try:
             rc = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                timeout=timeout).returncode
+                                timeout=timeout, env=env).returncode
         except subprocess.TimeoutExpired:
             rc = None
     rec["seconds"] = time.perf_counter() - t0
@@ -330,7 +334,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--only", nargs="+", metavar="SCRIPT", help="run only these scripts")
     p.add_argument("--timeout", type=int, default=None,
                    help="seconds per script (default 900 quick, 7200 full)")
+    p.add_argument("--keep-freed-memory", action="store_true",
+                   help="run every script with LOWRANK_JAX_KEEP_FREED_MEMORY=1 (glibc malloc "
+                   "keeps freed memory: lowrank_jax.runtime); default: the environment's")
     args = p.parse_args(argv)
+    env = None
+    if args.keep_freed_memory:
+        env = {**os.environ, "LOWRANK_JAX_KEEP_FREED_MEMORY": "1"}
 
     stem = os.path.splitext(args.json)[0]
     md_path = args.md or stem + ".md"
@@ -349,7 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     runs, rows = [], []
     for s in scripts:
         print(f"# running {s.name}.py{' --quick' if args.quick else ''} ...", flush=True)
-        rec = run_script(s, quick=args.quick, logs=logs, timeout=timeout)
+        rec = run_script(s, quick=args.quick, logs=logs, timeout=timeout, env=env)
         runs.append(rec)
         secs = f" in {rec['seconds']:.0f} s" if "seconds" in rec else ""
         print(f"#   {rec['status']}{secs}{': ' + rec['note'] if rec.get('note') else ''}",
@@ -374,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
     total = time.perf_counter() - t_start
 
     cmd = "python benchmarks/run_all.py --json " + args.json + (" --quick" if args.quick else "") \
-        + (" --all" if args.all else "") + (" --only " + " ".join(args.only) if args.only else "")
+        + (" --all" if args.all else "") + (" --only " + " ".join(args.only) if args.only else "") \
+        + (" --keep-freed-memory" if args.keep_freed_memory else "")
     head = (f"Command: `{cmd}` ({total / 60:.1f} min; {os.cpu_count()} CPUs, "
             f"{platform.processor() or platform.machine()}). Per-script JSON and logs: "
             f"`{logs}`.")
@@ -387,7 +398,9 @@ def main(argv: list[str] | None = None) -> dict:
     missed = sum(r.holds is False for r in rows)
     print(f"# {met} rows hold, {missed} do not, {len(rows) - met - missed} reported or not run; "
           f"markdown: {md_path}")
-    result = {"command": cmd, "seconds": total, "quick": args.quick, "runs": runs,
+    result = {"command": cmd, "seconds": total, "quick": args.quick,
+              "keep_freed_memory_env": (env or os.environ).get("LOWRANK_JAX_KEEP_FREED_MEMORY"),
+              "runs": runs,
               "rows": [dataclasses.asdict(r) for r in rows]}
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1, default=str)

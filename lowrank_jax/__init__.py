@@ -9,6 +9,7 @@ README's architecture section for the layers of the package: ``errors``, ``leave
 ``models``, ``analysis``, ``compress``, ``io``, ``train``, ``convert``, ``cli``.
 """
 
+from lowrank_jax import runtime as _runtime
 from lowrank_jax.analysis import analyze, eps_rank
 from lowrank_jax.compress import (
     Plan,
@@ -53,6 +54,8 @@ from lowrank_jax.leaves import (
     storage_bits,
     trainable_mask,
 )
+
+_runtime.apply_env()  # LOWRANK_JAX_KEEP_FREED_MEMORY=1: keep freed memory (lowrank_jax.runtime)
 
 __version__ = "0.1.0"
 

@@ -19,6 +19,7 @@ import os
 import re
 import sys
 
+from lowrank_jax import runtime
 from lowrank_jax.cli import outputs
 from lowrank_jax.cli.status import Status
 from lowrank_jax.errors import ConfigError, LowrankJaxError
@@ -592,6 +593,10 @@ def _message(e: BaseException) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None:
+        # the command owns its process: freed memory is kept for reuse (no page faults on every
+        # large XLA buffer; lowrank_jax.runtime). main([...]) from Python leaves malloc alone.
+        runtime.apply_env(default=True)
     try:
         _preflight(args)
         return args.func(args)

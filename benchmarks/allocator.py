@@ -1,0 +1,185 @@
+"""glibc ``malloc`` with and without :func:`lowrank_jax.runtime.keep_freed_memory`.
+
+XLA:CPU allocates each call's outputs and temporaries with ``malloc``; glibc gives blocks of
+32 MB and more back to the system when they are freed, so every call faults their pages in
+again. ``keep_freed_memory`` (what ``lowrank-jax`` commands and ``LOWRANK_JAX_KEEP_FREED_MEMORY=1``
+set) keeps them for reuse. ``malloc``'s settings are process-wide and glibc's defaults cannot be
+restored exactly once changed, so each setting runs in its own child process: the children
+alternate (default, kept, kept, default, ...), each times the same programs (median of
+``--runs`` calls interleaved among the programs) and counts their minor page faults per call
+and the process's peak resident memory. The table gives, per program, the median over the
+pairs of ``default ms / kept ms`` with its range.
+
+Programs: ``linear`` of a ``LowRank`` leaf (FLOP ratio 0.1) and of the dense leaf at d 1024
+(a 32 MB output) and d 768 (24 MB) with 8192 tokens; a 4-layer ViT-Base-width encoder on 32
+images; the full run adds a Chronos-Bolt-base forward (batch 32, context 512) and the gradient
+of its loss (batch 8).
+
+Usage::
+
+    python benchmarks/allocator.py --json allocator.json     # about 6 min
+    python benchmarks/allocator.py --quick                   # the linear rows and ViT, 1.5 min
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def build(quick: bool) -> dict:
+    """``{name: zero-argument call}`` of the programs, compiled and warmed up."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import lowrank_jax as lj
+    from lowrank_jax.models import chronos_bolt, t5, vit
+
+    progs = {}
+    lin = jax.jit(lambda leaf, x: lj.linear(leaf, x))
+    for d in (1024, 768):
+        x = jax.random.normal(jax.random.key(d), (8192, d), jnp.float32)
+        r = round(0.1 * d / 2)
+        for name, leaf in ((f"LowRank d {d} rank {r}, 8192 tokens",
+                            lj.init_lowrank(jax.random.key(1), d, d, r)),
+                           (f"Dense d {d}, 8192 tokens", lj.init_dense(jax.random.key(2), d, d))):
+            progs[name] = (lambda f=lin, lf=leaf, x=x: f(lf, x))
+    cfg = vit.ViTConfig(num_hidden_layers=4)
+    vp = vit.init(jax.random.key(3), cfg)
+    px = jax.random.normal(jax.random.key(4), (32, 3, 224, 224), jnp.float32)
+    vf = jax.jit(lambda p, px: vit.apply(p, {"pixel_values": px}, cfg)["last_hidden_state"])
+    progs["ViT-Base width, 4 layers, 32 images"] = lambda: vf(vp, px)
+    if not quick:
+        t5c = t5.T5Config(vocab_size=2, d_model=768, d_kv=64, d_ff=3072, num_layers=12,
+                          num_decoder_layers=12, num_heads=12, feed_forward_proj="relu")
+        bc = chronos_bolt.ChronosBoltConfig(t5=t5c, context_length=512, prediction_length=64,
+                                            input_patch_size=16, input_patch_stride=16,
+                                            use_reg_token=True)
+        bp = chronos_bolt.init(jax.random.key(5), bc)
+        rng = np.random.default_rng(0)
+        ctx = jnp.asarray(np.cumsum(rng.normal(size=(32, 512)), axis=1), jnp.float32)
+        bf = jax.jit(lambda p, c: chronos_bolt.forecast(p, c, bc))
+        progs["Chronos-Bolt-base forward, 32 x 512"] = lambda: bf(bp, ctx)
+        loss = chronos_bolt.loss(bc)
+        batch = {"context": ctx[:8], "target": ctx[:8, -64:]}
+        g = jax.jit(jax.grad(lambda p, b: loss(p, b, None)[0]))
+        progs["Chronos-Bolt-base loss gradient, batch 8"] = lambda: g(bp, batch)
+    for fn in progs.values():
+        jax.block_until_ready(fn())
+    return progs
+
+
+def child(mode: str, quick: bool, runs: int) -> dict:
+    """One process: set ``malloc`` (``mode``), time the programs, count faults and memory."""
+    import resource
+
+    sys.path.insert(0, ROOT)
+    os.environ["LOWRANK_JAX_KEEP_FREED_MEMORY"] = "0"  # the import must not decide
+    from lowrank_jax import runtime
+
+    if mode == "kept" and not runtime.keep_freed_memory():
+        raise SystemExit("keep_freed_memory() did nothing here (not glibc on Linux)")
+    import jax
+    from _machine import cpu_snapshot, other_load, time_interleaved
+
+    progs = build(quick)
+    names = list(progs)
+    calls = [lambda f=progs[n]: jax.block_until_ready(f()) for n in names]
+    before = cpu_snapshot()
+    walls = time_interleaved(calls, runs, 1)
+    load = other_load(before, cpu_snapshot())
+    faults = {}
+    for n, c in zip(names, calls, strict=True):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        for _ in range(3):
+            c()
+        faults[n] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 3
+    return {"mode": mode, "ms": {n: 1e3 * statistics.median(w)
+                                 for n, w in zip(names, walls, strict=True)},
+            "faults_per_call": faults,
+            "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "other_load": load}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--pairs", type=int, default=None, help="child pairs (default 2)")
+    p.add_argument("--runs", type=int, default=None, help="timed calls (default 7; quick 5)")
+    p.add_argument("--json", help="write the children's results and the table here")
+    p.add_argument("--child", choices=["default", "kept"], help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    runs = args.runs or (5 if args.quick else 7)
+    if args.child:
+        res = child(args.child, args.quick, runs)
+        with open(args.out, "w") as f:
+            json.dump(res, f)
+        return 0
+
+    pairs = args.pairs or 2
+    order = []
+    for i in range(pairs):
+        order += ["default", "kept"] if i % 2 == 0 else ["kept", "default"]
+    results = []
+    t0 = time.perf_counter()
+    for i, mode in enumerate(order):
+        out = os.path.join(os.path.dirname(os.path.abspath(args.json or "allocator.json")),
+                           f".allocator_child_{os.getpid()}_{i}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--out", out,
+               "--runs", str(runs)] + (["--quick"] if args.quick else [])
+        subprocess.run(cmd, check=True)
+        with open(out) as f:
+            results.append(json.load(f))
+        os.remove(out)
+        load = results[-1]["other_load"]
+        print(f"# child {i + 1}/{len(order)} ({mode}) done at {time.perf_counter() - t0:.0f} s, "
+              f"other load {'n/a' if load is None else f'{load:.0%}'}", flush=True)
+    names = list(results[0]["ms"])
+    dflt = [r for r in results if r["mode"] == "default"]
+    kept = [r for r in results if r["mode"] == "kept"]
+    rows = []
+    print(f"# jax, {os.cpu_count()} CPUs; median of {runs} calls per child, {pairs} pairs of "
+          "children; speed-up = default ms / kept ms (median over pairs, range)")
+    print(f"{'program':44s} {'default ms':>10} {'kept ms':>9} {'speed-up':>8} {'range':>11} "
+          f"{'faults/call':>17}")
+    for n in names:
+        sp = [a["ms"][n] / b["ms"][n] for a, b in zip(dflt, kept, strict=True)]
+        row = {"program": n, "default_ms": statistics.median(r["ms"][n] for r in dflt),
+               "kept_ms": statistics.median(r["ms"][n] for r in kept),
+               "speedup": statistics.median(sp), "speedup_min": min(sp),
+               "speedup_max": max(sp),
+               "faults_default": statistics.median(r["faults_per_call"][n] for r in dflt),
+               "faults_kept": statistics.median(r["faults_per_call"][n] for r in kept)}
+        rows.append(row)
+        print(f"{n:44s} {row['default_ms']:10.2f} {row['kept_ms']:9.2f} {row['speedup']:8.2f} "
+              f"{row['speedup_min']:5.2f}-{row['speedup_max']:<5.2f} "
+              f"{row['faults_default']:8.0f} -> {row['faults_kept']:<6.0f}")
+    rss = {m: max(r["max_rss_mb"] for r in rs) for m, rs in (("default", dflt), ("kept", kept))}
+    print(f"# peak resident memory of a child: default {rss['default']:.0f} MB, kept "
+          f"{rss['kept']:.0f} MB")
+    goals = {"keep_freed_memory speed-up (median over programs, default / kept)": {
+        "value": statistics.median(r["speedup"] for r in rows), "goal": "reported",
+        "holds": None, "range": [min(r["speedup"] for r in rows),
+                                 max(r["speedup"] for r in rows)]}}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": platform.processor() or platform.machine(), "runs": runs,
+                       "pairs": pairs, "rows": rows, "max_rss_mb": rss, "children": results,
+                       "goals": goals}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,111 @@
+"""Process-wide settings for speed on CPU: keep freed memory for reuse.
+
+XLA:CPU allocates every call's outputs and its temporaries afresh with ``malloc``. glibc's
+``malloc`` serves blocks of 32 MB and more (and, before its threshold adapts, of 128 KB and
+more) with ``mmap`` and returns them to the operating system on ``free``; the next call's block
+of the same size then faults in every 4 KB page again, and the kernel zeroes each one. A
+``[8192, 1024]`` float32 output is 32 MB: on a 2-core AVX-512 CPU a ``LowRank`` leaf of rank 28
+took 17.5 ms per call with 8193 page faults, 7.2 ms with none (``benchmarks/allocator.py``).
+
+:func:`keep_freed_memory` tells glibc to serve large blocks from its heap (``M_MMAP_MAX = 0``),
+not to give freed heap memory back to the system (``M_TRIM_THRESHOLD`` at its maximum) and to
+keep one arena for all threads (``M_ARENA_MAX = 1``: a block larger than a thread arena's 64 MB
+heap is otherwise mapped and unmapped anyway, and XLA's worker threads allocate the large
+temporaries), so a block freed by one call is reused by the next with no page faults. Call it
+before the first JAX computation: threads that already have an arena keep it. The cost: the
+process keeps its peak heap size until it exits (what it freed is reused by later allocations,
+not returned), and all threads share one ``malloc`` lock (XLA allocates a few large blocks per
+call; code that mallocs from many threads at once may wait on it).
+It changes ``malloc`` for the whole process, PyTorch and NumPy included, so the library never
+calls it on its own: the ``lowrank-jax`` command does (``LOWRANK_JAX_KEEP_FREED_MEMORY=0``
+turns that off), and ``LOWRANK_JAX_KEEP_FREED_MEMORY=1`` makes ``import lowrank_jax`` call it.
+PyTorch users get the same effect from preloading jemalloc or tcmalloc; this is the same idea
+without another library.
+
+Not from any paper: an execution setting, like ``XLA_FLAGS``. On GPU and TPU the device
+allocator already reuses memory; host ``malloc`` matters there only for host-side arrays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+#: ``mallopt`` parameters (glibc ``malloc.h``).
+M_TRIM_THRESHOLD = -1
+M_MMAP_MAX = -4
+M_ARENA_MAX = -8
+#: glibc's defaults, restored by ``keep_freed_memory(False)``.
+DEFAULT_MMAP_MAX = 65536
+DEFAULT_TRIM_THRESHOLD = 128 * 1024
+#: The environment variable read by ``import lowrank_jax`` ("1": call :func:`keep_freed_memory`)
+#: and by the ``lowrank-jax`` command ("0": do not).
+ENV = "LOWRANK_JAX_KEEP_FREED_MEMORY"
+
+_kept: bool | None = None  # None: never set by this module
+
+
+def _glibc():
+    """The C library's handle if it is glibc on Linux (``mallopt`` does something), else None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version  # noqa: B018 (only glibc has it; musl's mallopt is a no-op)
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    libc.mallopt.restype = ctypes.c_int
+    return libc
+
+
+def keep_freed_memory(enable: bool = True) -> bool:
+    """Make glibc ``malloc`` keep freed memory for reuse (module docstring); process-wide.
+
+    Args:
+      enable: ``True``: serve large blocks from the heap, never trim it, one arena. ``False``:
+        restore glibc's default limits (128 KB trim threshold, mmap allowed, 8 arenas per
+        core); glibc's dynamic adjustment of its mmap threshold, which any explicit setting
+        switches off, stays off, and arenas created meanwhile stay.
+
+    Returns:
+      Whether the setting was applied: ``False`` where the C library is not glibc on Linux
+      (macOS, Windows, musl), and nothing changed.
+    """
+    global _kept
+    libc = _glibc()
+    if libc is None:
+        return False
+    if enable:
+        ok = all(libc.mallopt(p, v) == 1 for p, v in (
+            (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_ARENA_MAX, 1)))
+    else:  # glibc's arena limit: 8 per core on 64-bit systems
+        ok = all(libc.mallopt(p, v) == 1 for p, v in (
+            (M_MMAP_MAX, DEFAULT_MMAP_MAX), (M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD),
+            (M_ARENA_MAX, 8 * (os.cpu_count() or 1))))
+    if ok:
+        _kept = bool(enable)
+    return ok
+
+
+def freed_memory_kept() -> bool | None:
+    """``True`` / ``False`` as last set by :func:`keep_freed_memory`; ``None`` if it never ran
+    (glibc's defaults, unless something else called ``mallopt``)."""
+    return _kept
+
+
+def apply_env(default: bool = False) -> bool:
+    """Call :func:`keep_freed_memory` if :data:`ENV` says so (``"1"``) or, unset, if
+    ``default``; return whether it was applied. Any value other than ``"0"`` / ``"1"`` / unset
+    is ignored with a warning on stderr."""
+    val = os.environ.get(ENV)
+    if val not in (None, "", "0", "1"):
+        print(f"lowrank_jax: ignoring {ENV}={val!r} (expected 0 or 1)", file=sys.stderr)
+        val = None
+    want = default if val in (None, "") else val == "1"
+    return keep_freed_memory(True) if want else False
+
+
+__all__ = ["ENV", "apply_env", "freed_memory_kept", "keep_freed_memory"]
