@@ -18,7 +18,7 @@ of its loss (batch 8).
 Usage::
 
     python benchmarks/allocator.py --json allocator.json     # about 6 min
-    python benchmarks/allocator.py --quick                   # the linear rows and ViT, 1.5 min
+    python benchmarks/allocator.py --quick                   # the linear rows and ViT, 1 pair
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ def child(mode: str, quick: bool, runs: int) -> dict:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
-    p.add_argument("--pairs", type=int, default=None, help="child pairs (default 2)")
+    p.add_argument("--pairs", type=int, default=None, help="child pairs (default 2; quick 1)")
     p.add_argument("--runs", type=int, default=None, help="timed calls (default 7; quick 5)")
     p.add_argument("--json", help="write the children's results and the table here")
     p.add_argument("--child", choices=["default", "kept"], help=argparse.SUPPRESS)
@@ -127,7 +127,7 @@ def main(argv=None) -> int:
             json.dump(res, f)
         return 0
 
-    pairs = args.pairs or 2
+    pairs = args.pairs or (1 if args.quick else 2)
     order = []
     for i in range(pairs):
         order += ["default", "kept"] if i % 2 == 0 else ["kept", "default"]
