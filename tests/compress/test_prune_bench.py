@@ -32,7 +32,16 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abs
 def load_bench():
     if BENCH not in sys.path:
         sys.path.insert(0, BENCH)
-    return importlib.import_module("pruning")
+    # benchmarks/_machine.py sets LOWRANK_JAX_KEEP_FREED_MEMORY for the scripts; keep this
+    # process's environment (and what its subprocesses inherit) as it was
+    env = os.environ.get("LOWRANK_JAX_KEEP_FREED_MEMORY")
+    try:
+        return importlib.import_module("pruning")
+    finally:
+        if env is None:
+            os.environ.pop("LOWRANK_JAX_KEEP_FREED_MEMORY", None)
+        else:
+            os.environ["LOWRANK_JAX_KEEP_FREED_MEMORY"] = env
 
 
 def array_size(tree) -> int:
