@@ -21,8 +21,8 @@ call; code that mallocs from many threads at once may wait on it).
 It changes ``malloc`` for the whole process, PyTorch and NumPy included, so the library never
 calls it on its own: the ``lowrank-jax`` command does (``LOWRANK_JAX_KEEP_FREED_MEMORY=0``
 turns that off), and ``LOWRANK_JAX_KEEP_FREED_MEMORY=1`` makes ``import lowrank_jax`` call it.
-PyTorch users get the same effect from preloading jemalloc or tcmalloc; this is the same idea
-without another library.
+(Preloading jemalloc or tcmalloc, a common remedy for PyTorch on CPU, also keeps freed memory;
+not measured here.)
 
 Not from any paper: an execution setting, like ``XLA_FLAGS``. On GPU and TPU the device
 allocator already reuses memory; host ``malloc`` matters there only for host-side arrays.
