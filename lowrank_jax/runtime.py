@@ -9,20 +9,24 @@ of the same size then faults in every 4 KB page again, and the kernel zeroes eac
 process, 11.0 ms with none; a 4-layer ViT-Base-width forward on 32 images ran 1.06-1.17x faster
 (``benchmarks/allocator.py``).
 
-:func:`keep_freed_memory` tells glibc to serve large blocks from its heap (``M_MMAP_MAX = 0``),
-not to give freed heap memory back to the system (``M_TRIM_THRESHOLD`` at its maximum) and to
-keep one arena for all threads (``M_ARENA_MAX = 1``: a block larger than a thread arena's 64 MB
-heap is otherwise mapped and unmapped anyway, and XLA's worker threads allocate the large
-temporaries), so a block freed by one call is reused by the next with no page faults. Call it
-before the first JAX computation: threads that already have an arena keep it. The cost: the
-process keeps its peak heap size until it exits (what it freed is reused by later allocations,
-not returned), and all threads share one ``malloc`` lock (XLA allocates a few large blocks per
-call; code that mallocs from many threads at once may wait on it).
+:func:`keep_freed_memory` tells glibc to serve large blocks from its heap (``M_MMAP_MAX = 0``)
+and not to give freed heap memory back to the system (``M_TRIM_THRESHOLD`` at its maximum), so
+a block freed by one call is reused by the next with no page faults. The cost: the process
+keeps its peak heap size until it exits (what it freed is reused by later allocations, not
+returned). ``one_arena=True`` also keeps one ``malloc`` arena for all threads
+(``M_ARENA_MAX = 1``): a block larger than a thread arena's 64 MB heap, which XLA's worker
+threads request for large temporaries, is otherwise mapped and unmapped anyway (a 4-layer
+ViT-Base forward on 32 images: 170 000 page faults per call without it, none with it, 1.06-1.17x
+faster). But then every thread shares one ``malloc`` lock, and programs of many small
+operations slow down: the ``lowrank-jax demo`` pretraining (a small Chronos-Bolt) took 89 s
+instead of 62-65 s. So it is not the default. Call it before the first JAX computation: threads
+that already have an arena keep it.
+
 It changes ``malloc`` for the whole process, PyTorch and NumPy included, so the library never
 calls it on its own: the ``lowrank-jax`` command does (``LOWRANK_JAX_KEEP_FREED_MEMORY=0``
-turns that off), and ``LOWRANK_JAX_KEEP_FREED_MEMORY=1`` makes ``import lowrank_jax`` call it.
-(Preloading jemalloc or tcmalloc, a common remedy for PyTorch on CPU, also keeps freed memory;
-not measured here.)
+turns that off), and ``LOWRANK_JAX_KEEP_FREED_MEMORY=1`` makes ``import lowrank_jax`` call it
+(``=one_arena``: with ``one_arena=True``). (Preloading jemalloc or tcmalloc, a common remedy
+for PyTorch on CPU, also keeps freed memory; not measured here.)
 
 Not from any paper: an execution setting, like ``XLA_FLAGS``. On GPU and TPU the device
 allocator already reuses memory; host ``malloc`` matters there only for host-side arrays.
@@ -41,8 +45,8 @@ M_ARENA_MAX = -8
 #: glibc's defaults, restored by ``keep_freed_memory(False)``.
 DEFAULT_MMAP_MAX = 65536
 DEFAULT_TRIM_THRESHOLD = 128 * 1024
-#: The environment variable read by ``import lowrank_jax`` ("1": call :func:`keep_freed_memory`)
-#: and by the ``lowrank-jax`` command ("0": do not).
+#: The environment variable read by ``import lowrank_jax`` ("1": call :func:`keep_freed_memory`,
+#: "one_arena": with ``one_arena=True``) and by the ``lowrank-jax`` command ("0": do not).
 ENV = "LOWRANK_JAX_KEEP_FREED_MEMORY"
 
 _kept: bool | None = None  # None: never set by this module
@@ -63,14 +67,16 @@ def _glibc():
     return libc
 
 
-def keep_freed_memory(enable: bool = True) -> bool:
+def keep_freed_memory(enable: bool = True, *, one_arena: bool = False) -> bool:
     """Make glibc ``malloc`` keep freed memory for reuse (module docstring); process-wide.
 
     Args:
-      enable: ``True``: serve large blocks from the heap, never trim it, one arena. ``False``:
-        restore glibc's default limits (128 KB trim threshold, mmap allowed, 8 arenas per
-        core); glibc's dynamic adjustment of its mmap threshold, which any explicit setting
-        switches off, stays off, and arenas created meanwhile stay.
+      enable: ``True``: serve large blocks from the heap and never trim it. ``False``: restore
+        glibc's default limits (128 KB trim threshold, mmap allowed, and with ``one_arena`` 8
+        arenas per core); glibc's dynamic adjustment of its mmap threshold, which any explicit
+        setting switches off, stays off, and arenas created meanwhile stay.
+      one_arena: also one arena for all threads (``M_ARENA_MAX = 1``; module docstring: faster
+        for large activations, slower for many small operations).
 
     Returns:
       Whether the setting was applied: ``False`` where the C library is not glibc on Linux
@@ -81,33 +87,41 @@ def keep_freed_memory(enable: bool = True) -> bool:
     if libc is None:
         return False
     if enable:
-        ok = all(libc.mallopt(p, v) == 1 for p, v in (
-            (M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1), (M_ARENA_MAX, 1)))
+        opts = [(M_MMAP_MAX, 0), (M_TRIM_THRESHOLD, 2**31 - 1)]
+        if one_arena:
+            opts.append((M_ARENA_MAX, 1))
     else:  # glibc's arena limit: 8 per core on 64-bit systems
-        ok = all(libc.mallopt(p, v) == 1 for p, v in (
-            (M_MMAP_MAX, DEFAULT_MMAP_MAX), (M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD),
-            (M_ARENA_MAX, 8 * (os.cpu_count() or 1))))
+        opts = [(M_MMAP_MAX, DEFAULT_MMAP_MAX), (M_TRIM_THRESHOLD, DEFAULT_TRIM_THRESHOLD)]
+        if one_arena:
+            opts.append((M_ARENA_MAX, 8 * (os.cpu_count() or 1)))
+    ok = all(libc.mallopt(p, v) == 1 for p, v in opts)
     if ok:
-        _kept = bool(enable)
+        _kept = ("one_arena" if one_arena else True) if enable else False
     return ok
 
 
-def freed_memory_kept() -> bool | None:
-    """``True`` / ``False`` as last set by :func:`keep_freed_memory`; ``None`` if it never ran
-    (glibc's defaults, unless something else called ``mallopt``)."""
+def freed_memory_kept() -> bool | str | None:
+    """What :func:`keep_freed_memory` last set: ``True``, ``"one_arena"`` (with
+    ``one_arena=True``) or ``False``; ``None`` if it never ran (glibc's defaults, unless
+    something else called ``mallopt``)."""
     return _kept
 
 
 def apply_env(default: bool = False) -> bool:
-    """Call :func:`keep_freed_memory` if :data:`ENV` says so (``"1"``) or, unset, if
-    ``default``; return whether it was applied. Any value other than ``"0"`` / ``"1"`` / unset
-    is ignored with a warning on stderr."""
+    """Call :func:`keep_freed_memory` if :data:`ENV` says so (``"1"``; ``"one_arena"``: with
+    ``one_arena=True``) or, unset, if ``default``; return whether it was applied. Any other
+    value than ``"0"`` / ``"1"`` / ``"one_arena"`` / unset is ignored with a warning on
+    stderr."""
     val = os.environ.get(ENV)
-    if val not in (None, "", "0", "1"):
-        print(f"lowrank_jax: ignoring {ENV}={val!r} (expected 0 or 1)", file=sys.stderr)
+    if val not in (None, "", "0", "1", "one_arena"):
+        print(f"lowrank_jax: ignoring {ENV}={val!r} (expected 0, 1 or one_arena)",
+              file=sys.stderr)
         val = None
-    want = default if val in (None, "") else val == "1"
-    return keep_freed_memory(True) if want else False
+    if val in (None, ""):
+        return keep_freed_memory(True) if default else False
+    if val == "0":
+        return False
+    return keep_freed_memory(True, one_arena=val == "one_arena")
 
 
 __all__ = ["ENV", "apply_env", "freed_memory_kept", "keep_freed_memory"]

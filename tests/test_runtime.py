@@ -11,43 +11,64 @@ from lowrank_jax import runtime
 
 # Allocate, touch and free a 48 MB block five times; print the minor page faults of the last
 # four rounds (each round faults in the whole block again if it was given back to the system).
+# The same from a second thread with an 80 MB block (more than a thread arena's 64 MB heap).
 PROBE = r"""
-import resource, sys
+import resource, sys, threading
 import numpy as np
 from lowrank_jax import runtime
-if sys.argv[1] == "keep":
-    assert runtime.keep_freed_memory() is True
-n = 12 << 20  # float32: 48 MB, above glibc's largest mmap threshold (32 MB)
-for i in range(5):
-    if i == 1:
-        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    a = np.empty(n, np.float32)
-    a.fill(1.0)
-    del a
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+mode, in_thread = sys.argv[1], sys.argv[2] == "thread"
+if mode != "default":
+    assert runtime.keep_freed_memory(one_arena=mode == "one_arena") is True
+n = (20 if in_thread else 12) << 20  # float32: 80 or 48 MB, above the 32 MB mmap threshold
+out = []
+
+def rounds():
+    for i in range(5):
+        if i == 1:
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        a = np.empty(n, np.float32)
+        a.fill(1.0)
+        del a
+    out.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+
+if in_thread:
+    t = threading.Thread(target=rounds)
+    t.start()
+    t.join()
+else:
+    rounds()
+print(out[0])
 """
 
 glibc_only = pytest.mark.skipif(runtime._glibc() is None, reason="needs glibc on Linux")
 
 
-def _faults(mode):
-    out = subprocess.run([sys.executable, "-c", PROBE, mode], capture_output=True, text=True,
-                         check=True, env={**os.environ, runtime.ENV: "0"})
+def _faults(mode, where="main"):
+    out = subprocess.run([sys.executable, "-c", PROBE, mode, where], capture_output=True,
+                         text=True, check=True, env={**os.environ, runtime.ENV: "0"})
     return int(out.stdout.strip().splitlines()[-1])
 
 
 @glibc_only
 def test_keep_freed_memory_stops_refaulting_large_blocks():
-    default, keep = _faults("default"), _faults("keep")
-    pages = 4 * (48 << 20) // 4096  # four rounds of a 48 MB block in 4 KB pages
-    # glibc's default: the block is mmapped and unmapped every round (with transparent huge
-    # pages, fewer faults of 2 MB); kept: the heap block is reused, nothing is faulted again
+    default, keep = _faults("default"), _faults("kept")
+    # glibc's default: the block is mmapped and unmapped every round (numpy asks for huge
+    # pages, so fewer faults than 4 KB pages); kept: the heap block is reused, no new faults
     assert default > 4 * 20, default
-    assert keep <= max(8, default // 100), (keep, default, pages)
+    assert keep <= max(8, default // 100), (keep, default)
 
 
 @glibc_only
-@pytest.mark.parametrize("value, expected", [("1", "True"), ("0", "None"), ("yes", "None")])
+def test_one_arena_also_covers_large_blocks_of_other_threads():
+    default, keep, one = (_faults(m, "thread") for m in ("default", "kept", "one_arena"))
+    # a thread arena cannot hold 80 MB: without one arena the block is mapped every round
+    assert default > 4 * 20 and keep > 4 * 20, (default, keep)
+    assert one <= max(8, default // 100), (one, default)
+
+
+@glibc_only
+@pytest.mark.parametrize("value, expected", [("1", "True"), ("one_arena", "one_arena"),
+                                             ("0", "None"), ("yes", "None")])
 def test_env_variable_at_import(value, expected):
     code = "import lowrank_jax as lj; print(lj.runtime.freed_memory_kept())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
