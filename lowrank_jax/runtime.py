@@ -5,9 +5,8 @@ XLA:CPU allocates every call's outputs and its temporaries afresh with ``malloc`
 more) with ``mmap`` and returns them to the operating system on ``free``; the next call's block
 of the same size then faults in every 4 KB page again, and the kernel zeroes each one. A
 ``[8192, 1024]`` float32 output is 32 MB: on a 2-core AVX-512 CPU the ``linear`` of a
-``LowRank`` leaf of rank 51 into it took 22.9 ms per call with 10 872 page faults in a fresh
-process, 11.0 ms with none; a 4-layer ViT-Base-width forward on 32 images ran 1.06-1.17x faster
-(``benchmarks/allocator.py``).
+``LowRank`` leaf of rank 51 into it took 23.3 ms per call with 9845 page faults in a fresh
+process, 11.1 ms with them gone (``benchmarks/allocator.py``).
 
 :func:`keep_freed_memory` tells glibc to serve large blocks from its heap (``M_MMAP_MAX = 0``)
 and not to give freed heap memory back to the system (``M_TRIM_THRESHOLD`` at its maximum), so
@@ -16,11 +15,12 @@ keeps its peak heap size until it exits (what it freed is reused by later alloca
 returned). ``one_arena=True`` also keeps one ``malloc`` arena for all threads
 (``M_ARENA_MAX = 1``): a block larger than a thread arena's 64 MB heap, which XLA's worker
 threads request for large temporaries, is otherwise mapped and unmapped anyway (a 4-layer
-ViT-Base forward on 32 images: 170 000 page faults per call without it, none with it, 1.06-1.17x
-faster). But then every thread shares one ``malloc`` lock, and programs of many small
-operations slow down: the ``lowrank-jax demo`` pretraining (a small Chronos-Bolt) took 89 s
-instead of 62-65 s. So it is not the default. Call it before the first JAX computation: threads
-that already have an arena keep it.
+ViT-Base forward on 32 images: 170 000 page faults per call without it, none with it; 1.09-1.14x
+faster than glibc's default, against 1.05-1.06x without one arena). But then every thread
+shares one ``malloc`` lock, and programs of many small operations slow down: the ``lowrank-jax
+demo`` pretraining (a small Chronos-Bolt) took 89 s instead of 62-65 s, a small train step ran
+0.72x as fast (1.17x without one arena). So it is not the default. Call it before the first
+JAX computation: threads that already have an arena keep it.
 
 It changes ``malloc`` for the whole process, PyTorch and NumPy included, so the library never
 calls it on its own: the ``lowrank-jax`` command does (``LOWRANK_JAX_KEEP_FREED_MEMORY=0``

@@ -448,9 +448,9 @@ def batch_chunk(batch: int, heads: int, q_len: int, k_len: int) -> int | None:
     sequence at a time (295 -> 154 ms), 6.5x with heads of rank 6 (194 -> 30 ms); chunks of
     four sequences (12.6 MB of logits) were slower than none (``benchmarks/attention.py``).
     Those figures are with glibc's default ``malloc``, which also maps and unmaps the whole
-    batch's logits on every call; with freed memory kept
-    (:func:`lowrank_jax.runtime.keep_freed_memory`) whole d 768 blocks ran 30-50 % faster and
-    chunking gained 1.03-1.25x over them.
+    batch's logits on every call; with freed memory kept in one arena
+    (:func:`lowrank_jax.runtime.keep_freed_memory` with ``one_arena=True``) whole d 768 blocks
+    ran 30-50 % faster and chunking gained 1.03-1.25x over them.
     Off on GPU and TPU (their fused attention kernels need the whole batch) and for
     ``CHUNK_ABOVE_BYTES = None``. The projections run on the whole batch (those of the
     queries and keys through :meth:`~lowrank_jax.QK.queries` / :meth:`~lowrank_jax.QK.keys`;
