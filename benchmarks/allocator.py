@@ -43,16 +43,13 @@ def build(quick: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import optax
+    from train import config as train_config  # benchmarks/train.py: its small config
 
     import lowrank_jax as lj
     from lowrank_jax.models import chronos_bolt, t5, vit
 
     progs = {}
-    t5s = t5.T5Config(vocab_size=2, d_model=64, d_kv=16, d_ff=256, num_layers=2,
-                      num_decoder_layers=2, num_heads=4, feed_forward_proj="relu")
-    sc = chronos_bolt.ChronosBoltConfig(t5=t5s, context_length=64, prediction_length=16,
-                                        input_patch_size=16, input_patch_stride=16,
-                                        use_reg_token=True)
+    sc = train_config(quick=True)  # d_model 64, 2 + 2 layers, context 64, horizon 16
     sp = chronos_bolt.init(jax.random.key(6), sc)
     sloss = chronos_bolt.loss(sc)
     walk = jnp.asarray(np.cumsum(np.random.default_rng(1).normal(size=(16, 80)), axis=1),
