@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import tempfile
 import time
 
 # The benchmarks run as the lowrank-jax command does: glibc malloc keeps freed memory for reuse
@@ -59,3 +61,30 @@ def time_interleaved(fns: list, runs: int, warmup: int, *, cpu: bool = False):
             wall[j].append(time.perf_counter() - t0)
             cpu_s[j].append(time.process_time() - c0)
     return (wall, cpu_s) if cpu else wall
+
+
+def _plain(obj):
+    """JSON for what ``json`` does not know: NumPy/JAX scalars and arrays, anything else by str."""
+    if hasattr(obj, "tolist"):
+        return obj.tolist()
+    return str(obj)
+
+
+def write_json(path: str, obj, *, indent: int = 1, allow_nan: bool = True) -> None:
+    """Write a benchmark's result to ``path`` whole or not at all.
+
+    The JSON is written to a temporary file in the same folder and renamed over ``path``, so an
+    interrupted or failing run (a value ``json`` cannot encode, a full disk) leaves the previous
+    file as it was rather than half of a new one. NumPy scalars and arrays are written as
+    numbers and lists, anything else ``json`` cannot encode as its ``str``.
+    """
+    path = os.path.abspath(path)
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=os.path.dirname(path))
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=indent, allow_nan=allow_nan, default=_plain)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    print(f"wrote {path}")

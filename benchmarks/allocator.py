@@ -146,7 +146,7 @@ def main(argv=None) -> int:
     runs = args.runs or (5 if args.quick else 7)
     if args.child:
         res = child(args.child, args.quick, runs)
-        with open(args.out, "w") as f:
+        with open(args.out, "w") as f:  # a temporary file the parent reads back
             json.dump(res, f)
         return 0
 
@@ -200,11 +200,11 @@ def main(argv=None) -> int:
                            max(r[f"{m}_speedup"] for r in rows)]}
              for m in MODES[1:]}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(), "runs": runs,
-                       "rounds": rounds, "rows": rows, "max_rss_mb": rss,
-                       "children": results, "goals": goals}, f, indent=1)
-        print(f"wrote {args.json}")
+        from _machine import write_json  # not at the top: it sets the malloc variable
+
+        write_json(args.json, {"machine": platform.processor() or platform.machine(),
+                               "runs": runs, "rounds": rounds, "rows": rows, "max_rss_mb": rss,
+                               "children": results, "goals": goals})
     return 0
 
 

@@ -27,7 +27,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -36,7 +35,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -165,8 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     result = {"setup": setup, "goals": goals, "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return result
 
 

@@ -35,7 +35,6 @@ if "--blas-threads" in sys.argv:
         os.environ[_v] = _n
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -43,7 +42,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, write_json  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -157,8 +156,7 @@ def main(argv=None) -> int:
            "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
            "command": " ".join(sys.argv)}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json(args.json, out, indent=2)
     return 0
 
 

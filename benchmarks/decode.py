@@ -38,7 +38,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -46,7 +45,7 @@ import sys
 import time
 
 import models as M  # benchmarks/models.py: imports no framework at load
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, write_json  # benchmarks/_machine.py
 
 SMALL = dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8, vocab_size=4096,
              context=512, horizon=64, num_samples=20)
@@ -204,8 +203,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "greedy_equal_hf": greedy_equal},
               "goals": goals, "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return result
 
 

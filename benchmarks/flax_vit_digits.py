@@ -17,7 +17,6 @@ interleaved runs, median).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -29,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _machine import cpu_snapshot, other_load, time_interleaved  # noqa: E402  (benchmarks/_machine.py)
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # noqa: E402  (benchmarks/_machine.py)
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
@@ -225,8 +224,7 @@ def main(argv=None) -> dict:
            "last_train_loss": last_loss, "n_test": int(len(yte)), "timed_batch": int(len(xbig)),
            "timing_reps": reps, "other_load": load, "jax": jax.__version__,
            "device": str(jax.devices()[0].platform), "rows": rows}
-    with open(args.json, "w") as f:
-        json.dump(out, f, indent=2)
+    write_json(args.json, out, indent=2)
     print(f"{'variant':>9} {'acc':>6} {'ft acc':>6} {'params':>7} {'flops':>7} {'time':>6} "
           f"{'ms':>8}")
     for r in rows:

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import platform
 import statistics
@@ -39,7 +38,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, write_json  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -204,8 +203,7 @@ def main(argv=None) -> int:
            "machine": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
            "command": " ".join(sys.argv)}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
+        write_json(args.json, out, indent=2)
     return 0
 
 

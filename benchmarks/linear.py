@@ -20,7 +20,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -28,7 +27,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -115,8 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     print(f"# worst time/flop ratio {worst:.2f} (goal <= {GOAL}): "
           f"{sum(r['time_per_flop_ratio'] <= GOAL for r in rows)}/{len(rows)} rows meet it")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"setup": setup, "rows": rows}, f, indent=1)
+        write_json(args.json, {"setup": setup, "rows": rows})
     return rows
 
 

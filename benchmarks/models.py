@@ -42,14 +42,13 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 
-from _machine import cpu_snapshot, other_load, time_interleaved  # noqa: F401 (peak.py, decode.py use M.time_interleaved)
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # noqa: F401 (peak.py, decode.py use M.time_interleaved)
 
 QUANTILES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 SPEEDUP_GOAL = 2.0  # JAX at least 2x faster than PyTorch eager
@@ -439,8 +438,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                      for r in comp}}},
               "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return result
 
 

@@ -35,7 +35,6 @@ os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
 import argparse  # noqa: E402
-import json  # noqa: E402
 import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
@@ -45,7 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _machine import cpu_snapshot, other_load, time_interleaved  # noqa: E402  (benchmarks/_machine.py)
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # noqa: E402  (benchmarks/_machine.py)
 from jax.sharding import Mesh  # noqa: E402
 
 try:
@@ -333,8 +332,7 @@ def main(argv=None) -> dict:
               "time": tms}
     print(f"# {setup['seconds']:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return result
 
 

@@ -62,7 +62,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -70,7 +69,7 @@ import sys
 import time
 
 import models as M  # benchmarks/models.py: imports no framework at load
-from _machine import cpu_snapshot, other_load  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, write_json  # benchmarks/_machine.py
 
 FRACTION_GOAL = 0.9  # dense Chronos-Bolt forward / GEMM rate
 EAGER_GOAL = 1.3  # JAX dense vs PyTorch eager
@@ -394,8 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
                         "total_s": total_s, "attention_size_ratio": rep["ratio"]},
               "goals": goals, "rows": rows}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return result
 
 

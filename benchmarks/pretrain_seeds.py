@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import io
-import json
 import math
 import os
 import sys
@@ -37,7 +36,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import cpu_snapshot, other_load  # noqa: E402
+from _machine import cpu_snapshot, other_load, write_json  # noqa: E402
 
 from lowrank_jax.cli.demo import one_blas_thread  # noqa: E402
 from lowrank_jax.cli.pretrain_demo import run_pretraining_demo  # noqa: E402
@@ -151,10 +150,7 @@ def main(argv=None) -> int:
                "summary": summary, "flow_beats_uniform": {**counts, "of": n},
                "seconds": seconds, "other_load": load, "cpus": os.cpu_count(),
                "runs": [{k: v for k, v in r.items() if k != "plots"} for r in runs]}
-        with open(args.json, "w") as f:
-            json.dump(doc, f, indent=2, allow_nan=False,
-                      default=lambda o: o.item() if hasattr(o, "item") else str(o))
-        print(f"wrote {args.json}")
+        write_json(args.json, doc, indent=2, allow_nan=False)
     return 0 if all(math.isfinite(s["wql"]["mean"]) for s in summary.values()) else 1
 
 

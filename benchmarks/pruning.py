@@ -42,7 +42,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -52,7 +51,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -275,8 +274,7 @@ def main(argv=None) -> dict:
     result = {"setup": setup, "rows": rows}
     print(f"# {setup['seconds']:.0f} s")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return result
 
 

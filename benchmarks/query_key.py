@@ -45,7 +45,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -54,7 +53,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -223,8 +222,7 @@ def main(argv: list[str] | None = None) -> dict:
         "rows": len(rows)}}
     result = {"setup": setup, "rows": rows, "goals": goals}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_json(args.json, result)
     return result
 
 

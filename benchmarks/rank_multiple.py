@@ -19,7 +19,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
@@ -27,7 +26,7 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from _machine import cpu_snapshot, other_load, time_interleaved  # benchmarks/_machine.py
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -120,12 +119,10 @@ def main(argv=None) -> int:
             "faster": f"{s['faster']}/{s['rounded']}"}
         for k, s in summ.items()}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"machine": platform.processor() or platform.machine(),
-                       "jax": jax.__version__, "runs": runs, "rows": rows,
-                       "summary": {str(k): v for k, v in summ.items()}, "goals": goals}, f,
-                      indent=1)
-        print(f"wrote {args.json}")
+        write_json(args.json, {"machine": platform.processor() or platform.machine(),
+                               "jax": jax.__version__, "runs": runs, "rows": rows,
+                               "summary": {str(k): v for k, v in summ.items()},
+                               "goals": goals})
     return 0
 
 
