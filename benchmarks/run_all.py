@@ -88,15 +88,24 @@ def _fmt_load(x) -> str:
 
 def rows_linear(d: dict) -> list[Row]:
     rows = d["rows"]
+    # Judged per product inside a program of several products (a leaf in a model), when the
+    # script measured it; the single-call figure (which also pays JAX's dispatch) is shown too.
+    key = ("program_time_per_flop_ratio" if all("program_time_per_flop_ratio" in r for r in rows)
+           else "time_per_flop_ratio")
     out = []
     for q in sorted({r["target_ratio"] for r in rows}):
         sel = [r for r in rows if r["target_ratio"] == q]
-        worst = max(sel, key=lambda r: r["time_per_flop_ratio"])
-        ok = sum(r["time_per_flop_ratio"] <= 1.15 for r in sel)
+        worst = max(sel, key=lambda r: r[key])
+        ok = sum(r[key] <= 1.15 for r in sel)
+        single = max(r["time_per_flop_ratio"] for r in sel)
+        where = "in a program" if key != "time_per_flop_ratio" else "single calls"
+        extra = (f"; single calls: worst {single:.2f}, "
+                 f"{sum(r['time_per_flop_ratio'] <= 1.15 for r in sel)}/{len(sel)}"
+                 if key != "time_per_flop_ratio" else "")
         out.append(Row("1", f"LowRank leaf time/FLOP, FLOP ratio ~{q:g}", "<= 1.15",
-                       f"worst {worst['time_per_flop_ratio']:.2f} (d {worst['d']}, "
-                       f"{worst['tokens']} tokens); {ok}/{len(sel)} sizes meet it",
-                       ok == len(sel), "linear.py", worst["time_per_flop_ratio"]))
+                       f"{where}: worst {worst[key]:.2f} (d {worst['d']}, {worst['tokens']} "
+                       f"tokens); {ok}/{len(sel)} sizes meet it{extra}",
+                       ok == len(sel), "linear.py", worst[key]))
     return out
 
 
