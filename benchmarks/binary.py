@@ -17,11 +17,19 @@ column is the training form, which recomputes the top-k mask of its scores on ev
 accounting in bits. The outputs of the packed and frozen leaves are compared too (they are
 equal bit for bit on CPU).
 
+``--sparse`` adds what sparse execution would give (issue 15, goal 1: a binary leaf's time
+against its FLOP count, which is its non-zero multiply-adds): the frozen leaf's matrix as a
+``jax.experimental.sparse.BCSR`` (compressed sparse rows of ``W^T``, product ``(W^T @ x^T)^T``;
+BCOO was 10x slower in a trial) at the run's keep fraction and at 0.1, 0.03 and 0.01, timed
+against the dense leaf and the frozen leaf at the same keep in one interleaved loop, with its
+outputs checked against the frozen leaf's.
+
 Usage::
 
     python benchmarks/binary.py                 # d = 512, 768, 1024; 512, 2048, 8192 tokens
     python benchmarks/binary.py --quick         # d = 512, 1024; 512 and 2048 tokens; 5 runs
     python benchmarks/binary.py --json out.json --d 1024 --tokens 8192 --runs 20
+    python benchmarks/binary.py --sparse --d 1024 --tokens 512 2048   # sparse execution too
 """
 
 from __future__ import annotations
@@ -91,6 +99,48 @@ def bench(d: int, n_tokens: int, *, keep: float, runs: int, warmup: int, seed: i
     }
 
 
+SPARSE_KEEPS = (0.1, 0.03, 0.01)
+
+
+def bench_sparse(d: int, n_tokens: int, keeps, *, runs: int, warmup: int,
+                 seed: int = 0) -> list[dict]:
+    """Rows for sparse execution: one per keep fraction, the BCSR product's time against the
+    dense leaf's and the frozen leaf's (same keep), and ``time/flop`` = (sparse / dense time)
+    / keep, the figure goal 1 asks of a leaf whose FLOPs are its non-zeros."""
+    from jax.experimental import sparse
+
+    x = jax.random.normal(jax.random.key(seed + 1), (n_tokens, d), jnp.float32)
+    dense = lj.init_dense(jax.random.key(seed), d, d)
+    fn = jax.jit(lambda leaf, x: lj.linear(leaf, x))
+    sp = jax.jit(lambda wt, x: (wt @ x.T).T)  # BCSR is implemented as the left operand only
+    frozen, csr = [], []
+    for i, k in enumerate(keeps):
+        f = L.init_masked_binary(jax.random.key(seed + 10 + i), d, d, k).freeze()
+        frozen.append(f)
+        csr.append(sparse.BCSR.fromdense(lj.materialize(f).T))  # [d_out, d_in]
+    calls = [lambda: jax.block_until_ready(fn(dense, x))]
+    for f, c in zip(frozen, csr, strict=True):
+        calls += [lambda f=f: jax.block_until_ready(fn(f, x)),
+                  lambda c=c: jax.block_until_ready(sp(c, x))]
+    before = cpu_snapshot()
+    med = [statistics.median(t) * 1e3 for t in time_interleaved(calls, runs, warmup)]
+    load = other_load(before, cpu_snapshot())
+    rows = []
+    for i, (k, f, c) in enumerate(zip(keeps, frozen, csr, strict=True)):
+        ref = np.asarray(fn(f, x), np.float64)
+        got = np.asarray(sp(c, x), np.float64)
+        scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(lj.materialize(f)))
+        flop_ratio = f.n_keep / (d * d)
+        rows.append({
+            "d": d, "tokens": n_tokens, "keep": k, "nnz": int(c.nse), "flop_ratio": flop_ratio,
+            "dense_ms": med[0], "frozen_ms": med[1 + 2 * i], "sparse_ms": med[2 + 2 * i],
+            "sparse_over_dense": med[2 + 2 * i] / med[0],
+            "time_per_flop_ratio": med[2 + 2 * i] / med[0] / flop_ratio,
+            "max_err_over_scale": float(np.max(np.abs(got - ref) / np.maximum(scale, 1e-30))),
+            "other_load": load})
+    return rows
+
+
 HEADER = (f"{'d':>5} {'tokens':>6} {'dense ms':>9} {'masked ms':>9} {'frozen ms':>9} "
           f"{'packed ms':>9} {'packed/frozen':>13} {'(cpu)':>6} {'frozen/dense':>12} "
           f"{'leaf MB d/m/f/p':>24} "
@@ -116,6 +166,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 15; quick 5)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--quick", action="store_true", help="d 512 1024, 512 and 2048 tokens, 5 runs")
+    p.add_argument("--sparse", action="store_true",
+                   help="also time sparse (BCSR) execution at the keep fraction and at "
+                        f"{', '.join(map(str, SPARSE_KEEPS))}")
     p.add_argument("--json", metavar="PATH", help="write the rows (and the setup) as JSON")
     args = p.parse_args(argv)
     dims = args.d or ([512, 1024] if args.quick else [512, 768, 1024])
@@ -163,6 +216,28 @@ def main(argv: list[str] | None = None) -> dict:
                        "goal": "reported", "holds": None},
     }
     result = {"setup": setup, "goals": goals, "rows": rows}
+    if args.sparse:
+        keeps = sorted({args.keep, *SPARSE_KEEPS}, reverse=True)
+        print("# sparse execution (jax.experimental.sparse BCSR of W^T): time against the dense "
+              "leaf; time/flop = (sparse / dense time) / (non-zeros / d^2); err = max |sparse - "
+              "frozen| / (|x| @ |W|)")
+        print(f"{'d':>5} {'tokens':>6} {'keep':>5} {'dense ms':>9} {'frozen ms':>9} "
+              f"{'sparse ms':>9} {'sparse/dense':>12} {'time/flop':>9} {'err':>8} {'load':>5}")
+        sparse_rows = []
+        for d in dims:
+            for n in tokens:
+                for r in bench_sparse(d, n, keeps, runs=runs, warmup=warmup):
+                    load = "n/a" if r["other_load"] is None else f"{100 * r['other_load']:.0f}%"
+                    print(f"{r['d']:>5} {r['tokens']:>6} {r['keep']:>5g} {r['dense_ms']:>9.3f} "
+                          f"{r['frozen_ms']:>9.3f} {r['sparse_ms']:>9.3f} "
+                          f"{r['sparse_over_dense']:>12.3f} {r['time_per_flop_ratio']:>9.2f} "
+                          f"{r['max_err_over_scale']:>8.1e} {load:>5}", flush=True)
+                    sparse_rows.append(r)
+        result["sparse_rows"] = sparse_rows
+        goals["binary_time_per_flop_sparse"] = {
+            "value": min(r["time_per_flop_ratio"] for r in sparse_rows), "goal": "reported",
+            "holds": None, "best_keep": min(sparse_rows,
+                                            key=lambda r: r["time_per_flop_ratio"])["keep"]}
     if args.json:
         write_json(args.json, result)
     return result
