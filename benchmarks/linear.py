@@ -10,8 +10,9 @@ a constant folded into the program), after warm-up, each call ended by ``block_u
 The figure of merit is ``time ratio / FLOP ratio``: 1.0 means the factorized product runs at
 the dense product's speed per multiply-add; the goal is ``<= 1.15``. It is measured twice:
 
-* ``single``: one product per jitted call. Each call also pays JAX's dispatch (about 0.05-0.1
-  ms here), which is most of a 0.3 ms call at d 512 and 512 tokens.
+* ``single``: one product per jitted call. Each call also pays JAX's dispatch, the wake-up of
+  XLA's threads and an input out of cache (30-60 us per product at 512 tokens on the 2-core
+  test machine, a sixth of a 0.3 ms product at d 512).
 * ``in program``: ``--chain`` products (default 4, each with its own random leaf) applied one
   after the other inside one jitted program, as a model's layers run; the time per product is
   the program's time over ``--chain``, so dispatch is paid once per program. This is the figure
