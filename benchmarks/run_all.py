@@ -21,6 +21,7 @@ Scripts and the goals they answer (issue 15, "Goals"):
 ``query_key.py``        1: the query-key objects of irregular attention (TruncAtt, CP-SlimAtt,
                         BTD) against the dense one: time ratio <= 1.15 x FLOP ratio
 ``attention.py``        2 (reported): attention on CPU in batch chunks against the whole batch
+``mlp.py``              2 (reported): MLPs on CPU in token chunks against all tokens at once
 ``pruning.py``          1: a physically pruned Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
 ``models.py``           1: an SVD-compressed Chronos-Bolt's time ratio <= 1.2 x its FLOP ratio
 ``binary.py``           1: binary leaves' time / FLOP; 5: packed binary >= frozen binary speed,
@@ -269,6 +270,7 @@ GOAL_SCRIPTS = [
            optional=True),
     Script("allocator", lambda d: rows_goals(d, "allocator.py", "2"), "2", optional=True),
     Script("attention", lambda d: rows_goals(d, "attention.py", "2"), "2", optional=True),
+    Script("mlp", lambda d: rows_goals(d, "mlp.py", "2"), "2", optional=True),
     Script("pruning", rows_pruning, "1"),
     Script("models", rows_models, "1"),
     Script("binary", rows_binary, "5"),
