@@ -38,6 +38,7 @@ from lowrank_jax.leaves import (
     split_heads,
 )
 from lowrank_jax.leaves.base import Leaf
+from lowrank_jax.nn.execution import cpu_chunks
 from lowrank_jax.nn.masks import combine_masks, qkv_activation_masks
 
 Array = jax.Array
@@ -451,13 +452,15 @@ def batch_chunk(batch: int, heads: int, q_len: int, k_len: int) -> int | None:
     batch's logits on every call; with freed memory kept in one arena
     (:func:`lowrank_jax.runtime.keep_freed_memory` with ``one_arena=True``) whole d 768 blocks
     ran 30-50 % faster and chunking gained 1.03-1.25x over them.
-    Off on GPU and TPU (their fused attention kernels need the whole batch) and for
-    ``CHUNK_ABOVE_BYTES = None``. The projections run on the whole batch (those of the
-    queries and keys through :meth:`~lowrank_jax.QK.queries` / :meth:`~lowrank_jax.QK.keys`;
-    a query-key type without them computes its logits, projections included, per chunk).
-    Values are the same up to float32 round-off. Read when a function is traced.
+    Off on GPU and TPU (their fused attention kernels need the whole batch), on a CPU backend
+    with more than one device (a batch sharded over devices would be gathered onto each:
+    :func:`~lowrank_jax.nn.execution.cpu_chunks`) and for ``CHUNK_ABOVE_BYTES = None``. The
+    projections run on the whole batch (those of the queries and keys through
+    :meth:`~lowrank_jax.QK.queries` / :meth:`~lowrank_jax.QK.keys`; a query-key type without
+    them computes its logits, projections included, per chunk). Values are the same up to
+    float32 round-off. Read when a function is traced.
     """
-    if CHUNK_ABOVE_BYTES is None or jax.default_backend() != "cpu":
+    if CHUNK_ABOVE_BYTES is None or not cpu_chunks():
         return None
     per_seq = 4 * heads * q_len * k_len
     if batch <= 1 or batch * per_seq <= CHUNK_ABOVE_BYTES:

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves import init_dense, keep_inputs, keep_outputs, linear
+from lowrank_jax.nn.execution import cpu_chunks
 
 Array = jax.Array
 
@@ -93,22 +94,25 @@ def token_chunks(n_tokens: int, d_hidden: int, itemsize: int = 4) -> int | None:
     """How many chunks :func:`apply_mlp` splits ``n_tokens`` tokens into on this backend, or
     ``None`` (all at once).
 
-    Not from any paper: an execution choice for CPUs, as :func:`~lowrank_jax.nn.attention.
-    batch_chunk` is for attention. The hidden activations ``[tokens, d_hidden]`` of a large
-    input do not fit in the caches: the first product writes them to memory and the second
-    reads them back. A chunk of tokens at a time (``lax.map``), they stay in cache. Measured on
-    a 2-core AVX-512 CPU (``benchmarks/mlp.py``): a d 768 / 3072 ReLU MLP on 16384 tokens 1.21x
-    faster in chunks of 683 tokens (8 MB of hidden activations), on 6304 tokens (a ViT-Base
-    batch of 32 images) 1.18x, d 1024 / 4096 on 8192 tokens 1.17x; at 12 MB of hidden
-    activations or less it gained nothing, hence the threshold. Its gradient was 1.05x faster
-    (each chunk's hidden activations are kept for the backward pass, as without chunks).
+    Not from any paper: an execution choice for CPUs, as
+    :func:`~lowrank_jax.nn.attention.batch_chunk` is for attention. The hidden activations
+    ``[tokens, d_hidden]`` of a large input do not fit in the caches: the first product writes
+    them to memory and the second reads them back. A chunk of tokens at a time (``lax.map``),
+    they stay in cache. Measured on a 2-core AVX-512 CPU (``benchmarks/mlp.py``): MLP blocks
+    1.14-1.22x faster at 4096-16384 tokens (d 768 / 3072 on 16384 tokens 1.17x, gated d 768 /
+    2048 1.22x, d 1024 / 4096 on 8192 tokens 1.15x), a 4-layer ViT-Base-width encoder on 32
+    images 1.09x; at 12 MB of hidden activations or less chunks gained nothing, hence the
+    threshold. The gradient keeps each chunk's hidden activations for the backward pass, as
+    without chunks, and runs as fast (1.01x).
 
-    Off on GPU and TPU (their matmuls want the whole input) and for ``CHUNK_ABOVE_BYTES =
-    None``. Chunks are equal: the tokens are padded with zero rows up to a multiple of the
-    chunk (fewer than one row per chunk), and the padding's outputs are dropped. Values are the
-    same up to float32 round-off. Read when a function is traced.
+    Off on GPU and TPU (their matmuls want the whole input), on a CPU backend with more than
+    one device (tokens sharded over devices would be gathered onto each:
+    :func:`~lowrank_jax.nn.execution.cpu_chunks`) and for ``CHUNK_ABOVE_BYTES = None``. Chunks
+    are equal: the tokens are padded with zero rows up to a multiple of the chunk (fewer than
+    one row per chunk), and the padding's outputs are dropped. Values are the same up to
+    float32 round-off. Read when a function is traced.
     """
-    if CHUNK_ABOVE_BYTES is None or jax.default_backend() != "cpu":
+    if CHUNK_ABOVE_BYTES is None or not cpu_chunks():
         return None
     total = int(n_tokens) * int(d_hidden) * int(itemsize)
     if n_tokens <= 1 or total <= CHUNK_ABOVE_BYTES:

@@ -485,6 +485,7 @@ def test_batch_chunks_match_per_head_reference(monkeypatch, chunk_bytes, chunk, 
 
     plain = jax.jit(jax.value_and_grad(lambda p, b: jnp.sum(run(p, x, kv, b) ** 2)))
     want_val, want_grad = plain(p, jnp.asarray(per_seq))
+    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
     monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 0)
     monkeypatch.setattr(attn, "CHUNK_BYTES", chunk_bytes)
     assert attn.batch_chunk(6, 4, 4, 5) == chunk
@@ -513,6 +514,7 @@ def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch, 
     x, kv = rand(93, (4, 3, D)), rand(94, (4, 5, D_KV))
     mask = np.random.default_rng(95).random((4, 1, 3, 5)) < 0.8
     mask[..., 0] = True
+    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
     monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 0)
     monkeypatch.setattr(attn, "CHUNK_BYTES", 2 * 4 * 3 * 3 * 5)  # two sequences per chunk
     assert attn.batch_chunk(4, 3, 3, 5) == 2
@@ -531,7 +533,9 @@ def test_batch_chunk_policy(monkeypatch):
 
     monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 8 << 20)
     monkeypatch.setattr(attn, "CHUNK_BYTES", 2 << 20)
-    assert jax.default_backend() == "cpu"
+    assert jax.default_backend() == "cpu" and jax.device_count() > 1  # tests/conftest.py: 8
+    assert attn.batch_chunk(32, 12, 256, 256) is None  # several devices: never chunked
+    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)
     # 32 x 12 heads x 256^2 float32 logits = 100 MB: one sequence (3.1 MB) per chunk.
     assert attn.batch_chunk(32, 12, 256, 256) == 1
     # 32 sequences of 33 tokens (Chronos-Bolt): 1.7 MB in all, no chunks.
@@ -882,3 +886,33 @@ def test_relative_bias_config_validation(kwargs, field):
 def test_relative_bias_table_shape_checked():
     with pytest.raises(ShapeError, match="table must be"):
         relative_bias(jnp.zeros((16, 2)), 3, 3, RelativeBiasConfig())
+
+
+def test_no_batch_chunks_with_several_devices(monkeypatch):
+    """With the batch sharded over devices attention runs whole (a chunk loop over the sharded
+    batch would gather it onto every device) and its output stays sharded."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from lowrank_jax.nn import attention as attn
+
+    assert jax.device_count() == 8  # tests/conftest.py
+    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 0)  # any size would be chunked
+    monkeypatch.setattr(attn, "CHUNK_BYTES", 1)
+    assert attn.batch_chunk(8, 3, 4, 4) is None
+    p = {"qk": QueryKey(q=Dense(rand(100, (D, 6), 0.4)), k=Dense(rand(101, (D, 6), 0.4)),
+                        widths=(2, 2, 2)),
+         "v": Dense(rand(102, (D, 6), 0.4)), "o": Dense(rand(103, (6, D_OUT), 0.4)),
+         "heads": HeadLayout.uniform(3, 2, 0.5)}
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    x = jax.device_put(rand(104, (8, 4, D)), NamedSharding(mesh, PartitionSpec("data")))
+    jaxpr = str(jax.make_jaxpr(lambda p, x: apply_attention(p, x, CFG))(p, x))
+    assert "scan" not in jaxpr and "while" not in jaxpr
+    y = jax.jit(lambda p, x: apply_attention(p, x, CFG))(p, x)
+    x64 = np.asarray(x, np.float64)
+    q = (x64 @ np.asarray(p["qk"].q.w, np.float64)).reshape(8, 4, 3, 2)
+    k = (x64 @ np.asarray(p["qk"].k.w, np.float64)).reshape(8, 4, 3, 2)
+    v = (x64 @ np.asarray(p["v"].w, np.float64)).reshape(8, 4, 3, 2)
+    att = np_softmax(np.einsum("bqhd,bkhd->bhqk", q, k) * 0.5)
+    out = np.einsum("bhqk,bkhd->bqhd", att, v).reshape(8, 4, 6) @ np.asarray(p["o"].w, np.float64)
+    assert max_err(y, out) <= TOL
+    assert y.sharding.spec == PartitionSpec("data")

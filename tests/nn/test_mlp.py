@@ -229,6 +229,7 @@ def test_token_chunks_match_reference(monkeypatch, gated, activation):
     comp[first] = LowRank(u=rand(42, (8, 3), 0.5), v=rand(43, (3, 12), 0.5), b=rand(44, (12,)))
     comp["wo"] = MaskedBinary(w=rand(45, (12, 8)), s=rand(46, (12, 8)), b=None, keep=0.6)
     whole = jax.jit(lambda p, x: apply_mlp(p, x, cfg))(comp, x)
+    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
     monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 0)
     monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 200)  # 10 tokens x 12 x 4 bytes = 480: 3 chunks
     assert mlp_mod.token_chunks(10, 12) == 3
@@ -252,6 +253,7 @@ def test_token_chunk_gradient_matches_reference(monkeypatch):
     cfg = MLPConfig(activation="relu")
     p = {"wi": Dense(rand(50, (8, 12), 0.4)), "wo": Dense(rand(51, (12, 8), 0.3))}
     x = rand(52, (7, 8))
+    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
     monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 0)
     monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 100)  # 7 x 12 x 4 = 336 bytes: 4 chunks of 2
     assert mlp_mod.token_chunks(7, 12) == 4
@@ -267,7 +269,9 @@ def test_token_chunks_policy(monkeypatch):
 
     monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 16 << 20)
     monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 8 << 20)
-    assert jax.default_backend() == "cpu"
+    assert jax.default_backend() == "cpu" and jax.device_count() > 1  # tests/conftest.py: 8
+    assert mlp_mod.token_chunks(16384, 3072) is None  # several devices: never chunked
+    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)
     # Chronos-Bolt-base batch: 1056 tokens x 3072 x 4 bytes = 12.4 MiB, below the threshold.
     assert mlp_mod.token_chunks(1056, 3072) is None
     # ViT-Base, 32 images: 6304 x 3072 x 4 = 73.9 MiB -> 10 chunks of at most 8 MiB.
@@ -282,3 +286,25 @@ def test_token_chunks_policy(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 16 << 20)
     assert mlp_mod.token_chunks(16384, 3072) is None
+
+
+def test_no_token_chunks_with_several_devices(monkeypatch):
+    """With a batch sharded over devices the MLP runs whole (a chunk loop over a sharded axis
+    would gather the input onto every device) and its output stays sharded."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from lowrank_jax.nn import mlp as mlp_mod
+
+    assert jax.device_count() == 8  # tests/conftest.py
+    monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 0)  # any size would be chunked
+    monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 64)
+    cfg = MLPConfig(activation="gelu")
+    p = dense_params(60, cfg)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    x = jax.device_put(rand(61, (8, 3, 8)), NamedSharding(mesh, PartitionSpec("data")))
+    run = jax.jit(lambda p, x: apply_mlp(p, x, cfg))
+    jaxpr = str(jax.make_jaxpr(lambda p, x: apply_mlp(p, x, cfg))(p, x))
+    assert "scan" not in jaxpr and "while" not in jaxpr
+    y = run(p, x)
+    assert max_err(y, np_mlp(p, x, "gelu", False)) <= TOL
+    assert y.sharding.spec == PartitionSpec("data")
