@@ -30,10 +30,21 @@ each with the rank whose FLOP ratio is closest to the target, and
 executed) are :func:`lowrank_jax.flops` of the object's projections plus ``batch *
 score_flops(N, N)``; the weights are random (the time does not depend on their values).
 
-Each figure is the median of ``--runs`` calls of ``jax.jit(lambda qk, x: qk.logits(x, x))``
-(the object is an argument), after warm-up, each call ended by ``block_until_ready``; all
-objects of one size are timed in one loop with the dense one, the order reversed on every
-other run. ``time/flop = (ms / dense ms) / flop ratio``; the goal is ``<= 1.15``.
+Each object is timed two ways, all objects of one size in one loop with the dense one (the
+order reversed on every other run; median of ``--runs`` calls after warm-up, each ended by
+``block_until_ready``, the object passed as an argument):
+
+* ``whole``: ``jax.jit(lambda qk, x: qk.logits(x, x))``, the whole batch's logits written to
+  memory;
+* ``as attention``: as :func:`lowrank_jax.nn.apply_attention` runs them on CPU: queries and
+  keys projected on the whole batch (``qk.queries``, ``qk.keys``), then the logits a chunk of
+  :func:`lowrank_jax.nn.attention.batch_chunk` sequences at a time (the whole batch when it
+  chunks none), each chunk's logits reduced by a maximum over the keys (the same consumer for
+  every object; it stands in for the softmax, which reads them while they are in cache, and
+  its time, counted for no FLOPs, only pulls every ratio towards 1). This is the figure the
+  goal is judged on (``run_all.py``); both are printed.
+
+``time/flop = (ms / dense ms) / flop ratio``; the goal is ``<= 1.15``.
 
 Usage::
 
@@ -61,6 +72,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowrank_jax as lj
 from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
+from lowrank_jax.nn import attention as attn
 
 GOAL = 1.15
 KINDS = ("truncatt", "cp", "btd")
@@ -136,36 +148,56 @@ def bench(d: int, seq: int, n_tokens: int, ratios: list[float], *, runs: int, wa
                 irr = make_qk("truncatt_irr", jax.random.fold_in(key, 100 + j), d, heads, r)
                 objs.append(("truncatt_irr", q, r, irr))
     fn = jax.jit(lambda qk, x: qk.logits(x, x))
-    calls = [lambda o=o: jax.block_until_ready(fn(o, x)) for o in [dense, *(o[3] for o in objs)]]
+    chunk = attn.batch_chunk(batch, heads, seq, seq) or batch
+
+    def as_attention(qk, x):
+        qs, ks = qk.queries(x), qk.keys(x)  # projections on the whole batch
+        qs, ks = (a.reshape(batch // chunk, chunk, *a.shape[1:]) for a in (qs, ks))
+        return jax.lax.map(lambda a: jnp.max(qk.logits_from_queries(*a), axis=-1), (qs, ks))
+
+    fa = jax.jit(as_attention)
+    everything = [dense, *(o[3] for o in objs)]
+    calls = [lambda o=o: jax.block_until_ready(fn(o, x)) for o in everything]
+    calls += [lambda o=o: jax.block_until_ready(fa(o, x)) for o in everything]
     before = cpu_snapshot()
     times = time_interleaved(calls, runs, warmup)
     load = other_load(before, cpu_snapshot())
     med = [statistics.median(t) for t in times]
+    n = len(everything)
     rows = []
-    for (kind, q, r, o), t in zip(objs, med[1:], strict=True):
+    for i, (kind, q, r, o) in enumerate(objs, start=1):
         flop_ratio = qk_flops(o, batch, seq) / dense_flops
-        time_ratio = t / med[0]
+        time_ratio = med[i] / med[0]
+        att_ratio = med[n + i] / med[n]
         rows.append({
             "kind": kind, "d": d, "heads": heads, "seq": seq, "batch": batch,
             "tokens": batch * seq, "target_ratio": q, "rank": r, "flop_ratio": flop_ratio,
-            "dense_ms": med[0] * 1e3, "ms": t * 1e3, "time_ratio": time_ratio,
-            "time_per_flop_ratio": time_ratio / flop_ratio, "other_load": load,
+            "dense_ms": med[0] * 1e3, "ms": med[i] * 1e3, "time_ratio": time_ratio,
+            "time_per_flop_ratio": time_ratio / flop_ratio, "chunk": chunk,
+            "attention_dense_ms": med[n] * 1e3, "attention_ms": med[n + i] * 1e3,
+            "attention_time_per_flop_ratio": att_ratio / flop_ratio, "other_load": load,
         })
     return rows
 
 
+def judged(row: dict) -> float:
+    """The time/FLOP figure the goal is judged on: as attention runs the logits."""
+    return row["attention_time_per_flop_ratio"]
+
+
 HEADER = (f"{'kind':<12} {'d':>4} {'N':>4} {'tokens':>6} {'target':>6} {'rank':>4} "
-          f"{'flop ratio':>10} {'dense ms':>9} {'ms':>8} {'time ratio':>10} {'time/flop':>9} "
-          f"{'other load':>10}")
+          f"{'flop ratio':>10} {'dense ms':>9} {'ms':>8} {'time/flop':>9} {'att dense':>9} "
+          f"{'att ms':>8} {'att t/f':>7} {'other load':>10}")
 
 
 def format_row(row: dict) -> str:
-    flag = "" if row["time_per_flop_ratio"] <= GOAL else "  > goal"
+    flag = "" if judged(row) <= GOAL else "  > goal"
     load = "n/a" if row["other_load"] is None else f"{100 * row['other_load']:.0f}%"
     return (f"{row['kind']:<12} {row['d']:>4} {row['seq']:>4} {row['tokens']:>6} "
             f"{row['target_ratio']:>6.2f} {row['rank']:>4} {row['flop_ratio']:>10.4f} "
-            f"{row['dense_ms']:>9.3f} {row['ms']:>8.3f} {row['time_ratio']:>10.3f} "
-            f"{row['time_per_flop_ratio']:>9.2f} {load:>10}{flag}")
+            f"{row['dense_ms']:>9.3f} {row['ms']:>8.3f} {row['time_per_flop_ratio']:>9.2f} "
+            f"{row['attention_dense_ms']:>9.3f} {row['attention_ms']:>8.3f} "
+            f"{row['attention_time_per_flop_ratio']:>7.2f} {load:>10}{flag}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -195,7 +227,8 @@ def main(argv: list[str] | None = None) -> dict:
              "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
              "runs": runs, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs), median of "
-          f"{runs} interleaved runs of qk.logits(x, x); time/flop = (ms / dense ms) / flop "
+          f"{runs} interleaved runs; ms: qk.logits(x, x) on the whole batch; att: as attention "
+          f"runs the logits (chunks, max over keys; judged); time/flop = (ms / dense ms) / flop "
           f"ratio, goal <= {GOAL}; other load = CPU share used by other processes meanwhile")
     print(HEADER)
     rows = []
@@ -205,21 +238,24 @@ def main(argv: list[str] | None = None) -> dict:
                 for row in bench(d, seq, n, args.ratios, runs=runs, warmup=warmup):
                     print(format_row(row), flush=True)
                     rows.append(row)
-    worst = {k: max((r for r in rows if r["kind"] == k), key=lambda r: r["time_per_flop_ratio"])
-             for k in REPORTED}
-    for k, r in worst.items():
-        n_ok = sum(x["time_per_flop_ratio"] <= GOAL for x in rows if x["kind"] == k)
-        n_all = sum(x["kind"] == k for x in rows)
-        print(f"# {k}: worst time/flop {r['time_per_flop_ratio']:.2f} (d {r['d']}, "
-              f"{r['tokens']} tokens, flop ratio {r['flop_ratio']:.2f}); {n_ok}/{n_all} rows "
-              f"meet {GOAL}")
-    w = max(rows, key=lambda r: r["time_per_flop_ratio"])
+    for name, key in (("whole logits", "time_per_flop_ratio"),
+                      ("as attention", "attention_time_per_flop_ratio")):
+        for k in REPORTED:
+            mine = [r for r in rows if r["kind"] == k]
+            w = max(mine, key=lambda r: r[key])
+            print(f"# {name}, {k}: worst time/flop {w[key]:.2f} (d {w['d']}, {w['tokens']} tokens, "
+                  f"flop ratio {w['flop_ratio']:.2f}); {sum(r[key] <= GOAL for r in mine)}/"
+                  f"{len(mine)} rows meet {GOAL}")
+    worst = {k: max((r for r in rows if r["kind"] == k), key=judged) for k in REPORTED}
+    w = max(rows, key=judged)
     goals = {"qk_time_per_flop": {
-        "value": w["time_per_flop_ratio"], "goal": f"<= {GOAL}",
-        "holds": w["time_per_flop_ratio"] <= GOAL,
-        "detail": {k: r["time_per_flop_ratio"] for k, r in worst.items()},
-        "rows_meeting": sum(r["time_per_flop_ratio"] <= GOAL for r in rows),
-        "rows": len(rows)}}
+        "value": judged(w), "goal": f"<= {GOAL}", "holds": judged(w) <= GOAL,
+        "measured": "as attention runs the logits (chunks of batch_chunk sequences)",
+        "detail": {k: judged(r) for k, r in worst.items()},
+        "rows_meeting": sum(judged(r) <= GOAL for r in rows), "rows": len(rows),
+        "whole_logits": {
+            "value": max(r["time_per_flop_ratio"] for r in rows),
+            "rows_meeting": sum(r["time_per_flop_ratio"] <= GOAL for r in rows)}}}
     result = {"setup": setup, "rows": rows, "goals": goals}
     if args.json:
         write_json(args.json, result)
