@@ -411,9 +411,15 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
             logits = qk.logits_from_queries(xs["q"], xs["k"])
         else:
             logits = attention_logits(qk, xs["x"], xs["kv"], q_mask=q_mask, k_mask=k_mask)
-        return _weighted_values(logits, xs["vals"], heads, bias=xs.get("bias", bias),
-                                mask=xs.get("mask", mask))
+        probs = _probabilities(logits, heads, bias=xs.get("bias", bias),
+                               mask=xs.get("mask", mask)).astype(xs["vals"].dtype)
+        return jnp.einsum("bhqk,bhkd->bhqd", probs, xs["vals"])  # [chunk, h, q, max(w_v)]
 
+    # Values and the loop's output with the heads leading: each chunk's products are then
+    # batched over heads with every operand contiguous per head (1.24x faster at 32 x 197 and
+    # 32 x 256 tokens, 1.44x at 8 x 512 than values as [b, k, h, w_v], per chunk of one
+    # sequence; the two transposes outside the loop included).
+    vals = jnp.swapaxes(vals, 1, 2)  # [batch, h, k_len, max(w_v)]
     if apart:
         xs = {"q": qk.queries(x, q_mask=q_mask), "k": qk.keys(kv, k_mask=k_mask), "vals": vals}
     else:
@@ -425,8 +431,9 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
     # Under differentiation each chunk is recomputed in the backward pass (jax.checkpoint):
     # its probabilities are not stored for the whole batch (54 % fewer temporaries, and the
     # gradient as fast as unchunked at 32 x 256 tokens instead of 7 % slower).
-    out = jax.lax.map(jax.checkpoint(one_chunk), xs)  # [batch / chunk, chunk, q, sum(w_v)]
-    return linear(o, out.reshape(batch, *out.shape[2:]))
+    out = jax.lax.map(jax.checkpoint(one_chunk), xs)  # [batch / chunk, chunk, h, q, w_v]
+    out = jnp.swapaxes(out.reshape(batch, *out.shape[2:]), 1, 2)  # [batch, q, h, max(w_v)]
+    return linear(o, merge_heads(out, heads.v))
 
 
 #: On CPU, :func:`apply_attention` computes the logits, softmax and weighted values a chunk of
@@ -498,8 +505,9 @@ def _attend(logits: Array, vals: Array, o, heads: HeadLayout, *, bias, mask) -> 
     return linear(o, _weighted_values(logits, vals, heads, bias=bias, mask=mask))
 
 
-def _weighted_values(logits: Array, vals: Array, heads: HeadLayout, *, bias, mask) -> Array:
-    """``softmax(scale * logits + bias) vals`` with the heads merged: ``[b, q, sum(w_v)]``."""
+def _probabilities(logits: Array, heads: HeadLayout, *, bias, mask) -> Array:
+    """``softmax(scale * logits + bias)`` in float32, masked logits ``finfo(float32).min``:
+    ``[b, h, q, k]``."""
     logits = logits.astype(jnp.float32)
     if heads.scale != 1.0:
         logits = logits * np.float32(heads.scale)
@@ -507,7 +515,12 @@ def _weighted_values(logits: Array, vals: Array, heads: HeadLayout, *, bias, mas
         logits = logits + bias.astype(jnp.float32)
     if mask is not None:
         logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(vals.dtype)  # [batch, h, q_len, k_len]
+    return jax.nn.softmax(logits, axis=-1)
+
+
+def _weighted_values(logits: Array, vals: Array, heads: HeadLayout, *, bias, mask) -> Array:
+    """``softmax(scale * logits + bias) vals`` with the heads merged: ``[b, q, sum(w_v)]``."""
+    probs = _probabilities(logits, heads, bias=bias, mask=mask).astype(vals.dtype)
     out = jnp.einsum("bhqk,bkhd->bqhd", probs, vals)  # [batch, q_len, h, max(w_v)]
     return merge_heads(out, heads.v)  # [batch, q_len, sum(w_v)]
 
