@@ -415,10 +415,10 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
                                mask=xs.get("mask", mask)).astype(xs["vals"].dtype)
         return jnp.einsum("bhqk,bhkd->bhqd", probs, xs["vals"])  # [chunk, h, q, max(w_v)]
 
-    # Values and the loop's output with the heads leading: each chunk's products are then
-    # batched over heads with every operand contiguous per head (1.24x faster at 32 x 197 and
-    # 32 x 256 tokens, 1.44x at 8 x 512 than values as [b, k, h, w_v], per chunk of one
-    # sequence; the two transposes outside the loop included).
+    # Values and the loop's output with the heads leading (as _weighted_values on CPU): each
+    # chunk's products are then batched over heads with every operand contiguous per head
+    # (1.24x faster at 32 x 197 and 32 x 256 tokens, 1.44x at 8 x 512 than values as
+    # [b, k, h, w_v], per chunk of one sequence; the two transposes outside the loop included).
     vals = jnp.swapaxes(vals, 1, 2)  # [batch, h, k_len, max(w_v)]
     if apart:
         xs = {"q": qk.queries(x, q_mask=q_mask), "k": qk.keys(kv, k_mask=k_mask), "vals": vals}
@@ -458,7 +458,11 @@ def batch_chunk(batch: int, heads: int, q_len: int, k_len: int) -> int | None:
     Those figures are with glibc's default ``malloc``, which also maps and unmaps the whole
     batch's logits on every call; with freed memory kept in one arena
     (:func:`lowrank_jax.runtime.keep_freed_memory` with ``one_arena=True``) whole d 768 blocks
-    ran 30-50 % faster and chunking gained 1.03-1.25x over them.
+    ran 30-50 % faster and chunking gained 1.03-1.25x over them. Since the weighted sum runs
+    with the heads leading in both executions (:func:`_weighted_values`), whole blocks are
+    1.2-1.4x faster and chunks gain 0.91-1.08x at 8 x 256 tokens, 1.06-1.55x at 32 x 256 and
+    0.97-1.01x for a ViT-Base-width encoder on 32 images (two runs, freed memory kept); they
+    stay for the largest batches and for memory under differentiation.
     Off on GPU and TPU (their fused attention kernels need the whole batch), on a CPU backend
     with more than one device (a batch sharded over devices would be gathered onto each:
     :func:`~lowrank_jax.nn.execution.cpu_chunks`) and for ``CHUNK_ABOVE_BYTES = None``. The
