@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import tempfile
 import time
 
@@ -88,3 +89,30 @@ def write_json(path: str, obj, *, indent: int = 1, allow_nan: bool = True) -> No
         os.unlink(tmp)
         raise
     print(f"wrote {path}")
+
+
+def compile_with(fn, args, module, name: str, value):
+    """``fn`` compiled for ``args`` while ``module.<name>`` is ``value`` (restored after).
+
+    For execution choices read when a function is traced (``nn.attention.CHUNK_ABOVE_BYTES``,
+    ``nn.mlp.cpu_chunks``, ...): the benchmarks compile one program per setting and time them
+    in one loop. ``fn`` is wrapped anew each time: ``jax.jit(fn)`` would reuse the first trace.
+    """
+    import jax
+
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        return jax.jit(lambda *a: fn(*a)).lower(*args).compile()
+    finally:
+        setattr(module, name, saved)
+
+
+def chunked_speedup_goal(name: str, rows: list[dict], chunk_key: str) -> dict:
+    """The ``goals`` entry of a chunked-against-whole benchmark (reported, no target): the
+    median ``speedup`` over the rows whose ``chunk_key`` is not ``None``; printed too."""
+    sel = [r for r in rows if r[chunk_key] is not None]
+    value = statistics.median(r["speedup"] for r in sel) if sel else None
+    print(f"# {name}: median {'n/a' if value is None else f'{value:.2f}'} over the chunked rows")
+    return {name: {"value": value, "goal": "reported", "holds": None,
+                   "detail": {f"{r['what']}, {r['tokens']} tokens": r["speedup"] for r in sel}}}

@@ -33,7 +33,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
+from _machine import (  # benchmarks/_machine.py
+    chunked_speedup_goal,
+    compile_with,
+    cpu_snapshot,
+    other_load,
+    time_interleaved,
+    write_json,
+)  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -64,16 +71,8 @@ def block_params(kind: str, key) -> dict:
 
 def compile_both(fn, args):
     """``fn`` compiled for ``args`` with batch chunking on (the default) and off."""
-    out = {}
-    for chunked in (True, False):
-        saved = attn.CHUNK_ABOVE_BYTES
-        attn.CHUNK_ABOVE_BYTES = saved if chunked else None
-        try:
-            c = jax.jit(lambda *a: fn(*a)).lower(*args).compile()
-        finally:
-            attn.CHUNK_ABOVE_BYTES = saved
-        out["chunked" if chunked else "whole"] = c
-    return out
+    return {"chunked": compile_with(fn, args, attn, "CHUNK_ABOVE_BYTES", attn.CHUNK_ABOVE_BYTES),
+            "whole": compile_with(fn, args, attn, "CHUNK_ABOVE_BYTES", None)}
 
 
 def bench_blocks(seq: int, tokens: int, runs: int) -> list[dict]:
@@ -166,14 +165,7 @@ def main(argv: list[str] | None = None) -> dict:
         r = bench_vit(runs)
         print(format_row(r), flush=True)
         rows.append(r)
-    chunked = [r["speedup"] for r in rows if r["chunk"] is not None]
-    goals = {"attention_chunked_vs_whole_speedup": {
-        "value": statistics.median(chunked) if chunked else None, "goal": "reported",
-        "holds": None, "detail": {f"{r['what']}, {r['tokens']} tokens": r["speedup"]
-                                  for r in rows if r["chunk"] is not None}}}
-    for k, g in goals.items():
-        v = "n/a" if g["value"] is None else f"{g['value']:.2f}"
-        print(f"# {k}: median {v} over the chunked rows")
+    goals = chunked_speedup_goal("attention_chunked_vs_whole_speedup", rows, "chunk")
     result = {"setup": setup, "rows": rows, "goals": goals}
     if args.json:
         write_json(args.json, result)

@@ -28,7 +28,7 @@ import time  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _machine import write_json  # noqa: E402  (benchmarks/_machine.py)
+from _machine import compile_with, write_json  # noqa: E402  (benchmarks/_machine.py)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 try:
@@ -40,20 +40,12 @@ import lowrank_jax.nn.mlp as mlp_mod  # noqa: E402
 from lowrank_jax import nn  # noqa: E402
 
 
-def compile_with(fn, args, module, chunked: bool):
-    saved = module.cpu_chunks
-    module.cpu_chunks = (lambda: True) if chunked else saved
-    try:
-        return jax.jit(lambda *a: fn(*a)).lower(*args).compile()
-    finally:
-        module.cpu_chunks = saved
-
-
 def row(what: str, fn, args, module, runs: int) -> dict:
     out = {"what": what}
     ys = {}
     for mode in ("whole", "chunked"):
-        c = compile_with(fn, args, module, mode == "chunked")
+        c = compile_with(fn, args, module, "cpu_chunks",
+                         (lambda: True) if mode == "chunked" else module.cpu_chunks)
         for _ in range(2):
             jax.block_until_ready(c(*args))
         ts = []

@@ -36,7 +36,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
+from _machine import (  # benchmarks/_machine.py
+    chunked_speedup_goal,
+    compile_with,
+    cpu_snapshot,
+    other_load,
+    time_interleaved,
+    write_json,
+)  # benchmarks/_machine.py
 
 try:
     import lowrank_jax as lj
@@ -62,17 +69,9 @@ QUICK_SIZES = [SIZES[1], (512, 2048, 4096, "relu", False), SIZES[-1]]
 
 def compile_both(fn, args):
     """``fn`` compiled for ``args`` with token chunks on (the default) and off."""
-    out = {}
-    for chunked in (True, False):
-        saved = mlp_mod.CHUNK_ABOVE_BYTES
-        mlp_mod.CHUNK_ABOVE_BYTES = saved if chunked else None
-        try:
-            # a new function each time: jax.jit would reuse the first trace of `fn`
-            out["chunked" if chunked else "whole"] = jax.jit(
-                lambda *a: fn(*a)).lower(*args).compile()
-        finally:
-            mlp_mod.CHUNK_ABOVE_BYTES = saved
-    return out
+    return {"chunked": compile_with(fn, args, mlp_mod, "CHUNK_ABOVE_BYTES",
+                                    mlp_mod.CHUNK_ABOVE_BYTES),
+            "whole": compile_with(fn, args, mlp_mod, "CHUNK_ABOVE_BYTES", None)}
 
 
 def rel_diff(a, b) -> float:
@@ -80,15 +79,14 @@ def rel_diff(a, b) -> float:
     return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
-def timed_row(what: str, comp: dict, args, *, tokens: int, d_ff: int, runs: int,
-              out=lambda y: y) -> dict:
+def timed_row(what: str, comp: dict, args, *, tokens: int, d_ff: int, runs: int) -> dict:
     calls = [lambda c=c: jax.block_until_ready(c(*args)) for c in comp.values()]
     before = cpu_snapshot()
     times = time_interleaved(calls, runs, 1)
     load = other_load(before, cpu_snapshot())
     med = dict(zip(comp, (statistics.median(t) for t in times), strict=True))
-    diff = max(rel_diff(a, b) for a, b in zip(jax.tree_util.tree_leaves(out(comp["chunked"](*args))),
-                                             jax.tree_util.tree_leaves(out(comp["whole"](*args))),
+    diff = max(rel_diff(a, b) for a, b in zip(jax.tree_util.tree_leaves(comp["chunked"](*args)),
+                                             jax.tree_util.tree_leaves(comp["whole"](*args)),
                                              strict=True))
     return {"what": what, "tokens": tokens, "d_ff": d_ff,
             "chunks": mlp_mod.token_chunks(tokens, d_ff),
@@ -162,14 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not (args.quick or args.no_vit):
         rows.append(bench_vit(runs))
         print(format_row(rows[-1]), flush=True)
-    chunked = [r["speedup"] for r in rows if r["chunks"] is not None]
-    goals = {"mlp_chunked_vs_whole_speedup": {
-        "value": statistics.median(chunked) if chunked else None, "goal": "reported",
-        "holds": None, "detail": {f"{r['what']}, {r['tokens']} tokens": r["speedup"]
-                                  for r in rows if r["chunks"] is not None}}}
-    for k, g in goals.items():
-        v = "n/a" if g["value"] is None else f"{g['value']:.2f}"
-        print(f"# {k}: median {v} over the chunked rows")
+    goals = chunked_speedup_goal("mlp_chunked_vs_whole_speedup", rows, "chunks")
     result = {"setup": setup, "rows": rows, "goals": goals}
     if args.json:
         write_json(args.json, result)
