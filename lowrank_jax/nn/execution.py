@@ -17,7 +17,7 @@ def cpu_chunks() -> bool:
     input onto every device: on 8 simulated CPU devices with the batch sharded
     (``benchmarks/chunks_sharded.py``), an attention block ran 5.1-5.4x slower chunked than
     whole (32 x 256 tokens, d 256) and an MLP block 7.9x (6400 tokens, d 512 / 2048), their
-    outputs replicated instead of sharded. On GPU and TPU the fused kernels want the whole input. Read when a
-    function is traced.
+    outputs replicated instead of sharded. On GPU and TPU the fused kernels want the whole
+    input. Read when a function is traced.
     """
     return jax.default_backend() == "cpu" and jax.device_count() == 1
