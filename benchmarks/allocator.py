@@ -98,7 +98,28 @@ def build(quick: bool) -> dict:
     return progs
 
 
-MODES = ("default", "kept", "one_arena")
+GLIBC_MODES = ("default", "kept", "one_arena")
+#: Allocators preloaded into a child with ``LD_PRELOAD`` (Debian: ``apt install
+#: libtcmalloc-minimal4 libjemalloc2``); a mode runs only where its library is found.
+PRELOADS = {
+    "tcmalloc": ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"),
+    "jemalloc": ("libjemalloc.so.2",),
+}
+LIB_DIRS = ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib",
+            "/usr/local/lib")
+
+
+def find_preload(mode: str) -> str | None:
+    """Path of ``mode``'s shared library (``PRELOADS``), or None where it is not installed."""
+    for d in LIB_DIRS:
+        for name in PRELOADS[mode]:
+            path = os.path.join(d, name)
+            if os.path.exists(path):
+                return path
+    return None
+
+
+MODES = GLIBC_MODES + tuple(PRELOADS)
 
 
 def child(mode: str, quick: bool, runs: int) -> dict:
@@ -109,7 +130,8 @@ def child(mode: str, quick: bool, runs: int) -> dict:
     os.environ["LOWRANK_JAX_KEEP_FREED_MEMORY"] = "0"  # the import must not decide
     from lowrank_jax import runtime
 
-    if mode != "default" and not runtime.keep_freed_memory(one_arena=mode == "one_arena"):
+    if mode in ("kept", "one_arena") and not runtime.keep_freed_memory(
+            one_arena=mode == "one_arena"):
         raise SystemExit("keep_freed_memory() did nothing here (not glibc on Linux)")
     import jax
     from _machine import cpu_snapshot, other_load, time_interleaved
@@ -140,6 +162,8 @@ def main(argv=None) -> int:
                    help="rounds of one child per setting (default 2; quick 1)")
     p.add_argument("--runs", type=int, default=None, help="timed calls (default 7; quick 5)")
     p.add_argument("--json", help="write the children's results and the table here")
+    p.add_argument("--no-preload", action="store_true",
+                   help="glibc's settings only, even where tcmalloc or jemalloc is installed")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -151,9 +175,15 @@ def main(argv=None) -> int:
         return 0
 
     rounds = args.rounds or (1 if args.quick else 2)
+    preload = {m: find_preload(m) for m in PRELOADS}
+    modes = [m for m in MODES if m in GLIBC_MODES or (preload[m] and not args.no_preload)]
+    for m, path in preload.items():
+        if path is None:
+            print(f"# {m}: not found ({', '.join(PRELOADS[m])} in {', '.join(LIB_DIRS)}); "
+                  "skipped", flush=True)
     order = []
     for i in range(rounds):
-        order += list(MODES) if i % 2 == 0 else list(MODES[::-1])
+        order += modes if i % 2 == 0 else modes[::-1]
     results = []
     t0 = time.perf_counter()
     for i, mode in enumerate(order):
@@ -161,49 +191,53 @@ def main(argv=None) -> int:
                            f".allocator_child_{os.getpid()}_{i}.json")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--out", out,
                "--runs", str(runs)] + (["--quick"] if args.quick else [])
-        subprocess.run(cmd, check=True)
+        env = dict(os.environ)
+        if mode in PRELOADS:  # the allocator replaces malloc from the child's first instruction
+            env["LD_PRELOAD"] = preload[mode]
+        subprocess.run(cmd, check=True, env=env)
         with open(out) as f:
             results.append(json.load(f))
         os.remove(out)
         load = results[-1]["other_load"]
         print(f"# child {i + 1}/{len(order)} ({mode}) done at {time.perf_counter() - t0:.0f} s, "
               f"other load {'n/a' if load is None else f'{load:.0%}'}", flush=True)
-    by = {m: [r for r in results if r["mode"] == m] for m in MODES}
+    by = {m: [r for r in results if r["mode"] == m] for m in modes}
     names = list(results[0]["ms"])
     rows = []
     print(f"# jax, {os.cpu_count()} CPUs; median of {runs} calls per child, {rounds} rounds of "
           "children; speed-up = default ms / ms (median over rounds); faults per call")
-    print(f"{'program':40s} {'default ms':>10} {'kept ms':>8} {'speed-up':>8} "
-          f"{'one arena ms':>12} {'speed-up':>8}   faults default / kept / one arena")
+    print(f"{'program':40s} {'default ms':>10} "
+          + " ".join(f"{m + ' x':>12}" for m in modes[1:]) + "   faults " + " / ".join(modes))
     for n in names:
         row = {"program": n}
-        for m in MODES:
+        for m in modes:
             row[f"{m}_ms"] = statistics.median(r["ms"][n] for r in by[m])
             row[f"{m}_faults"] = statistics.median(r["faults_per_call"][n] for r in by[m])
-        for m in MODES[1:]:
+        for m in modes[1:]:
             sp = [a["ms"][n] / b["ms"][n] for a, b in zip(by["default"], by[m], strict=True)]
             row[f"{m}_speedup"] = statistics.median(sp)
             row[f"{m}_speedup_range"] = [min(sp), max(sp)]
         rows.append(row)
-        print(f"{n:40s} {row['default_ms']:10.2f} {row['kept_ms']:8.2f} "
-              f"{row['kept_speedup']:8.2f} {row['one_arena_ms']:12.2f} "
-              f"{row['one_arena_speedup']:8.2f}   {row['default_faults']:.0f} / "
-              f"{row['kept_faults']:.0f} / {row['one_arena_faults']:.0f}")
-    rss = {m: max(r["max_rss_mb"] for r in by[m]) for m in MODES}
+        print(f"{n:40s} {row['default_ms']:10.2f} "
+              + " ".join(f"{row[m + '_speedup']:12.2f}" for m in modes[1:]) + "   "
+              + " / ".join(f"{row[m + '_faults']:.0f}" for m in modes))
+    rss = {m: max(r["max_rss_mb"] for r in by[m]) for m in modes}
     print("# peak resident memory of a child (MB): "
           + ", ".join(f"{m} {v:.0f}" for m, v in rss.items()))
-    goals = {f"keep_freed_memory({'one_arena=True' if m == 'one_arena' else ''}) speed-up "
-             "(median over programs, default ms / ms with it)": {
+    labels = {"kept": "keep_freed_memory()", "one_arena": "keep_freed_memory(one_arena=True)",
+              "tcmalloc": "LD_PRELOAD tcmalloc", "jemalloc": "LD_PRELOAD jemalloc"}
+    goals = {f"{labels[m]} speed-up (median over programs, default ms / ms with it)": {
                  "value": statistics.median(r[f"{m}_speedup"] for r in rows),
                  "goal": "reported", "holds": None,
                  "range": [min(r[f"{m}_speedup"] for r in rows),
                            max(r[f"{m}_speedup"] for r in rows)]}
-             for m in MODES[1:]}
+             for m in modes[1:]}
     if args.json:
         from _machine import write_json  # not at the top: it sets the malloc variable
 
         write_json(args.json, {"machine": platform.processor() or platform.machine(),
-                               "runs": runs, "rounds": rounds, "rows": rows, "max_rss_mb": rss,
+                               "runs": runs, "rounds": rounds, "modes": modes,
+                               "preload": preload, "rows": rows, "max_rss_mb": rss,
                                "children": results, "goals": goals})
     return 0
 

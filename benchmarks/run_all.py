@@ -11,6 +11,8 @@ Scripts and the goals they answer (issue 15, "Goals"):
 
 ======================  =======================================================================
 ``linear.py``           1: a ``LowRank`` leaf's time ratio <= 1.15 x its FLOP ratio (0.1-0.5)
+``libraries.py``        1 (reported): the same ``LowRank`` products in PyTorch and NumPy: each
+                        library's time / FLOP, and JAX's time over the fastest other's
 ``head_lowrank.py``     1: a ``HeadLowRank`` leaf with irregular ranks: time / FLOP, and its
                         execution on the true ranks against the padded one
 ``rank_multiple.py``    1 (reported): ``LowRank`` leaves with their rank rounded up to a
@@ -108,6 +110,27 @@ def rows_linear(d: dict) -> list[Row]:
                        f"tokens); {ok}/{len(sel)} sizes meet it{extra}",
                        ok == len(sel), "linear.py", worst[key]))
     return out
+
+
+def rows_libraries(d: dict) -> list[Row]:
+    """Goal 1's LowRank products in PyTorch and NumPy: is the miss the shapes or XLA?"""
+    rows, summ = d["rows"], d["summary"]
+    low = min(summ, key=lambda s: s["target_ratio"])
+    libs = ", ".join(f"{lib} {low[lib][0]:.2f}-{low[lib][1]:.2f}" for lib in ("torch", "numpy",
+                                                                               "jax"))
+    ratio = [r["jax_over_best_lowrank"] for r in rows]
+    ratio.sort()
+    med = ratio[len(ratio) // 2]
+    return [
+        Row("1", f"LowRank products at FLOP ratio ~{low['target_ratio']:g} in other libraries: "
+            "time/FLOP against each library's dense product", "reported",
+            f"{libs} over {low['rows']} sizes (none meets 1.15 in any library)"
+            if all(low[lib][0] > 1.15 for lib in ("torch", "numpy")) else
+            f"{libs} over {low['rows']} sizes", None, "libraries.py", low["torch"][0]),
+        Row("1", "LowRank leaf: JAX time / fastest of PyTorch and NumPy, same products",
+            "reported", f"median {med:.2f} ({ratio[0]:.2f}-{ratio[-1]:.2f}) over {len(ratio)} "
+            "rows", None, "libraries.py", med),
+    ]
 
 
 def rows_pruning(d: dict) -> list[Row]:
@@ -271,6 +294,7 @@ class Script:
 
 GOAL_SCRIPTS = [
     Script("linear", rows_linear, "1"),
+    Script("libraries", rows_libraries, "1", optional=True),
     Script("head_lowrank", rows_head_lowrank, "1", optional=True),
     Script("query_key", rows_query_key, "1", optional=True),
     Script("rank_multiple", lambda d: rows_goals(d, "rank_multiple.py", "1"), "1",

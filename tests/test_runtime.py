@@ -109,3 +109,32 @@ def test_the_command_keeps_freed_memory_unless_told_not_to(value, expected, tmp_
                          check=True, env=env)
     assert out.stdout.strip().splitlines()[-1] == f"2 {expected}"
     assert "missing" in out.stderr
+
+
+def _find_tcmalloc():
+    for d in ("/usr/lib/x86_64-linux-gnu", "/usr/lib/aarch64-linux-gnu", "/usr/lib64", "/usr/lib"):
+        for name in ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4"):
+            if os.path.exists(os.path.join(d, name)):
+                return os.path.join(d, name)
+    return None
+
+
+@glibc_only
+def test_malloc_library_is_glibc_without_a_preload():
+    lib = runtime.malloc_library()
+    assert lib is not None and os.path.basename(lib).startswith("libc.so"), lib
+
+
+@glibc_only
+@pytest.mark.skipif(_find_tcmalloc() is None,
+                    reason="tcmalloc is not installed (Debian: libtcmalloc-minimal4)")
+def test_a_preloaded_allocator_is_named_and_left_alone():
+    # glibc's mallopt would not reach tcmalloc: keep_freed_memory must say it did nothing
+    lib = _find_tcmalloc()
+    code = ("from lowrank_jax import runtime as r; k = r.keep_freed_memory(); "
+            "print(r.malloc_library()); print(k, r.freed_memory_kept())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, env={**os.environ, runtime.ENV: "0", "LD_PRELOAD": lib})
+    lines = out.stdout.strip().splitlines()
+    assert os.path.realpath(lines[-2]) == os.path.realpath(lib)
+    assert lines[-1] == "False None"

@@ -439,7 +439,7 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
 #: On CPU, :func:`apply_attention` computes the logits, softmax and weighted values a chunk of
 #: the batch at a time when the whole batch's float32 logits would take more than this many
 #: bytes (``None``: never) ...
-CHUNK_ABOVE_BYTES: int | None = 8 << 20
+CHUNK_ABOVE_BYTES: int | None = 64 << 20
 #: ... in chunks of as many sequences as keep a chunk's logits within this many bytes (at
 #: least one sequence; the largest divisor of the batch).
 CHUNK_BYTES = 2 << 20
@@ -461,8 +461,14 @@ def batch_chunk(batch: int, heads: int, q_len: int, k_len: int) -> int | None:
     ran 30-50 % faster and chunking gained 1.03-1.25x over them. Since the weighted sum runs
     with the heads leading in both executions (:func:`_weighted_values`), whole blocks are
     1.2-1.4x faster and chunks gain 0.91-1.08x at 8 x 256 tokens, 1.06-1.55x at 32 x 256 and
-    0.97-1.01x for a ViT-Base-width encoder on 32 images (two runs, freed memory kept); they
-    stay for the largest batches and for memory under differentiation.
+    0.97-1.01x for a ViT-Base-width encoder on 32 images (two runs, freed memory kept). What
+    they still gained then was mostly page faults: glibc maps a block larger than a thread
+    arena's 64 MB heap afresh on every call even with freed memory kept, and with tcmalloc
+    preloaded (no faults) chunks gained 0.84-1.02x over eight sizes. So since 2026-11-28 the
+    threshold is 64 MB (it was 8 MB): with freed memory kept, chunks gain 1.02-1.40x above it
+    (32 x 256, 64 x 197, 8 and 16 x 512 tokens) and lost up to 8 % below it (32 x 197: 0.92x,
+    4 x 512: 1.06-1.09x is the one size below it they helped); they also hold fewer
+    temporaries under differentiation.
     Off on GPU and TPU (their fused attention kernels need the whole batch), on a CPU backend
     with more than one device (a batch sharded over devices would be gathered onto each:
     :func:`~lowrank_jax.nn.execution.cpu_chunks`) and for ``CHUNK_ABOVE_BYTES = None``. The

@@ -531,6 +531,7 @@ def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch, 
 def test_batch_chunk_policy(monkeypatch):
     from lowrank_jax.nn import attention as attn
 
+    default = attn.CHUNK_ABOVE_BYTES
     monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 8 << 20)
     monkeypatch.setattr(attn, "CHUNK_BYTES", 2 << 20)
     assert jax.default_backend() == "cpu" and jax.device_count() > 1  # tests/conftest.py: 8
@@ -543,6 +544,12 @@ def test_batch_chunk_policy(monkeypatch):
     # 30 x 8 heads x 128^2 = 15.7 MB: 4 sequences fit 2 MiB but do not divide 30; 3 do.
     assert attn.batch_chunk(30, 8, 128, 128) == 3
     assert attn.batch_chunk(1, 12, 1024, 1024) is None  # one sequence cannot be split
+    # the default threshold, 64 MiB: a ViT-Base batch of 32 images (59.6 MB of logits) runs
+    # whole, 64 images (119 MB) one image per chunk
+    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", default)
+    assert attn.batch_chunk(32, 12, 197, 197) is None
+    assert attn.batch_chunk(64, 12, 197, 197) == 1
+    assert attn.batch_chunk(8, 12, 256, 256) is None
     monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", None)
     assert attn.batch_chunk(32, 12, 256, 256) is None
 

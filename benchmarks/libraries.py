@@ -1,0 +1,205 @@
+"""Do other libraries run a ``LowRank`` leaf's skinny products faster than XLA:CPU?
+
+Goal 1 of the performance issue asks a ``LowRank`` leaf's time ratio to the dense ``[d, d]``
+leaf to be within 1.15x of its FLOP ratio. At FLOP ratio 0.1 (rank ``0.05 d``) XLA:CPU misses
+it (``linear.py``): the first product ``x @ u`` has only ``r`` output columns and the second
+``t @ v`` an inner dimension of ``r``, shapes a matrix-multiply kernel runs below its square
+rate. This script asks whether that is XLA's kernel or the shapes: it times the same two
+products, and the dense product they replace, in JAX (``jax.jit`` of
+:func:`lowrank_jax.linear`), in PyTorch (``(x @ u) @ v``: oneDNN / MKL on x86) and in NumPy
+(its BLAS, OpenBLAS in the PyPI wheels), all in one interleaved loop on the same float32
+arrays, so machine noise hits every library alike.
+
+Per library, ``time/flop = (lowrank ms / dense ms) / flop ratio`` against that library's own
+dense product (1.0: the factorized product runs at the dense rate per multiply-add); ``jax /
+best`` is JAX's low-rank time over the fastest other library's. Single calls, as a user would
+make them (JAX also pays dispatch, PyTorch and NumPy allocate their outputs).
+
+Threads: PyTorch ``set_num_threads(cpu_count)``, NumPy's BLAS and XLA with their defaults
+(all cores). Set here before the libraries are imported: ``OMP_WAIT_POLICY=PASSIVE``
+(PyTorch's OpenMP workers) and ``OPENBLAS_THREAD_TIMEOUT=4`` (OpenBLAS's workers, 2^4 cycles):
+otherwise a library's workers spin after each product and take the cores from the next call in
+the loop. Without the second, OpenBLAS's spinning made JAX's calls 1.4x slower on the 2-core
+test machine (d 768, 2048 tokens).
+
+Usage::
+
+    python benchmarks/libraries.py --json libraries.json     # d 1024/768/512 x 512/2048/8192
+    python benchmarks/libraries.py --quick                    # d 768, 2048 tokens, 5 runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+
+# Before torch and numpy are imported: their worker threads otherwise spin after each product
+# and take the cores from the next call in the interleaved loop (docstring).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # noqa: E402
+
+try:
+    import lowrank_jax as lj
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import lowrank_jax as lj
+
+LIBRARIES = ("jax", "torch", "numpy")
+
+
+def blas_name() -> str:
+    """The BLAS NumPy was built against (``numpy.show_config``), or ``"unknown"``."""
+    try:
+        cfg = np.show_config(mode="dicts")
+        return str(cfg["Build Dependencies"]["blas"]["name"])
+    except Exception:  # noqa: BLE001 (older NumPy: no mode="dicts")
+        return "unknown"
+
+
+def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
+          seed: int = 0) -> list[dict]:
+    """Rows for one ``(d, n_tokens)``: one per target FLOP ratio, every library's figures."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n_tokens, d), dtype=np.float32)  # [tokens, d]
+    w = (rng.standard_normal((d, d), dtype=np.float32) / np.sqrt(d)).astype(np.float32)
+    ranks = [max(1, round(q * d / 2)) for q in ratios]
+    factors = [((rng.standard_normal((d, r), dtype=np.float32) / np.sqrt(d)).astype(np.float32),
+                (rng.standard_normal((r, d), dtype=np.float32) / np.sqrt(r)).astype(np.float32))
+               for r in ranks]
+
+    lin = jax.jit(lambda leaf, x: lj.linear(leaf, x))
+    xj = jnp.asarray(x)
+    jleaves = [lj.Dense(w=jnp.asarray(w))] + [lj.LowRank(u=jnp.asarray(u), v=jnp.asarray(v))
+                                             for u, v in factors]
+    xt = torch.from_numpy(x)
+    wt = torch.from_numpy(w)
+    tfactors = [(torch.from_numpy(u), torch.from_numpy(v)) for u, v in factors]
+
+    calls = {"jax": [lambda lf=lf: jax.block_until_ready(lin(lf, xj)) for lf in jleaves],
+             "torch": [lambda: xt @ wt] + [lambda u=u, v=v: (xt @ u) @ v for u, v in tfactors],
+             "numpy": [lambda: x @ w] + [lambda u=u, v=v: (x @ u) @ v for u, v in factors]}
+    # one reference product per leaf, checked across libraries before anything is timed
+    for i in range(len(jleaves)):
+        ref = np.asarray(calls["numpy"][i](), np.float64)
+        for lib in ("jax", "torch"):
+            got = np.asarray(calls[lib][i]())
+            err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+            if not err < 1e-4:
+                raise AssertionError(f"{lib} differs from numpy on leaf {i}: {err:.2e}")
+    flat = [c for lib in LIBRARIES for c in calls[lib]]
+    before = cpu_snapshot()
+    med = [statistics.median(t) for t in time_interleaved(flat, runs, warmup)]
+    load = other_load(before, cpu_snapshot())
+    k = len(jleaves)
+    ms = {lib: [1e3 * m for m in med[j * k:(j + 1) * k]] for j, lib in enumerate(LIBRARIES)}
+    dense_flops = lj.flops(jleaves[0], n_tokens)
+    rows = []
+    for i, (q, r) in enumerate(zip(ratios, ranks, strict=True)):
+        flop_ratio = lj.flops(jleaves[1 + i], n_tokens) / dense_flops
+        row = {"d": d, "tokens": n_tokens, "target_ratio": q, "rank": r, "flop_ratio": flop_ratio,
+               "other_load": load}
+        for lib in LIBRARIES:
+            row[f"{lib}_dense_ms"] = ms[lib][0]
+            row[f"{lib}_lowrank_ms"] = ms[lib][1 + i]
+            row[f"{lib}_time_per_flop_ratio"] = ms[lib][1 + i] / ms[lib][0] / flop_ratio
+            # the low-rank product's rate against this library's own dense rate
+        others = [lib for lib in LIBRARIES if lib != "jax"]
+        best = min(others, key=lambda lib: ms[lib][1 + i])
+        row["best_other"] = best
+        row["jax_over_best_lowrank"] = ms["jax"][1 + i] / ms[best][1 + i]
+        row["jax_over_best_dense"] = ms["jax"][0] / min(ms[lib][0] for lib in others)
+        row["best_time_per_flop_ratio"] = min(row[f"{lib}_time_per_flop_ratio"]
+                                              for lib in LIBRARIES)
+        rows.append(row)
+    return rows
+
+
+HEADER = (f"{'d':>4} {'tokens':>6} {'rank':>4} {'flop ratio':>10} "
+          + " ".join(f"{lib + ' ms':>9} {lib + ' t/f':>9}" for lib in LIBRARIES)
+          + f" {'jax/best lr':>11} {'jax/best dense':>14} {'load':>5}")
+
+
+def format_row(row: dict) -> str:
+    load = "n/a" if row["other_load"] is None else f"{100 * row['other_load']:.0f}%"
+    libs = " ".join(f"{row[lib + '_lowrank_ms']:>9.3f} {row[lib + '_time_per_flop_ratio']:>9.2f}"
+                    for lib in LIBRARIES)
+    return (f"{row['d']:>4} {row['tokens']:>6} {row['rank']:>4} {row['flop_ratio']:>10.4f} "
+            f"{libs} {row['jax_over_best_lowrank']:>11.2f} {row['jax_over_best_dense']:>14.2f} "
+            f"{load:>5}")
+
+
+def summary(rows: list[dict], target: float) -> dict:
+    """Per library, the time/FLOP range at the FLOP ratio nearest ``target``, and JAX's time
+    over the fastest other library's (median and range over the sizes)."""
+    near = [r for r in rows if abs(r["target_ratio"] - target) < 1e-9]
+    out = {"target_ratio": target, "rows": len(near)}
+    for lib in LIBRARIES:
+        v = [r[f"{lib}_time_per_flop_ratio"] for r in near]
+        out[lib] = [min(v), max(v)] if v else None
+    v = [r["jax_over_best_lowrank"] for r in near]
+    out["jax_over_best_lowrank"] = ({"median": statistics.median(v), "range": [min(v), max(v)]}
+                                    if v else None)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--d", type=int, nargs="+", default=None,
+                   help="model widths (default 1024 768 512; quick 768)")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="token counts (default 512 2048 8192; quick 2048)")
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.25, 0.5],
+                   help="target FLOP ratios of the low-rank leaves to the dense one")
+    p.add_argument("--runs", type=int, default=None, help="timed runs (default 30; quick 5)")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--quick", action="store_true", help="one size, 5 runs: a smoke test")
+    p.add_argument("--json", metavar="PATH", help="write the rows, summary and setup as JSON")
+    args = p.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    runs = args.runs if args.runs is not None else (5 if args.quick else 30)
+    warmup = 1 if args.quick else args.warmup
+    ds = args.d or ([768] if args.quick else [1024, 768, 512])
+    tokens = args.tokens or ([2048] if args.quick else [512, 2048, 8192])
+    setup = {"jax": jax.__version__, "torch": torch.__version__, "numpy": np.__version__,
+             "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+             "numpy_blas": blas_name(), "torch_threads": torch.get_num_threads(),
+             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
+             "runs": runs, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+             "keep_freed_memory": lj.runtime.freed_memory_kept()}
+    print(f"# jax {setup['jax']}, torch {setup['torch']} ({setup['torch_threads']} threads), "
+          f"numpy {setup['numpy']} ({setup['numpy_blas']}); median of {runs} interleaved runs; "
+          "t/f = (lowrank ms / dense ms) / flop ratio within each library; jax/best = JAX's "
+          "time over the fastest of torch and numpy")
+    print(HEADER)
+    rows = []
+    for d in ds:
+        for n in tokens:
+            for row in bench(d, n, args.ratios, runs=runs, warmup=warmup):
+                print(format_row(row), flush=True)
+                rows.append(row)
+    summaries = [summary(rows, q) for q in args.ratios]
+    for s in summaries:
+        jb = s["jax_over_best_lowrank"]
+        print(f"# FLOP ratio ~{s['target_ratio']}: time/flop "
+              + ", ".join(f"{lib} {s[lib][0]:.2f}-{s[lib][1]:.2f}" for lib in LIBRARIES)
+              + f"; jax / fastest other {jb['median']:.2f} ({jb['range'][0]:.2f}-"
+              f"{jb['range'][1]:.2f})")
+    if args.json:
+        write_json(args.json, {"setup": setup, "rows": rows, "summary": summaries})
+    return rows
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
