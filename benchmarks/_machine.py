@@ -15,6 +15,19 @@ import time
 os.environ.setdefault("LOWRANK_JAX_KEEP_FREED_MEMORY", "1")
 
 
+def malloc_setting() -> str:
+    """How ``malloc`` runs in this process, for a benchmark's header and JSON: a preloaded
+    allocator's file name, or glibc's with what :mod:`lowrank_jax.runtime` set."""
+    from lowrank_jax import runtime
+
+    lib = runtime.malloc_library()
+    if lib is not None and not os.path.basename(lib).startswith("libc."):
+        return f"{os.path.basename(lib)} (preloaded)"
+    kept = runtime.freed_memory_kept()
+    return {True: "glibc, freed memory kept", "one_arena": "glibc, freed memory kept, one arena",
+            False: "glibc defaults", None: "glibc defaults"}[kept]
+
+
 def cpu_snapshot() -> tuple[float, float, float] | None:
     """(busy CPU seconds of the whole machine, elapsed CPU seconds, this process's CPU seconds)."""
     try:

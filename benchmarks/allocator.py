@@ -1,14 +1,19 @@
-"""glibc ``malloc`` with and without :func:`lowrank_jax.runtime.keep_freed_memory`.
+"""``malloc`` settings for XLA:CPU: glibc's default, :func:`lowrank_jax.runtime.keep_freed_memory`
+(with and without one arena), and tcmalloc or jemalloc preloaded.
 
 XLA:CPU allocates each call's outputs and temporaries with ``malloc``; glibc gives blocks of
 32 MB and more back to the system when they are freed, so every call faults their pages in
 again. ``keep_freed_memory`` (what ``lowrank-jax`` commands and ``LOWRANK_JAX_KEEP_FREED_MEMORY=1``
-set) keeps them for reuse. ``malloc``'s settings are process-wide and glibc's defaults cannot be
-restored exactly once changed, so each setting runs in its own child process: the children
-alternate (default, kept, kept, default, ...), each times the same programs (median of
-``--runs`` calls interleaved among the programs) and counts their minor page faults per call
-and the process's peak resident memory. The table gives, per program, the median over the
-pairs of ``default ms / kept ms`` with its range.
+set) keeps them for reuse, except blocks larger than a thread arena's 64 MB heap, which glibc
+maps afresh anyway unless all threads share one arena (``one_arena=True``). tcmalloc and jemalloc
+are the usual replacements (Debian: ``apt install libtcmalloc-minimal4 libjemalloc2``); each
+runs where its library is found (``--no-preload``: glibc only), preloaded with ``LD_PRELOAD``
+into its child. ``malloc``'s settings are process-wide and glibc's defaults cannot be restored
+exactly once changed, so each setting runs in its own child process: the children alternate
+(default, kept, one arena, tcmalloc, jemalloc, then the reverse, ...), each times the same
+programs (median of ``--runs`` calls interleaved among the programs) and counts their minor
+page faults per call and the process's peak resident memory. The table gives, per program and
+setting, the median over the rounds of ``default ms / ms``.
 
 Programs: an Adam train step of a small Chronos-Bolt (d_model 64, 2 + 2 layers, batch 16: many
 small operations, like the demo's pretraining); ``linear`` of a ``LowRank`` leaf (FLOP ratio
@@ -18,7 +23,7 @@ small operations, like the demo's pretraining); ``linear`` of a ``LowRank`` leaf
 
 Usage::
 
-    python benchmarks/allocator.py --json allocator.json     # about 8 min, 2 rounds
+    python benchmarks/allocator.py --json allocator.json     # about 13 min, 2 rounds, 5 settings
     python benchmarks/allocator.py --quick                   # no Chronos-Bolt-base, 1 round
 """
 

@@ -44,7 +44,13 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # noqa: E402
+from _machine import (  # noqa: E402 (benchmarks/_machine.py)
+    cpu_snapshot,
+    malloc_setting,
+    other_load,
+    time_interleaved,
+    write_json,
+)
 
 try:
     import lowrank_jax as lj
@@ -177,11 +183,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
              "numpy_blas": blas_name(), "torch_threads": torch.get_num_threads(),
              "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
              "runs": runs, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-             "keep_freed_memory": lj.runtime.freed_memory_kept()}
+             "keep_freed_memory": lj.runtime.freed_memory_kept(), "malloc": malloc_setting()}
     print(f"# jax {setup['jax']}, torch {setup['torch']} ({setup['torch_threads']} threads), "
           f"numpy {setup['numpy']} ({setup['numpy_blas']}); median of {runs} interleaved runs; "
           "t/f = (lowrank ms / dense ms) / flop ratio within each library; jax/best = JAX's "
-          "time over the fastest of torch and numpy")
+          "time over the fastest of torch and numpy; malloc: " + setup["malloc"])
     print(HEADER)
     rows = []
     for d in ds:

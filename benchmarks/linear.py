@@ -37,7 +37,13 @@ import sys
 
 import jax
 import jax.numpy as jnp
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
+from _machine import (  # benchmarks/_machine.py
+    cpu_snapshot,
+    malloc_setting,
+    other_load,
+    time_interleaved,
+    write_json,
+)
 
 try:
     import lowrank_jax as lj
@@ -142,13 +148,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
         "devices": [str(dv) for dv in jax.devices()], "cpu_count": os.cpu_count(),
         "machine": platform.processor() or platform.machine(), "runs": runs, "chain": args.chain,
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "keep_freed_memory": lj.runtime.freed_memory_kept(),
+        "keep_freed_memory": lj.runtime.freed_memory_kept(), "malloc": malloc_setting(),
     }
     print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs), median of "
           f"{runs} interleaved runs; time/flop = (lowrank ms / dense ms) / flop ratio, one "
           f"product per call; prog = per product in a program of {args.chain} (judged), "
-          f"goal <= {GOAL}; other load = CPU share used by other processes meanwhile; malloc "
-          f"keeps freed memory: {bool(setup['keep_freed_memory'])}")
+          f"goal <= {GOAL}; other load = CPU share used by other processes meanwhile; malloc: "
+          f"{setup['malloc']}")
     print(HEADER)
     rows = []
     for d in args.d:

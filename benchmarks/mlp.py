@@ -40,6 +40,7 @@ from _machine import (  # benchmarks/_machine.py
     chunked_speedup_goal,
     compile_with,
     cpu_snapshot,
+    malloc_setting,
     other_load,
     time_interleaved,
     write_json,
@@ -143,12 +144,12 @@ def main(argv: list[str] | None = None) -> dict:
              "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
              "runs": runs, "chunk_above_bytes": mlp_mod.CHUNK_ABOVE_BYTES,
              "chunk_bytes": mlp_mod.CHUNK_BYTES,
-             "keep_freed_memory": lj.runtime.freed_memory_kept(),
+             "keep_freed_memory": lj.runtime.freed_memory_kept(), "malloc": malloc_setting(),
              "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs); median of "
           f"{runs} interleaved runs; chunks when the hidden activations exceed "
-          f"{mlp_mod.CHUNK_ABOVE_BYTES} bytes, of at most {mlp_mod.CHUNK_BYTES} bytes; malloc "
-          f"keeps freed memory: {bool(setup['keep_freed_memory'])}")
+          f"{mlp_mod.CHUNK_ABOVE_BYTES} bytes, of at most {mlp_mod.CHUNK_BYTES} bytes; malloc: "
+          f"{setup['malloc']}")
     print(HEADER)
     rows = []
     for size in (QUICK_SIZES if args.quick else SIZES):
