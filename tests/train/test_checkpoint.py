@@ -404,7 +404,18 @@ def test_temporaries_of_interrupted_saves_are_removed_on_start(tmp_path):
     assert ck.all_steps() == [1, 2]
 
 
-def test_ctrl_c_during_a_save_takes_effect_after_the_save(tmp_path):
+@pytest.fixture
+def default_sigint():
+    """Python's default SIGINT handler for the test, whatever the worker process had (under
+    pytest-xdist a worker's handler is not always the default one); restored after."""
+    import signal
+
+    found = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, found)
+
+
+def test_ctrl_c_during_a_save_takes_effect_after_the_save(tmp_path, default_sigint):
     import signal
 
     ck = Checkpointer(tmp_path / "ck")
