@@ -397,7 +397,7 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
     vals = split_heads(linear(v, kv), heads.v)  # [batch, k_len, h, max(w_v)]
     if v_mask is not None:
         vals = vals * v_mask[:, None, :].astype(vals.dtype)
-    chunk = batch_chunk(batch, heads.num_heads, q_len, k_len)
+    chunk = batch_chunk(batch, heads.num_heads, q_len, k_len, qk=qk)
     if chunk is None:
         logits = attention_logits(qk, x, kv, q_mask=q_mask, k_mask=k_mask)  # [b, h, q, k]
         return _attend(logits, vals, o, heads, bias=bias, mask=mask)
@@ -440,14 +440,20 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
 #: the batch at a time when the whole batch's float32 logits would take more than this many
 #: bytes (``None``: never) ...
 CHUNK_ABOVE_BYTES: int | None = 64 << 20
+#: ... or, for a query-key object other than a :class:`~lowrank_jax.QueryKey` (CP-SlimAtt's
+#: ``CPQueryKey``, BTD's ``BTDQueryKey``: logits built from shared factors), this many bytes
+#: when it is the smaller (``None``: as ``CHUNK_ABOVE_BYTES``) ...
+FACTORED_CHUNK_ABOVE_BYTES: int | None = 8 << 20
 #: ... in chunks of as many sequences as keep a chunk's logits within this many bytes (at
 #: least one sequence; the largest divisor of the batch).
 CHUNK_BYTES = 2 << 20
 
 
-def batch_chunk(batch: int, heads: int, q_len: int, k_len: int) -> int | None:
+def batch_chunk(batch: int, heads: int, q_len: int, k_len: int, *,
+                qk: QK | None = None) -> int | None:
     """Sequences per chunk of :func:`apply_attention` on this backend, or ``None`` (the whole
-    batch at once).
+    batch at once). ``qk``: the block's query-key object (its type picks the threshold;
+    ``None``: a :class:`~lowrank_jax.QueryKey`'s).
 
     Not from any paper: an execution choice for CPUs. The logits ``[batch, H, q, k]`` of a
     large batch do not fit in the caches, and the softmax and the weighted sum then read them
@@ -468,7 +474,11 @@ def batch_chunk(batch: int, heads: int, q_len: int, k_len: int) -> int | None:
     threshold is 64 MB (it was 8 MB): with freed memory kept, chunks gain 1.02-1.40x above it
     (32 x 256, 64 x 197, 8 and 16 x 512 tokens) and lost up to 8 % below it (32 x 197: 0.92x,
     4 x 512: 1.06-1.09x is the one size below it they helped); they also hold fewer
-    temporaries under differentiation.
+    temporaries under differentiation. CP-SlimAtt and BTD query-keys, whose logits are built
+    from shared factors with more memory traffic per logit, still gain from the cache: 1.06-1.14x
+    at 12-48 MB of logits with freed memory kept and 1.08-1.12x with tcmalloc (d 768, 12
+    heads, CP rank 74, BTD term ranks 5 and 14); they keep the 8 MB threshold
+    (``FACTORED_CHUNK_ABOVE_BYTES``).
     Off on GPU and TPU (their fused attention kernels need the whole batch), on a CPU backend
     with more than one device (a batch sharded over devices would be gathered onto each:
     :func:`~lowrank_jax.nn.execution.cpu_chunks`) and for ``CHUNK_ABOVE_BYTES = None``. The
@@ -479,8 +489,11 @@ def batch_chunk(batch: int, heads: int, q_len: int, k_len: int) -> int | None:
     """
     if CHUNK_ABOVE_BYTES is None or not cpu_chunks():
         return None
+    above = CHUNK_ABOVE_BYTES
+    if qk is not None and not isinstance(qk, QueryKey) and FACTORED_CHUNK_ABOVE_BYTES is not None:
+        above = min(above, FACTORED_CHUNK_ABOVE_BYTES)
     per_seq = 4 * heads * q_len * k_len
-    if batch <= 1 or batch * per_seq <= CHUNK_ABOVE_BYTES:
+    if batch <= 1 or batch * per_seq <= above:
         return None
     chunk = max(1, min(batch, CHUNK_BYTES // max(per_seq, 1)))
     while batch % chunk:

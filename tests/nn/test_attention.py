@@ -528,6 +528,52 @@ def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch, 
     assert max_err(got, out @ np.asarray(p["o"].w, np.float64)) <= TOL
 
 
+@pytest.mark.parametrize("kind", ["cp", "btd"])
+def test_factored_query_keys_chunk_from_their_own_threshold(monkeypatch, kind):
+    """CP-SlimAtt and BTD blocks chunk above ``FACTORED_CHUNK_ABOVE_BYTES`` while a
+    ``QueryKey`` of the same size runs whole; the chunked block equals the NumPy one built
+    from the raw factors (logits of head h: sum_r mix[h, r] q_r k_r for CP, sum_t C[h, t]
+    (x_q A_t)(x_k B_t)^T for BTD)."""
+    from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
+    from lowrank_jax.nn import attention as attn
+
+    heads, w_v, scale = 3, 2, 0.5
+    sq, sk = rand(120, (D, 6), 0.4), rand(121, (D_KV, 6), 0.4)
+    if kind == "cp":
+        mix = rand(122, (heads, 6))
+        qk = CPQueryKey(q=Dense(sq, None), k=Dense(sk, None), mix=mix)
+    else:  # three terms of rank 2
+        mix = rand(122, (heads, 3))
+        qk = BTDQueryKey(q=Dense(sq, None), k=Dense(sk, None), mix=mix, ranks=(2, 2, 2))
+    p = {"qk": qk, "v": Dense(rand(123, (D_KV, heads * w_v), 0.4), None),
+         "o": Dense(rand(124, (heads * w_v, D_OUT), 0.4), None),
+         "heads": HeadLayout.uniform(heads, w_v, scale)}
+    x, kv = rand(125, (4, 3, D)), rand(126, (4, 5, D_KV))
+    logit_bytes = 4 * 4 * heads * 3 * 5  # the whole batch's float32 logits
+    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
+    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 2 * logit_bytes)  # a QueryKey: whole
+    monkeypatch.setattr(attn, "FACTORED_CHUNK_ABOVE_BYTES", logit_bytes // 2)
+    monkeypatch.setattr(attn, "CHUNK_BYTES", 2 * 4 * heads * 3 * 5)  # two sequences per chunk
+    assert attn.batch_chunk(4, heads, 3, 5) is None
+    assert attn.batch_chunk(4, heads, 3, 5, qk=qk) == 2
+    jaxpr = str(jax.make_jaxpr(lambda p, x, kv: apply_attention(p, x, CFG, kv=kv))(p, x, kv))
+    assert "scan" in jaxpr  # the chunk loop (lax.map) is there
+    got = jax.jit(lambda p, x, kv: apply_attention(p, x, CFG, kv=kv))(p, x, kv)
+    x64, kv64 = np.asarray(x, np.float64), np.asarray(kv, np.float64)
+    qc = x64 @ np.asarray(sq, np.float64)  # [b, q, 6]
+    kc = kv64 @ np.asarray(sk, np.float64)  # [b, k, 6]
+    m = np.asarray(mix, np.float64)
+    if kind == "cp":
+        lg = np.einsum("bqr,hr,bkr->bhqk", qc, m, kc)
+    else:
+        terms = np.stack([qc[..., 2 * t:2 * t + 2] @ np.swapaxes(kc[..., 2 * t:2 * t + 2], 1, 2)
+                          for t in range(3)], axis=1)  # [b, t, q, k]
+        lg = np.einsum("ht,btqk->bhqk", m, terms)
+    vals = (kv64 @ np.asarray(p["v"].w, np.float64)).reshape(4, 5, heads, w_v)
+    out = np.einsum("bhqk,bkhd->bqhd", np_softmax(lg * scale), vals).reshape(4, 3, heads * w_v)
+    assert max_err(got, out @ np.asarray(p["o"].w, np.float64)) <= TOL
+
+
 def test_batch_chunk_policy(monkeypatch):
     from lowrank_jax.nn import attention as attn
 
