@@ -139,7 +139,7 @@ def child(mode: str, quick: bool, runs: int) -> dict:
             one_arena=mode == "one_arena"):
         raise SystemExit("keep_freed_memory() did nothing here (not glibc on Linux)")
     import jax
-    from _machine import cpu_snapshot, other_load, time_interleaved
+    from _machine import cpu_snapshot, malloc_setting, other_load, time_interleaved
 
     progs = build(quick)
     names = list(progs)
@@ -153,7 +153,7 @@ def child(mode: str, quick: bool, runs: int) -> dict:
         for _ in range(3):
             c()
         faults[n] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 3
-    return {"mode": mode, "ms": {n: 1e3 * statistics.median(w)
+    return {"mode": mode, "malloc": malloc_setting(), "ms": {n: 1e3 * statistics.median(w)
                                  for n, w in zip(names, walls, strict=True)},
             "faults_per_call": faults,
             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -199,13 +199,16 @@ def main(argv=None) -> int:
         env = dict(os.environ)
         if mode in PRELOADS:  # the allocator replaces malloc from the child's first instruction
             env["LD_PRELOAD"] = preload[mode]
+        else:  # glibc's malloc, even when this script itself runs under a preloaded allocator
+            env.pop("LD_PRELOAD", None)
         subprocess.run(cmd, check=True, env=env)
         with open(out) as f:
             results.append(json.load(f))
         os.remove(out)
         load = results[-1]["other_load"]
-        print(f"# child {i + 1}/{len(order)} ({mode}) done at {time.perf_counter() - t0:.0f} s, "
-              f"other load {'n/a' if load is None else f'{load:.0%}'}", flush=True)
+        print(f"# child {i + 1}/{len(order)} ({mode}: {results[-1]['malloc']}) done at "
+              f"{time.perf_counter() - t0:.0f} s, other load "
+              f"{'n/a' if load is None else f'{load:.0%}'}", flush=True)
     by = {m: [r for r in results if r["mode"] == m] for m in modes}
     names = list(results[0]["ms"])
     rows = []

@@ -430,8 +430,10 @@ def main(argv: list[str] | None = None) -> dict:
     cmd = "python benchmarks/run_all.py --json " + args.json + (" --quick" if args.quick else "") \
         + (" --all" if args.all else "") + (" --only " + " ".join(args.only) if args.only else "") \
         + (" --keep-freed-memory" if args.keep_freed_memory else "")
+    preload = (env or os.environ).get("LD_PRELOAD")  # e.g. tcmalloc, inherited by each script
     head = (f"Command: `{cmd}` ({total / 60:.1f} min; {os.cpu_count()} CPUs, "
-            f"{platform.processor() or platform.machine()}). Per-script JSON and logs: "
+            f"{platform.processor() or platform.machine()}"
+            f"{'; LD_PRELOAD=' + preload if preload else ''}). Per-script JSON and logs: "
             f"`{logs}`.")
     md = head + "\n\n" + table(rows) + "\n"
     print()
@@ -444,6 +446,7 @@ def main(argv: list[str] | None = None) -> dict:
           f"markdown: {md_path}")
     result = {"command": cmd, "seconds": total, "quick": args.quick,
               "keep_freed_memory_env": (env or os.environ).get("LOWRANK_JAX_KEEP_FREED_MEMORY"),
+              "ld_preload": preload,
               "runs": runs,
               "rows": [dataclasses.asdict(r) for r in rows]}
     with open(args.json, "w") as f:
