@@ -22,7 +22,10 @@ against its FLOP count, which is its non-zero multiply-adds): the frozen leaf's 
 ``jax.experimental.sparse.BCSR`` (compressed sparse rows of ``W^T``, product ``(W^T @ x^T)^T``;
 BCOO was 10x slower in a trial) at the run's keep fraction and at 0.25, 0.1, 0.03 and 0.01, timed
 against the dense leaf and the frozen leaf at the same keep in one interleaved loop, with its
-outputs checked against the frozen leaf's.
+outputs checked against the frozen leaf's. Where PyTorch is installed, the same loop also times
+its compressed-sparse-row product (``torch.sparse_csr`` of ``W^T`` times ``x^T``) against its
+own dense ``x @ W`` (``torch.set_num_threads(cpu_count)``, ``OMP_WAIT_POLICY=PASSIVE`` set
+before torch is imported), to tell a missing kernel in JAX from what the shapes allow.
 
 Usage::
 
@@ -40,10 +43,19 @@ import platform
 import statistics
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
+# before torch is imported (--sparse): its OpenMP workers otherwise spin after each product and
+# take the cores from the next call in the interleaved loop
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from _machine import (  # noqa: E402 (benchmarks/_machine.py)
+    cpu_snapshot,
+    other_load,
+    time_interleaved,
+    write_json,
+)
 
 try:
     import lowrank_jax as lj
@@ -122,6 +134,10 @@ def bench_sparse(d: int, n_tokens: int, keeps, *, runs: int, warmup: int,
     for f, c in zip(frozen, csr, strict=True):
         calls += [lambda f=f: jax.block_until_ready(fn(f, x)),
                   lambda c=c: jax.block_until_ready(sp(c, x))]
+    torch_calls = _torch_sparse_calls(np.asarray(x), np.asarray(lj.materialize(dense)),
+                                      [np.asarray(lj.materialize(f)) for f in frozen])
+    n_jax = len(calls)
+    calls += torch_calls
     before = cpu_snapshot()
     med = [statistics.median(t) * 1e3 for t in time_interleaved(calls, runs, warmup)]
     load = other_load(before, cpu_snapshot())
@@ -131,14 +147,42 @@ def bench_sparse(d: int, n_tokens: int, keeps, *, runs: int, warmup: int,
         got = np.asarray(sp(c, x), np.float64)
         scale = np.abs(np.asarray(x)) @ np.abs(np.asarray(lj.materialize(f)))
         flop_ratio = f.n_keep / (d * d)
-        rows.append({
+        row = {
             "d": d, "tokens": n_tokens, "keep": k, "nnz": int(c.nse), "flop_ratio": flop_ratio,
             "dense_ms": med[0], "frozen_ms": med[1 + 2 * i], "sparse_ms": med[2 + 2 * i],
             "sparse_over_dense": med[2 + 2 * i] / med[0],
             "time_per_flop_ratio": med[2 + 2 * i] / med[0] / flop_ratio,
             "max_err_over_scale": float(np.max(np.abs(got - ref) / np.maximum(scale, 1e-30))),
-            "other_load": load})
+            "other_load": load}
+        if torch_calls:
+            t_dense, t_sparse = med[n_jax], med[n_jax + 1 + i]
+            got_t = np.asarray(torch_calls[1 + i](), np.float64)
+            row.update({"torch_dense_ms": t_dense, "torch_sparse_ms": t_sparse,
+                        "torch_sparse_over_dense": t_sparse / t_dense,
+                        "torch_time_per_flop_ratio": t_sparse / t_dense / flop_ratio,
+                        "torch_max_err_over_scale": float(np.max(
+                            np.abs(got_t - ref) / np.maximum(scale, 1e-30)))})
+        rows.append(row)
     return rows
+
+
+def _torch_sparse_calls(x: np.ndarray, w_dense: np.ndarray, ws: list) -> list:
+    """PyTorch's dense ``x @ W`` and, per matrix of ``ws``, its CSR product ``(W^T x^T)^T``, as
+    zero-argument calls returning NumPy arrays (``[]`` where torch is not installed)."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    import warnings
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    xt, wd = torch.from_numpy(np.array(x)), torch.from_numpy(np.array(w_dense))  # writable
+    with warnings.catch_warnings():  # "Sparse CSR tensor support is in beta state"
+        warnings.simplefilter("ignore", UserWarning)
+        csr = [torch.from_numpy(np.ascontiguousarray(w.T)).to_sparse_csr() for w in ws]
+    calls = [lambda: (xt @ wd).numpy()]
+    calls += [lambda c=c: (c @ xt.T).T.numpy() for c in csr]
+    return calls
 
 
 HEADER = (f"{'d':>5} {'tokens':>6} {'dense ms':>9} {'masked ms':>9} {'frozen ms':>9} "
@@ -222,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
               "leaf; time/flop = (sparse / dense time) / (non-zeros / d^2); err = max |sparse - "
               "frozen| / (|x| @ |W|)")
         print(f"{'d':>5} {'tokens':>6} {'keep':>5} {'dense ms':>9} {'frozen ms':>9} "
-              f"{'sparse ms':>9} {'sparse/dense':>12} {'time/flop':>9} {'err':>8} {'load':>5}")
+              f"{'sparse ms':>9} {'sparse/dense':>12} {'time/flop':>9} {'err':>8} "
+              f"{'torch sparse/dense':>18} {'torch t/f':>9} {'load':>5}")
         sparse_rows = []
         for d in dims:
             for n in tokens:
@@ -231,7 +276,10 @@ def main(argv: list[str] | None = None) -> dict:
                     print(f"{r['d']:>5} {r['tokens']:>6} {r['keep']:>5g} {r['dense_ms']:>9.3f} "
                           f"{r['frozen_ms']:>9.3f} {r['sparse_ms']:>9.3f} "
                           f"{r['sparse_over_dense']:>12.3f} {r['time_per_flop_ratio']:>9.2f} "
-                          f"{r['max_err_over_scale']:>8.1e} {load:>5}", flush=True)
+                          f"{r['max_err_over_scale']:>8.1e} "
+                          f"{r.get('torch_sparse_over_dense', float('nan')):>18.3f} "
+                          f"{r.get('torch_time_per_flop_ratio', float('nan')):>9.2f} "
+                          f"{load:>5}", flush=True)
                     sparse_rows.append(r)
         result["sparse_rows"] = sparse_rows
         goals["binary_time_per_flop_sparse"] = {
