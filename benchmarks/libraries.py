@@ -10,6 +10,10 @@ products, and the dense product they replace, in JAX (``jax.jit`` of
 (its BLAS, OpenBLAS in the PyPI wheels), all in one interleaved loop on the same float32
 arrays, so machine noise hits every library alike.
 
+The same for ``HeadLowRank`` leaves with irregular per-head ranks (12 heads of 64, d 768; the
+rank sets of ``head_lowrank.py``): JAX's ``linear`` against PyTorch and NumPy running the same
+execution, one product on the true ranks then a lift per head.
+
 Per library, ``time/flop = (lowrank ms / dense ms) / flop ratio`` against that library's own
 dense product (1.0: the factorized product runs at the dense rate per multiply-add); ``jax /
 best`` is JAX's low-rank time over the fastest other library's. Single calls, as a user would
@@ -26,6 +30,7 @@ Usage::
 
     python benchmarks/libraries.py --json libraries.json     # d 1024/768/512 x 512/2048/8192
     python benchmarks/libraries.py --quick                    # d 768, 2048 tokens, 5 runs
+    python benchmarks/libraries.py --no-head                  # LowRank rows only
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ from _machine import (  # noqa: E402 (benchmarks/_machine.py)
     time_interleaved,
     write_json,
 )
+from head_lowrank import RANK_SETS  # noqa: E402 (benchmarks/head_lowrank.py)
 
 try:
     import lowrank_jax as lj
@@ -130,6 +136,73 @@ def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
     return rows
 
 
+def bench_head(name: str, ranks: tuple, n_tokens: int, *, runs: int, warmup: int,
+               d: int = 768, d_head: int = 64, seed: int = 0) -> dict:
+    """One row for a ``HeadLowRank`` leaf with per-head ``ranks`` (``d`` inputs, heads of
+    ``d_head``): JAX's ``linear`` of the leaf, and in PyTorch and NumPy the same execution
+    (one ``x @ [u_1 .. u_h]`` product, then each head's lift on its own columns,
+    concatenated), each against its library's dense ``[d, h * d_head]`` product."""
+    import torch
+
+    rng = np.random.default_rng(seed)
+    h, rmax = len(ranks), max(ranks)
+    x = rng.standard_normal((n_tokens, d), dtype=np.float32)
+    w = (rng.standard_normal((d, h * d_head), dtype=np.float32) / np.sqrt(d)).astype(np.float32)
+    us = [(rng.standard_normal((d, r), dtype=np.float32) / np.sqrt(d)).astype(np.float32)
+          for r in ranks]
+    vs = [(rng.standard_normal((r, d_head), dtype=np.float32) / np.sqrt(max(r, 1)))
+          .astype(np.float32) for r in ranks]
+    u_all = np.concatenate(us, axis=1)
+    offs = np.cumsum([0, *ranks])
+    u_pad = np.zeros((d, h, rmax), np.float32)
+    v_pad = np.zeros((h, rmax, d_head), np.float32)
+    for i, r in enumerate(ranks):
+        u_pad[:, i, :r], v_pad[i, :r] = us[i], vs[i]
+    leaf = lj.HeadLowRank(jnp.asarray(u_pad), jnp.asarray(v_pad), ranks=tuple(ranks))
+    dense = lj.Dense(w=jnp.asarray(w))
+    lin = jax.jit(lambda leaf, x: lj.linear(leaf, x))
+    xj = jnp.asarray(x)
+    xt, wt, ut = torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(u_all)
+    vts = [torch.from_numpy(v) for v in vs]
+
+    def torch_heads():
+        t = xt @ ut
+        return torch.cat([t[:, offs[i]:offs[i + 1]] @ vts[i] for i in range(h)], 1)
+
+    def numpy_heads():
+        t = x @ u_all
+        return np.concatenate([t[:, offs[i]:offs[i + 1]] @ vs[i] for i in range(h)], 1)
+
+    calls = {"jax": [lambda: jax.block_until_ready(lin(dense, xj)),
+                     lambda: jax.block_until_ready(lin(leaf, xj))],
+             "torch": [lambda: xt @ wt, torch_heads],
+             "numpy": [lambda: x @ w, numpy_heads]}
+    ref = np.asarray(numpy_heads(), np.float64)
+    for lib in ("jax", "torch"):
+        got = np.asarray(calls[lib][1]())
+        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
+        if not err < 1e-4:
+            raise AssertionError(f"{lib} HeadLowRank differs from numpy: {err:.2e}")
+    flat = [c for lib in LIBRARIES for c in calls[lib]]
+    before = cpu_snapshot()
+    med = [statistics.median(t) for t in time_interleaved(flat, runs, warmup)]
+    load = other_load(before, cpu_snapshot())
+    flop_ratio = lj.flops(leaf, n_tokens) / lj.flops(dense, n_tokens)
+    row = {"ranks_name": name, "ranks": list(ranks), "tokens": n_tokens,
+           "flop_ratio": flop_ratio, "other_load": load}
+    for j, lib in enumerate(LIBRARIES):
+        d_ms, h_ms = 1e3 * med[2 * j], 1e3 * med[2 * j + 1]
+        row[f"{lib}_dense_ms"], row[f"{lib}_ms"] = d_ms, h_ms
+        row[f"{lib}_time_per_flop_ratio"] = h_ms / d_ms / flop_ratio
+    row["jax_over_best"] = row["jax_ms"] / min(row["torch_ms"], row["numpy_ms"])
+    return row
+
+
+#: HeadLowRank rank sets (12 heads of 64, d 768): the irregular ones of head_lowrank.py (its
+#: near-uniform set has a FLOP ratio above 1: not a compression).
+HEAD_RANKS = {k: v for k, v in RANK_SETS.items() if k.startswith("spread")}
+
+
 HEADER = (f"{'d':>4} {'tokens':>6} {'rank':>4} {'flop ratio':>10} "
           + " ".join(f"{lib + ' ms':>9} {lib + ' t/f':>9}" for lib in LIBRARIES)
           + f" {'jax/best lr':>11} {'jax/best dense':>14} {'load':>5}")
@@ -168,6 +241,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                    help="target FLOP ratios of the low-rank leaves to the dense one")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 30; quick 5)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--head-tokens", type=int, nargs="+", default=None,
+                   help="token counts of the HeadLowRank rows (default 2048 8192; quick 2048)")
+    p.add_argument("--no-head", action="store_true", help="skip the HeadLowRank rows")
     p.add_argument("--quick", action="store_true", help="one size, 5 runs: a smoke test")
     p.add_argument("--json", metavar="PATH", help="write the rows, summary and setup as JSON")
     args = p.parse_args(argv)
@@ -178,6 +254,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     warmup = 1 if args.quick else args.warmup
     ds = args.d or ([768] if args.quick else [1024, 768, 512])
     tokens = args.tokens or ([2048] if args.quick else [512, 2048, 8192])
+    head_tokens = args.head_tokens or ([2048] if args.quick else [2048, 8192])
     setup = {"jax": jax.__version__, "torch": torch.__version__, "numpy": np.__version__,
              "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
              "numpy_blas": blas_name(), "torch_threads": torch.get_num_threads(),
@@ -195,6 +272,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for row in bench(d, n, args.ratios, runs=runs, warmup=warmup):
                 print(format_row(row), flush=True)
                 rows.append(row)
+    head_rows = []
+    if not args.no_head:
+        print("# HeadLowRank, irregular ranks (d 768, 12 heads of 64): the first product on the "
+              "true ranks, then each head's lift; t/f against each library's dense product")
+        print(f"{'ranks':<14} {'tokens':>6} {'flop ratio':>10} "
+              + " ".join(f"{lib + ' t/f':>9}" for lib in LIBRARIES) + f" {'jax/best':>8}")
+        for name, ranks in HEAD_RANKS.items():
+            for n in head_tokens:
+                r = bench_head(name, ranks, n, runs=runs, warmup=warmup)
+                print(f"{name:<14} {n:>6} {r['flop_ratio']:>10.3f} "
+                      + " ".join(f"{r[lib + '_time_per_flop_ratio']:>9.2f}" for lib in LIBRARIES)
+                      + f" {r['jax_over_best']:>8.2f}", flush=True)
+                head_rows.append(r)
     summaries = [summary(rows, q) for q in args.ratios]
     for s in summaries:
         jb = s["jax_over_best_lowrank"]
@@ -203,7 +293,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
               + f"; jax / fastest other {jb['median']:.2f} ({jb['range'][0]:.2f}-"
               f"{jb['range'][1]:.2f})")
     if args.json:
-        write_json(args.json, {"setup": setup, "rows": rows, "summary": summaries})
+        write_json(args.json, {"setup": setup, "rows": rows, "summary": summaries,
+                               "head_rows": head_rows})
     return rows
 
 

@@ -121,7 +121,7 @@ def rows_libraries(d: dict) -> list[Row]:
     ratio = [r["jax_over_best_lowrank"] for r in rows]
     ratio.sort()
     med = ratio[len(ratio) // 2]
-    return [
+    out = [
         Row("1", f"LowRank products at FLOP ratio ~{low['target_ratio']:g} in other libraries: "
             "time/FLOP against each library's dense product", "reported",
             f"{libs} over {low['rows']} sizes (none meets 1.15 in any library)"
@@ -131,6 +131,16 @@ def rows_libraries(d: dict) -> list[Row]:
             "reported", f"median {med:.2f} ({ratio[0]:.2f}-{ratio[-1]:.2f}) over {len(ratio)} "
             "rows", None, "libraries.py", med),
     ]
+    head = d.get("head_rows") or []
+    if head:
+        rng = {lib: (min(r[f"{lib}_time_per_flop_ratio"] for r in head),
+                     max(r[f"{lib}_time_per_flop_ratio"] for r in head))
+               for lib in ("torch", "numpy", "jax")}
+        out.append(Row("1", "HeadLowRank, irregular ranks, in other libraries: time/FLOP against "
+                       "each library's dense product", "reported",
+                       ", ".join(f"{lib} {lo:.2f}-{hi:.2f}" for lib, (lo, hi) in rng.items())
+                       + f" over {len(head)} rows", None, "libraries.py", rng["torch"][0]))
+    return out
 
 
 def rows_pruning(d: dict) -> list[Row]:
