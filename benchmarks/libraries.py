@@ -76,6 +76,27 @@ def blas_name() -> str:
         return "unknown"
 
 
+def check_and_time(calls: dict, runs: int, warmup: int, what: str) -> tuple[dict, float | None]:
+    """Check each library's outputs against NumPy's (relative error < 1e-4), then time every
+    call in one interleaved loop. ``calls``: ``{library: [zero-argument call, ...]}``, the same
+    products in the same order for every library. Returns ``({library: [median ms, ...]},
+    other load)``."""
+    for i, ref in enumerate(calls["numpy"]):
+        ref = np.asarray(ref(), np.float64)
+        for lib in ("jax", "torch"):
+            err = np.max(np.abs(np.asarray(calls[lib][i]()) - ref)) / np.max(np.abs(ref))
+            if not err < 1e-4:
+                raise AssertionError(f"{what}: {lib} differs from numpy on product {i}: "
+                                     f"{err:.2e}")
+    flat = [c for lib in LIBRARIES for c in calls[lib]]
+    before = cpu_snapshot()
+    med = [statistics.median(t) for t in time_interleaved(flat, runs, warmup)]
+    load = other_load(before, cpu_snapshot())
+    k = len(calls["numpy"])
+    return ({lib: [1e3 * m for m in med[j * k:(j + 1) * k]] for j, lib in enumerate(LIBRARIES)},
+            load)
+
+
 def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
           seed: int = 0) -> list[dict]:
     """Rows for one ``(d, n_tokens)``: one per target FLOP ratio, every library's figures."""
@@ -100,20 +121,7 @@ def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
     calls = {"jax": [lambda lf=lf: jax.block_until_ready(lin(lf, xj)) for lf in jleaves],
              "torch": [lambda: xt @ wt] + [lambda u=u, v=v: (xt @ u) @ v for u, v in tfactors],
              "numpy": [lambda: x @ w] + [lambda u=u, v=v: (x @ u) @ v for u, v in factors]}
-    # one reference product per leaf, checked across libraries before anything is timed
-    for i in range(len(jleaves)):
-        ref = np.asarray(calls["numpy"][i](), np.float64)
-        for lib in ("jax", "torch"):
-            got = np.asarray(calls[lib][i]())
-            err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
-            if not err < 1e-4:
-                raise AssertionError(f"{lib} differs from numpy on leaf {i}: {err:.2e}")
-    flat = [c for lib in LIBRARIES for c in calls[lib]]
-    before = cpu_snapshot()
-    med = [statistics.median(t) for t in time_interleaved(flat, runs, warmup)]
-    load = other_load(before, cpu_snapshot())
-    k = len(jleaves)
-    ms = {lib: [1e3 * m for m in med[j * k:(j + 1) * k]] for j, lib in enumerate(LIBRARIES)}
+    ms, load = check_and_time(calls, runs, warmup, f"d {d}, {n_tokens} tokens")
     dense_flops = lj.flops(jleaves[0], n_tokens)
     rows = []
     for i, (q, r) in enumerate(zip(ratios, ranks, strict=True)):
@@ -177,21 +185,12 @@ def bench_head(name: str, ranks: tuple, n_tokens: int, *, runs: int, warmup: int
                      lambda: jax.block_until_ready(lin(leaf, xj))],
              "torch": [lambda: xt @ wt, torch_heads],
              "numpy": [lambda: x @ w, numpy_heads]}
-    ref = np.asarray(numpy_heads(), np.float64)
-    for lib in ("jax", "torch"):
-        got = np.asarray(calls[lib][1]())
-        err = np.max(np.abs(got - ref)) / np.max(np.abs(ref))
-        if not err < 1e-4:
-            raise AssertionError(f"{lib} HeadLowRank differs from numpy: {err:.2e}")
-    flat = [c for lib in LIBRARIES for c in calls[lib]]
-    before = cpu_snapshot()
-    med = [statistics.median(t) for t in time_interleaved(flat, runs, warmup)]
-    load = other_load(before, cpu_snapshot())
+    ms, load = check_and_time(calls, runs, warmup, f"HeadLowRank {name}, {n_tokens} tokens")
     flop_ratio = lj.flops(leaf, n_tokens) / lj.flops(dense, n_tokens)
     row = {"ranks_name": name, "ranks": list(ranks), "tokens": n_tokens,
            "flop_ratio": flop_ratio, "other_load": load}
-    for j, lib in enumerate(LIBRARIES):
-        d_ms, h_ms = 1e3 * med[2 * j], 1e3 * med[2 * j + 1]
+    for lib in LIBRARIES:
+        d_ms, h_ms = ms[lib]
         row[f"{lib}_dense_ms"], row[f"{lib}_ms"] = d_ms, h_ms
         row[f"{lib}_time_per_flop_ratio"] = h_ms / d_ms / flop_ratio
     row["jax_over_best"] = row["jax_ms"] / min(row["torch_ms"], row["numpy_ms"])
