@@ -20,8 +20,8 @@ def malloc_setting() -> str:
     allocator's file name, or glibc's with what :mod:`lowrank_jax.runtime` set."""
     from lowrank_jax import runtime
 
-    lib = runtime.malloc_library()
-    if lib is not None and not os.path.basename(lib).startswith("libc."):
+    lib = runtime.preloaded_malloc()
+    if lib is not None:
         return f"{os.path.basename(lib)} (preloaded)"
     kept = runtime.freed_memory_kept()
     return {True: "glibc, freed memory kept", "one_arena": "glibc, freed memory kept, one arena",

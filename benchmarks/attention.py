@@ -40,7 +40,7 @@ from _machine import (  # benchmarks/_machine.py
     other_load,
     time_interleaved,
     write_json,
-)  # benchmarks/_machine.py
+)
 
 try:
     import lowrank_jax as lj

@@ -76,13 +76,18 @@ def blas_name() -> str:
         return "unknown"
 
 
+def gaussian(rng: np.random.Generator, rows: int, cols: int) -> np.ndarray:
+    """A float32 ``[rows, cols]`` matrix of normal entries with variance ``1 / rows``."""
+    return (rng.standard_normal((rows, cols), dtype=np.float32) / np.sqrt(rows)).astype(np.float32)
+
+
 def check_and_time(calls: dict, runs: int, warmup: int, what: str) -> tuple[dict, float | None]:
     """Check each library's outputs against NumPy's (relative error < 1e-4), then time every
     call in one interleaved loop. ``calls``: ``{library: [zero-argument call, ...]}``, the same
     products in the same order for every library. Returns ``({library: [median ms, ...]},
     other load)``."""
-    for i, ref in enumerate(calls["numpy"]):
-        ref = np.asarray(ref(), np.float64)
+    for i, numpy_call in enumerate(calls["numpy"]):
+        ref = np.asarray(numpy_call(), np.float64)
         for lib in ("jax", "torch"):
             err = np.max(np.abs(np.asarray(calls[lib][i]()) - ref)) / np.max(np.abs(ref))
             if not err < 1e-4:
@@ -104,11 +109,9 @@ def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
 
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((n_tokens, d), dtype=np.float32)  # [tokens, d]
-    w = (rng.standard_normal((d, d), dtype=np.float32) / np.sqrt(d)).astype(np.float32)
+    w = gaussian(rng, d, d)
     ranks = [max(1, round(q * d / 2)) for q in ratios]
-    factors = [((rng.standard_normal((d, r), dtype=np.float32) / np.sqrt(d)).astype(np.float32),
-                (rng.standard_normal((r, d), dtype=np.float32) / np.sqrt(r)).astype(np.float32))
-               for r in ranks]
+    factors = [(gaussian(rng, d, r), gaussian(rng, r, d)) for r in ranks]
 
     lin = jax.jit(lambda leaf, x: lj.linear(leaf, x))
     xj = jnp.asarray(x)
@@ -155,11 +158,9 @@ def bench_head(name: str, ranks: tuple, n_tokens: int, *, runs: int, warmup: int
     rng = np.random.default_rng(seed)
     h, rmax = len(ranks), max(ranks)
     x = rng.standard_normal((n_tokens, d), dtype=np.float32)
-    w = (rng.standard_normal((d, h * d_head), dtype=np.float32) / np.sqrt(d)).astype(np.float32)
-    us = [(rng.standard_normal((d, r), dtype=np.float32) / np.sqrt(d)).astype(np.float32)
-          for r in ranks]
-    vs = [(rng.standard_normal((r, d_head), dtype=np.float32) / np.sqrt(max(r, 1)))
-          .astype(np.float32) for r in ranks]
+    w = gaussian(rng, d, h * d_head)
+    us = [gaussian(rng, d, r) for r in ranks]
+    vs = [gaussian(rng, r, d_head) for r in ranks]
     u_all = np.concatenate(us, axis=1)
     offs = np.cumsum([0, *ranks])
     u_pad = np.zeros((d, h, rmax), np.float32)

@@ -118,8 +118,7 @@ def rows_libraries(d: dict) -> list[Row]:
     low = min(summ, key=lambda s: s["target_ratio"])
     libs = ", ".join(f"{lib} {low[lib][0]:.2f}-{low[lib][1]:.2f}" for lib in ("torch", "numpy",
                                                                                "jax"))
-    ratio = [r["jax_over_best_lowrank"] for r in rows]
-    ratio.sort()
+    ratio = sorted(r["jax_over_best_lowrank"] for r in rows)
     med = ratio[len(ratio) // 2]
     out = [
         Row("1", f"LowRank products at FLOP ratio ~{low['target_ratio']:g} in other libraries: "

@@ -89,6 +89,13 @@ def malloc_library() -> str | None:
     return os.fsdecode(info.dli_fname)
 
 
+def preloaded_malloc() -> str | None:
+    """The file of an allocator preloaded in place of glibc's ``malloc`` (tcmalloc, jemalloc),
+    or ``None``: glibc's own, or where :func:`malloc_library` cannot tell."""
+    lib = malloc_library()
+    return None if lib is None or os.path.basename(lib).startswith("libc.") else lib
+
+
 def _glibc():
     """The C library's handle if it is glibc on Linux and its ``malloc`` is the one in use
     (``mallopt`` does something), else None."""
@@ -100,8 +107,7 @@ def _glibc():
         libc.mallopt  # noqa: B018
     except (OSError, AttributeError):
         return None
-    lib = malloc_library()
-    if lib is not None and not os.path.basename(lib).startswith("libc."):
+    if preloaded_malloc() is not None:
         return None  # another allocator was preloaded: glibc's settings would not reach it
     libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     libc.mallopt.restype = ctypes.c_int
@@ -166,4 +172,5 @@ def apply_env(default: bool = False) -> bool:
     return keep_freed_memory(True, one_arena=val == "one_arena")
 
 
-__all__ = ["ENV", "apply_env", "freed_memory_kept", "keep_freed_memory", "malloc_library"]
+__all__ = ["ENV", "apply_env", "freed_memory_kept", "keep_freed_memory", "malloc_library",
+           "preloaded_malloc"]

@@ -123,6 +123,7 @@ def _find_tcmalloc():
 def test_malloc_library_is_glibc_without_a_preload():
     lib = runtime.malloc_library()
     assert lib is not None and os.path.basename(lib).startswith("libc.so"), lib
+    assert runtime.preloaded_malloc() is None
 
 
 @glibc_only
@@ -132,9 +133,11 @@ def test_a_preloaded_allocator_is_named_and_left_alone():
     # glibc's mallopt would not reach tcmalloc: keep_freed_memory must say it did nothing
     lib = _find_tcmalloc()
     code = ("from lowrank_jax import runtime as r; k = r.keep_freed_memory(); "
-            "print(r.malloc_library()); print(k, r.freed_memory_kept())")
+            "print(r.malloc_library()); print(r.preloaded_malloc()); "
+            "print(k, r.freed_memory_kept())")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, env={**os.environ, runtime.ENV: "0", "LD_PRELOAD": lib})
     lines = out.stdout.strip().splitlines()
-    assert os.path.realpath(lines[-2]) == os.path.realpath(lib)
+    assert os.path.realpath(lines[-3]) == os.path.realpath(lib)
+    assert lines[-2] == lines[-3]
     assert lines[-1] == "False None"
