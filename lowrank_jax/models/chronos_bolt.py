@@ -283,6 +283,27 @@ def encode(params: dict, context: Array, cfg: ChronosBoltConfig, *,
             "inputs_embeds": embeds, "attention_mask": valid}
 
 
+def decode(params: dict, enc: dict, cfg: ChronosBoltConfig) -> Array:
+    """Decoder half of the forward pass (reference ``ChronosBoltModelForForecasting.decode``):
+    one decoder step from ``shared[decoder_start_token_id]`` with cross-attention on the
+    encoder output.
+
+    Args:
+      params: model parameters.
+      enc: what :func:`encode` returns (its ``'encoder_last_hidden_state'`` and
+        ``'attention_mask'`` are read).
+      cfg: model configuration.
+
+    Returns:
+      The decoder state ``[batch, 1, d_model]`` (before the output residual block).
+    """
+    hidden = enc["encoder_last_hidden_state"]
+    start = params["shared"][cfg.t5.decoder_start_token_id]
+    y = jnp.broadcast_to(start, (hidden.shape[0], 1, cfg.t5.d_model)).astype(hidden.dtype)
+    return apply_decoder(params["decoder"], y, cfg.t5.decoder, enc=hidden,
+                         cross_mask=padding_mask(enc["attention_mask"]))
+
+
 INPUTS = ("context", "mask")
 
 
@@ -308,10 +329,7 @@ def apply(params: dict, inputs: dict, cfg: ChronosBoltConfig) -> dict:
     enc = encode(params, inputs["context"], cfg, mask=inputs.get("mask"))
     hidden = enc["encoder_last_hidden_state"]
     batch = hidden.shape[0]
-    start = params["shared"][cfg.t5.decoder_start_token_id]
-    y = jnp.broadcast_to(start, (batch, 1, cfg.t5.d_model)).astype(hidden.dtype)
-    dec = apply_decoder(params["decoder"], y, cfg.t5.decoder, enc=hidden,
-                        cross_mask=padding_mask(enc["attention_mask"]))  # [batch, 1, d_model]
+    dec = decode(params, enc, cfg)  # [batch, 1, d_model]
     out = apply_residual_block(params["output_patch_embedding"], dec, cfg.activation)
     preds = out.reshape(batch, cfg.num_quantiles, cfg.prediction_length).astype(jnp.float32)
     loc, scale = enc["loc_scale"]

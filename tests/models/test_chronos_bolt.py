@@ -141,6 +141,24 @@ def test_forward_with_explicit_mask_and_jit(setup):
     np.testing.assert_allclose(np.asarray(out["loc_scale"][1]), scale[:, :, 0], rtol=1e-5)
 
 
+def test_encode_and_decode_halves_match_reference(setup):
+    """``encode`` and ``decode`` against the reference's methods of the same names: the
+    encoder output, its patch mask and the decoder's last hidden state."""
+    model, _, cfg, params = setup
+    x = random_contexts(11, length=70)
+    with torch.no_grad():
+        ref_enc, _, ref_emb, ref_mask = model.encode(context=torch.tensor(x))
+        ref_dec = model.decode(ref_emb, ref_mask, ref_enc).numpy()
+    enc = jax.jit(chronos_bolt.encode, static_argnums=2)(params, x, cfg)
+    np.testing.assert_array_equal(np.asarray(enc["attention_mask"]), ref_mask.numpy() > 0)
+    np.testing.assert_allclose(np.asarray(enc["encoder_last_hidden_state"]), ref_enc.numpy(),
+                               rtol=0, atol=TOL)
+    dec = np.asarray(jax.jit(chronos_bolt.decode, static_argnums=2)(params, enc, cfg))
+    assert dec.shape == (5, 1, cfg.t5.d_model)
+    assert np.std(ref_dec) > 0.1  # not trivially small
+    np.testing.assert_allclose(dec, ref_dec, rtol=0, atol=TOL)
+
+
 def test_registry_apply(setup):
     _, _, cfg, params = setup
     assert families()["chronos_bolt"].config_cls is chronos_bolt.ChronosBoltConfig
