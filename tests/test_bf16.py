@@ -14,6 +14,7 @@ import lowrank_jax as lj
 from lowrank_jax import leaves as L
 from lowrank_jax.errors import ConfigError
 from lowrank_jax.models import ChronosBoltConfig, T5Config, chronos_bolt
+from lowrank_jax.nn.attention import fold_keys
 from lowrank_jax.nn.precision import (
     bf16_forward,
     cast_weights,
@@ -118,7 +119,11 @@ def test_loops_and_nested_jit_are_transformed():
     np.testing.assert_allclose(np.asarray(jax.jit(f)(x)), ref, rtol=0, atol=1e-5)
 
 
-def test_compressed_chronos_bolt_bf16_error_is_bf16_sized():
+@pytest.mark.parametrize("compressed", [True, False])
+def test_chronos_bolt_bf16_error_is_bf16_sized(compressed):
+    """Compressed (SVD attention, packed binary embedding) and dense: the dense decoder's
+    cross-attention runs with its keys folded into the queries (its own einsums, which
+    XLA:CPU must have bf16 kernels for)."""
     cfg = ChronosBoltConfig(t5=T5Config(vocab_size=2, d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                         num_decoder_layers=1, num_heads=4),
                             context_length=64, prediction_length=16, input_patch_size=16,
@@ -126,8 +131,13 @@ def test_compressed_chronos_bolt_bf16_error_is_bf16_sized():
     params = chronos_bolt.init(jax.random.PRNGKey(0), cfg)
     plan = lj.Plan((lj.Step("svd", (r"attn/(qk/q|qk/k|v|o)$",), {"rank": 4}),
                     lj.Step("binarize", (r"input_patch_embedding/",), {"keep": 0.5})))
-    small, _ = lj.apply_plan(params, plan, config=cfg, key=jax.random.PRNGKey(1))
-    small = L.pack_binary_tree(small)
+    if compressed:
+        small, _ = lj.apply_plan(params, plan, config=cfg, key=jax.random.PRNGKey(1))
+        small = L.pack_binary_tree(small)
+    else:
+        small = params
+        cross = params["decoder"]["layers"][0]["cross_attn"]
+        assert fold_keys(cross, 1, 5)  # 4 patches + [REG]
     x = jnp.asarray(np.random.default_rng(0).normal(size=(3, 64)).cumsum(1), jnp.float32)
 
     def fwd(p, c):

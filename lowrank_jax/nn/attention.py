@@ -26,9 +26,11 @@ import numpy as np
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import (
     QK,
+    Dense,
     HeadLayout,
     QueryKey,
     attention_logits,
+    bias_of,
     head_offsets,
     init_dense,
     keep_inputs,
@@ -394,6 +396,13 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
         if w_v:
             v_mask = qkv_activation_masks(seed, k_len, w_v, cfg.qkv_keep)["v"]
 
+    if cfg.qkv_keep is None and k_len == 1 and FOLD_KEYS:
+        # One key: every probability is exactly 1 (a masked logit is finite), so the logits
+        # are not formed: each query receives the value (a one-token decoder's self-attention).
+        out = linear(o, linear(v, kv))  # [batch, 1, d_out]
+        return jnp.broadcast_to(out, (batch, q_len, out.shape[-1]))
+    if cfg.qkv_keep is None and fold_keys(params, q_len, k_len):
+        return _folded_attention(qk, v, o, heads, x, kv, bias=bias, mask=mask)
     vals = split_heads(linear(v, kv), heads.v)  # [batch, k_len, h, max(w_v)]
     if v_mask is not None:
         vals = vals * v_mask[:, None, :].astype(vals.dtype)
@@ -433,6 +442,84 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
     # gradient as fast as unchunked at 32 x 256 tokens instead of 7 % slower).
     out = jax.lax.map(jax.checkpoint(one_chunk), xs)  # [batch / chunk, chunk, h, q, w_v]
     out = jnp.swapaxes(out.reshape(batch, *out.shape[2:]), 1, 2)  # [batch, q, h, max(w_v)]
+    return linear(o, merge_heads(out, heads.v))
+
+
+#: :func:`apply_attention` folds the key and value projections into the queries when that
+#: executes fewer multiply-adds (:func:`fold_keys`), and against a single key forms no logits
+#: (its probability is 1); ``False``: neither.
+FOLD_KEYS = True
+
+
+def _dense_weight(w) -> Array | None:
+    """The ``[d_in, d_out]`` array of a :class:`~lowrank_jax.Dense` leaf or a plain weight
+    array, without computing anything; ``None`` for every other leaf type."""
+    if isinstance(w, Dense):
+        return w.w
+    if isinstance(w, Leaf) or np.ndim(w) != 2:
+        return None
+    return jnp.asarray(w)
+
+
+def fold_keys(params: dict, q_len: int, k_len: int) -> bool:
+    """Whether :func:`apply_attention` runs this block with the keys and values folded into
+    the queries (see :func:`_folded_attention`) for ``q_len`` queries against ``k_len`` keys.
+
+    Not from any paper: an exact reassociation that pays when few queries meet many keys, such
+    as a one-token decoder's cross-attention (Chronos-Bolt decodes a single token against the
+    encoder output). Head ``h``'s logits ``(x W^Q_h)(x_kv W^K_h)^T`` are computed as
+    ``((x W^Q_h) (W^K_h)^T) x_kv^T``, and its values ``p_h (x_kv W^V_h)`` as
+    ``(p_h x_kv) W^V_h``: the ``k_len`` rows of the key and value projections are replaced by
+    ``q_len * heads`` vectors of the input's width. Chosen when, per sequence,
+
+        q_len * h * (w_qk * d_kv + 2 * k_len * d_kv + d_kv * w_v)
+          < k_len * d_kv * (sum(w_qk) + sum(w_v)) + q_len * k_len * h * (w_qk + w_v)
+
+    (multiply-adds as executed, heads padded to the widest; ``d_kv`` the keys' input width),
+    for a :class:`~lowrank_jax.QueryKey` whose ``k`` and a ``v`` that are dense weights
+    (:class:`~lowrank_jax.Dense` or plain arrays: a compressed leaf would have to be rebuilt,
+    which :func:`~lowrank_jax.materialize` does only when asked), without fixed activation
+    masks. Self-attention never qualifies (``q_len == k_len`` costs more folded).
+    ``FOLD_KEYS = False`` turns it off. The counts of :func:`attention_score_flops` and of the
+    leaves are those of the unfolded block.
+
+    Measured (``benchmarks/peak.py``, 2-core AVX-512 CPU): the Chronos-Bolt-base decoder's 12
+    cross-attentions (batch 32, 33 keys) ... (figures in ``benchmarks/README.md``).
+    """
+    if not FOLD_KEYS:
+        return False
+    qk, v, _, heads = attention_params(params, "fold_keys")
+    if not isinstance(qk, QueryKey) or _dense_weight(qk.k) is None or _dense_weight(v) is None:
+        return False
+    h, d = heads.num_heads, qk.d_k_in
+    w_qk, w_v = max(qk.widths, default=0), max(heads.v, default=0)
+    projected = (k_len * d * (sum(qk.widths) + sum(heads.v))
+                 + q_len * k_len * h * (w_qk + w_v))
+    folded = q_len * h * (w_qk * d + 2 * k_len * d + d * w_v)
+    return folded < projected
+
+
+def _folded_attention(qk: QueryKey, v, o, heads: HeadLayout, x: Array, kv: Array, *, bias,
+                      mask) -> Array:
+    """:func:`apply_attention` with the key and value projections folded into the queries
+    (:func:`fold_keys`): the same block, reassociated.
+
+    A key bias would add ``q_h . b^K_h`` to all logits of a query alike, which the softmax
+    does not see (a masked logit stays ``finfo(float32).min``): it is left out. A value bias is
+    added after the weighted sum (every probability row sums to 1, a fully masked row
+    included: it is uniform)."""
+    q = qk.queries(x)  # [b, q_len, h, w_qk]
+    w_k = split_heads(_dense_weight(qk.k), qk.widths)  # [d_kv, h, w_qk], zero-padded
+    folded = jnp.einsum("bqhw,dhw->bhqd", q, w_k)  # [b, h, q_len, d_kv]
+    logits = jnp.einsum("bhqd,bkd->bhqk", folded, kv)
+    probs = _probabilities(logits, heads, bias=bias, mask=mask).astype(kv.dtype)
+    # Heads before queries in `mixed`: XLA:CPU (jax 0.10) has no bf16 x bf16 -> f32 kernel for
+    # the same product written "bhqk,bkd->bqhd" (bf16_forward failed on it).
+    mixed = jnp.einsum("bhqk,bkd->bhqd", probs, kv)  # [b, h, q_len, d_kv]
+    w_v = split_heads(_dense_weight(v), heads.v)  # [d_kv, h, w_v]
+    out = jnp.einsum("bhqd,dhw->bqhw", mixed, w_v)  # [b, q_len, h, w_v]
+    if bias_of(v) is not None:
+        out = out + split_heads(bias_of(v), heads.v)
     return linear(o, merge_heads(out, heads.v))
 
 
@@ -723,7 +810,9 @@ def attention_score_flops(params: dict, q_len: int, k_len: int) -> int:
     """Multiply-adds of one attention block beyond its projections, per batch element, as
     executed: the logits (:meth:`~lowrank_jax.QK.score_flops`) and the weighted sum of the
     values (``q_len * k_len * h * max(v widths)``). These grow with the square of the sequence
-    length and are not part of :func:`lowrank_jax.flops`, which counts weight leaves."""
+    length and are not part of :func:`lowrank_jax.flops`, which counts weight leaves. Both
+    count the block with its keys and values projected, also where :func:`apply_attention`
+    folds them into the queries (:func:`fold_keys`) and does less."""
     qk, _, _, heads = attention_params(params, "attention_score_flops")
     return qk.score_flops(q_len, k_len) + int(q_len) * int(k_len) * heads.num_heads * max(
         heads.v, default=0)

@@ -42,6 +42,7 @@ from lowrank_jax.nn import (
     relative_position_bucket,
     step_t_mask,
 )
+from lowrank_jax.nn import attention as attn
 
 TOL = 1e-5
 F32_MIN = float(np.finfo(np.float32).min)
@@ -463,7 +464,6 @@ def test_batch_chunks_match_per_head_reference(monkeypatch, chunk_bytes, chunk, 
     thresholds) equals the NumPy loop: per-sequence mask and bias chunked with the inputs, the
     shared relative bias and the activation masks broadcast to every chunk; the gradient
     equals the unchunked one."""
-    from lowrank_jax.nn import attention as attn
 
     p, full = irregular_block(80)
     x, kv = rand(81, (6, 4, D)), rand(82, (6, 5, D_KV))
@@ -506,7 +506,6 @@ def test_batch_chunks_match_per_head_reference(monkeypatch, chunk_bytes, chunk, 
 
 
 def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch, joint_qk):
-    from lowrank_jax.nn import attention as attn
 
     y = rand(90, (D, D_KV, 3), 0.3)
     p = {"qk": joint_qk(jnp.asarray(y), 3), "v": Dense(rand(91, (D_KV, 6), 0.4), None),
@@ -535,7 +534,6 @@ def test_factored_query_keys_chunk_from_their_own_threshold(monkeypatch, kind):
     from the raw factors (logits of head h: sum_r mix[h, r] q_r k_r for CP, sum_t C[h, t]
     (x_q A_t)(x_k B_t)^T for BTD)."""
     from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
-    from lowrank_jax.nn import attention as attn
 
     heads, w_v, scale = 3, 2, 0.5
     sq, sk = rand(120, (D, 6), 0.4), rand(121, (D_KV, 6), 0.4)
@@ -575,7 +573,6 @@ def test_factored_query_keys_chunk_from_their_own_threshold(monkeypatch, kind):
 
 
 def test_batch_chunk_policy(monkeypatch):
-    from lowrank_jax.nn import attention as attn
 
     default = attn.CHUNK_ABOVE_BYTES
     monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 8 << 20)
@@ -946,7 +943,6 @@ def test_no_batch_chunks_with_several_devices(monkeypatch):
     batch would gather it onto every device) and its output stays sharded."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from lowrank_jax.nn import attention as attn
 
     assert jax.device_count() == 8  # tests/conftest.py
     monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 0)  # any size would be chunked
@@ -969,3 +965,128 @@ def test_no_batch_chunks_with_several_devices(monkeypatch):
     out = np.einsum("bhqk,bkhd->bqhd", att, v).reshape(8, 4, 6) @ np.asarray(p["o"].w, np.float64)
     assert max_err(y, out) <= TOL
     assert y.sharding.spec == PartitionSpec("data")
+
+
+# ---------------------------------------------------------------------------------------------
+# Keys and values folded into the queries (few queries, many keys).
+
+def unjitted(monkeypatch, fold, *args, **kwargs):
+    """``apply_attention`` with ``FOLD_KEYS`` set, traced afresh (no cached trace)."""
+    monkeypatch.setattr(attn, "FOLD_KEYS", fold)
+    return jax.jit(apply_attention, static_argnames=("cfg", "layer_index"))(*args, **kwargs)
+
+
+def test_fold_keys_policy(monkeypatch):
+    """Folded exactly where the executed multiply-adds say so (counted here by hand for a
+    Chronos-Bolt-base cross-attention: 12 heads of 64, d 768, 33 keys)."""
+    shapes = jax.eval_shape(lambda k: init_attention(k, CFG, d_model=768, num_heads=12),
+                            jax.random.PRNGKey(0))
+    # projected: 33 * 768 * 1536 + q * 33 * 12 * 128; folded: q * 12 * (64 * 768 * 2 + 66 * 768)
+    assert attn.fold_keys(shapes, 1, 33)  # 1.79e6 < 3.90e7
+    assert attn.fold_keys(shapes, 16, 33)  # 2.86e7 < 3.97e7
+    assert not attn.fold_keys(shapes, 32, 33)  # 5.72e7 > 4.05e7
+    assert not attn.fold_keys(shapes, 33, 33)  # self-attention
+    assert not attn.fold_keys(shapes, 1, 1)  # one key: 1.18e6 each way, not fewer
+    lowrank_k = LowRank(u=jnp.zeros((768, 8)), v=jnp.zeros((8, 768)))
+    assert not attn.fold_keys({**shapes, "qk": QueryKey(shapes["qk"].q, lowrank_k,
+                                                        shapes["qk"].widths)}, 1, 33)
+    assert not attn.fold_keys({**shapes, "v": lowrank_k}, 1, 33)
+    plain = {**shapes, "qk": QueryKey(jnp.zeros((768, 768)), jnp.zeros((768, 768)),
+                                      shapes["qk"].widths), "v": jnp.zeros((768, 768))}
+    assert attn.fold_keys(plain, 1, 33)  # plain weight arrays are dense weights too
+    monkeypatch.setattr(attn, "FOLD_KEYS", False)
+    assert not attn.fold_keys(shapes, 1, 33)
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_folded_cross_attention_matches_reference(monkeypatch, use_bias):
+    """One and two queries against 9 keys (folded), with projection biases, a padding mask
+    that hides every key of one sequence (uniform row), a per-head mask and a relative bias:
+    against the float64 per-head loop, and against the same block projected."""
+    p = dense_params(80, d_model=16, num_heads=4, d_kv_in=12, use_bias=use_bias)
+    assert attn.fold_keys(p, 1, 9) and attn.fold_keys(p, 2, 9)
+    enc = rand(81, (3, 9, 12))
+    valid = np.ones((3, 9), bool)
+    valid[1, 6:] = False
+    valid[2] = False  # nothing to attend to
+    pad = np.asarray(padding_mask(valid))
+    per_head = np.random.default_rng(82).random((3, 4, 1, 9)) < 0.8
+    bias = rand(83, (1, 4, 1, 9), 2.0)
+    for q_len in (1, 2):
+        x = rand(84 + q_len, (3, q_len, 16))
+        for mask in (pad, pad & per_head):
+            y = unjitted(monkeypatch, True, p, x, CFG, kv=enc, mask=jnp.asarray(mask),
+                         bias=bias)
+            ref = np_attention(p, x, scale=0.5, kv=enc, mask=mask, bias=bias)
+            assert y.shape == (3, q_len, 16)
+            assert max_err(y, ref) <= TOL
+            projected = unjitted(monkeypatch, False, p, x, CFG, kv=enc, mask=jnp.asarray(mask),
+                                 bias=bias)
+            assert max_err(y, projected) <= TOL
+
+
+def test_folded_irregular_heads_match_per_head_reference(monkeypatch):
+    """Irregular query-key and value widths (a head of width 0 on each side), original-head
+    ids for the bias and mask: one query against 12 keys."""
+    p, full = irregular_block(90)
+    assert attn.fold_keys(p, 1, 12)
+    x, kv = rand(91, (2, 1, D)), rand(92, (2, 12, D_KV))
+    bias = rand(93, (1, ORIG_HEADS, 1, 12))
+    mask = np.random.default_rng(94).random((2, ORIG_HEADS, 1, 12)) < 0.7
+    mask[..., 0] = True
+    y = unjitted(monkeypatch, True, p, x, CFG, kv=kv, bias=bias, mask=jnp.asarray(mask))
+    ref = np_irregular(full, np.asarray(x, np.float64), np.asarray(kv, np.float64),
+                       np.asarray(bias, np.float64), mask)
+    assert max_err(y, ref) <= TOL
+
+
+def test_folded_gradient_equals_projected(monkeypatch):
+    p = dense_params(95, d_model=16, num_heads=4, d_kv_in=12, use_bias=True)
+    x, enc = rand(96, (3, 1, 16)), rand(97, (3, 9, 12))
+    mask = padding_mask(np.array([[1] * 9, [1] * 5 + [0] * 4, [1] * 9], bool))
+
+    def loss(params, x, enc):
+        return jnp.sum(jnp.sin(apply_attention(params, x, CFG, kv=enc, mask=mask)))
+
+    grads = {}
+    for fold in (True, False):
+        monkeypatch.setattr(attn, "FOLD_KEYS", fold)
+        grads[fold] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p, x, enc)
+    for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True):
+        assert max_err(a, b) <= TOL
+    assert max(float(jnp.abs(g).max()) for g in jax.tree.leaves(grads[True][0]["qk"])) > 1e-3
+
+
+def test_activation_masks_are_never_folded(monkeypatch):
+    """Fixed Q/K/V activation masks act on the projected keys and values, which folding never
+    forms: with them the block runs projected, as the reference with the masks says."""
+    p = dense_params(98, d_model=16, num_heads=4, d_kv_in=12)
+    assert attn.fold_keys(p, 1, 9)
+    x, enc = rand(99, (2, 1, 16)), rand(100, (2, 9, 12))
+    cfg = AttentionConfig(qkv_keep=0.5, qkv_mask_seed=5)
+    y = unjitted(monkeypatch, True, p, x, cfg, kv=enc)
+    act = (qkv_activation_masks(5, 1, 4, 0.5)["q"], qkv_activation_masks(5, 9, 4, 0.5)["k"],
+           qkv_activation_masks(5, 9, 4, 0.5)["v"])
+    assert max_err(y, np_attention(p, x, scale=0.5, kv=enc, act_masks=act)) <= TOL
+
+
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_one_key_forms_no_logits(monkeypatch, use_bias):
+    """Against a single key every probability is 1, whatever the logits, bias or mask: the
+    block's output is o(v(kv)) for every query (a one-token decoder's self-attention). The
+    query-key weights are then not read: NaN in them leaves the output finite."""
+    p = dense_params(101, d_model=16, num_heads=4, use_bias=use_bias)
+    x = rand(102, (3, 1, 16))
+    mask = jnp.asarray(np.array([True, False, True]).reshape(3, 1, 1, 1))
+    bias = rand(103, (3, 4, 1, 1), 3.0)
+    y = unjitted(monkeypatch, True, p, x, CFG, mask=mask, bias=bias)
+    ref = np_attention(p, x, scale=0.5, mask=np.asarray(mask), bias=bias)
+    assert max_err(y, ref) <= TOL
+    assert max_err(y, unjitted(monkeypatch, False, p, x, CFG, mask=mask, bias=bias)) <= TOL
+    nan_qk = QueryKey(Dense(jnp.full((16, 16), jnp.nan)), p["qk"].k, p["qk"].widths)
+    y_nan = unjitted(monkeypatch, True, {**p, "qk": nan_qk}, x, CFG, mask=mask, bias=bias)
+    assert max_err(y_nan, ref) <= TOL
+    # Cross-attention of two queries against one key: each receives that key's value.
+    enc = rand(104, (3, 1, 16))
+    y2 = unjitted(monkeypatch, True, p, rand(105, (3, 2, 16)), CFG, kv=enc)
+    assert max_err(y2, np_attention(p, rand(105, (3, 2, 16)), scale=0.5, kv=enc)) <= TOL
