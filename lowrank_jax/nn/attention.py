@@ -396,11 +396,6 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
         if w_v:
             v_mask = qkv_activation_masks(seed, k_len, w_v, cfg.qkv_keep)["v"]
 
-    if cfg.qkv_keep is None and k_len == 1 and FOLD_KEYS:
-        # One key: every probability is exactly 1 (a masked logit is finite), so the logits
-        # are not formed: each query receives the value (a one-token decoder's self-attention).
-        out = linear(o, linear(v, kv))  # [batch, 1, d_out]
-        return jnp.broadcast_to(out, (batch, q_len, out.shape[-1]))
     if cfg.qkv_keep is None and fold_keys(params, q_len, k_len):
         return _folded_attention(qk, v, o, heads, x, kv, bias=bias, mask=mask)
     vals = split_heads(linear(v, kv), heads.v)  # [batch, k_len, h, max(w_v)]
@@ -446,8 +441,7 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
 
 
 #: :func:`apply_attention` folds the key and value projections into the queries when that
-#: executes fewer multiply-adds (:func:`fold_keys`), and against a single key forms no logits
-#: (its probability is 1); ``False``: neither.
+#: executes fewer multiply-adds (:func:`fold_keys`); ``False``: never.
 FOLD_KEYS = True
 
 

@@ -1068,25 +1068,3 @@ def test_activation_masks_are_never_folded(monkeypatch):
     act = (qkv_activation_masks(5, 1, 4, 0.5)["q"], qkv_activation_masks(5, 9, 4, 0.5)["k"],
            qkv_activation_masks(5, 9, 4, 0.5)["v"])
     assert max_err(y, np_attention(p, x, scale=0.5, kv=enc, act_masks=act)) <= TOL
-
-
-@pytest.mark.parametrize("use_bias", [False, True])
-def test_one_key_forms_no_logits(monkeypatch, use_bias):
-    """Against a single key every probability is 1, whatever the logits, bias or mask: the
-    block's output is o(v(kv)) for every query (a one-token decoder's self-attention). The
-    query-key weights are then not read: NaN in them leaves the output finite."""
-    p = dense_params(101, d_model=16, num_heads=4, use_bias=use_bias)
-    x = rand(102, (3, 1, 16))
-    mask = jnp.asarray(np.array([True, False, True]).reshape(3, 1, 1, 1))
-    bias = rand(103, (3, 4, 1, 1), 3.0)
-    y = unjitted(monkeypatch, True, p, x, CFG, mask=mask, bias=bias)
-    ref = np_attention(p, x, scale=0.5, mask=np.asarray(mask), bias=bias)
-    assert max_err(y, ref) <= TOL
-    assert max_err(y, unjitted(monkeypatch, False, p, x, CFG, mask=mask, bias=bias)) <= TOL
-    nan_qk = QueryKey(Dense(jnp.full((16, 16), jnp.nan)), p["qk"].k, p["qk"].widths)
-    y_nan = unjitted(monkeypatch, True, {**p, "qk": nan_qk}, x, CFG, mask=mask, bias=bias)
-    assert max_err(y_nan, ref) <= TOL
-    # Cross-attention of two queries against one key: each receives that key's value.
-    enc = rand(104, (3, 1, 16))
-    y2 = unjitted(monkeypatch, True, p, rand(105, (3, 2, 16)), CFG, kv=enc)
-    assert max_err(y2, np_attention(p, rand(105, (3, 2, 16)), scale=0.5, kv=enc)) <= TOL
