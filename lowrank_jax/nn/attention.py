@@ -28,6 +28,7 @@ from lowrank_jax.leaves import (
     QK,
     Dense,
     HeadLayout,
+    LowRank,
     QueryKey,
     attention_logits,
     bias_of,
@@ -445,14 +446,33 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
 FOLD_KEYS = True
 
 
-def _dense_weight(w) -> Array | None:
-    """The ``[d_in, d_out]`` array of a :class:`~lowrank_jax.Dense` leaf or a plain weight
-    array, without computing anything; ``None`` for every other leaf type."""
-    if isinstance(w, Dense):
-        return w.w
+def _factors(w) -> tuple[Array | None, Array] | None:
+    """``(u, v)`` with ``W = u @ v`` for the weights attention can fold (``u`` is ``None`` for a
+    dense weight, ``W = v``): a :class:`~lowrank_jax.Dense` leaf, a plain weight array or a
+    :class:`~lowrank_jax.LowRank` leaf, read as they are stored (nothing is computed).
+    ``None`` for every other leaf type."""
+    if type(w) is Dense:
+        return None, w.w
+    if type(w) is LowRank:
+        return w.u, w.v
     if isinstance(w, Leaf) or np.ndim(w) != 2:
         return None
-    return jnp.asarray(w)
+    return None, jnp.asarray(w)
+
+
+def _projection_flops(w, rows: int) -> int:
+    """Multiply-adds of projecting ``rows`` rows through ``w`` (a leaf's own count)."""
+    if isinstance(w, Leaf):
+        return w.flops(rows)
+    return rows * int(np.shape(w)[0]) * int(np.shape(w)[1])
+
+
+def _fold_flops(factors, d_in: int, width: int) -> int:
+    """Multiply-adds of one head's ``width``-vector through ``W^T`` (or an input vector through
+    ``W`` onto one head's ``width`` columns): ``width * d_in`` dense, ``(width + d_in) * r``
+    through rank-``r`` factors."""
+    u, _ = factors
+    return width * d_in if u is None else (width + d_in) * int(u.shape[1])
 
 
 def fold_keys(params: dict, q_len: int, k_len: int) -> bool:
@@ -464,32 +484,39 @@ def fold_keys(params: dict, q_len: int, k_len: int) -> bool:
     encoder output). Head ``h``'s logits ``(x W^Q_h)(x_kv W^K_h)^T`` are computed as
     ``((x W^Q_h) (W^K_h)^T) x_kv^T``, and its values ``p_h (x_kv W^V_h)`` as
     ``(p_h x_kv) W^V_h``: the ``k_len`` rows of the key and value projections are replaced by
-    ``q_len * heads`` vectors of the input's width. Chosen when, per sequence,
+    ``q_len * heads`` vectors of the input's width. A rank-``r`` key or value leaf
+    (:class:`~lowrank_jax.LowRank`, ``W = U V``) is folded through its factors, never rebuilt:
+    ``((x W^Q_h) V_h^T) U^T`` and ``((p_h x_kv) U) V_h``. Chosen when, per sequence,
 
-        q_len * h * (w_qk * d_kv + 2 * k_len * d_kv + d_kv * w_v)
-          < k_len * d_kv * (sum(w_qk) + sum(w_v)) + q_len * k_len * h * (w_qk + w_v)
+        q_len * h * (fold(k) + 2 * k_len * d_kv + fold(v))
+          < flops(k, k_len) + flops(v, k_len) + q_len * k_len * h * (w_qk + w_v)
 
-    (multiply-adds as executed, heads padded to the widest; ``d_kv`` the keys' input width),
-    for a :class:`~lowrank_jax.QueryKey` whose ``k`` and a ``v`` that are dense weights
-    (:class:`~lowrank_jax.Dense` or plain arrays: a compressed leaf would have to be rebuilt,
-    which :func:`~lowrank_jax.materialize` does only when asked), without fixed activation
-    masks. Self-attention never qualifies (``q_len == k_len`` costs more folded).
-    ``FOLD_KEYS = False`` turns it off. The counts of :func:`attention_score_flops` and of the
-    leaves are those of the unfolded block.
+    with ``fold(W) = w * d_kv`` for a dense weight and ``(w + d_kv) * r`` for rank-``r``
+    factors (``w`` the widest head), ``flops`` the leaves' own counts of projecting the keys'
+    ``k_len`` rows, and ``d_kv`` the keys' input width; for a :class:`~lowrank_jax.QueryKey`
+    whose ``k`` and the block's ``v`` are dense weights (:class:`~lowrank_jax.Dense` or plain
+    arrays) or :class:`~lowrank_jax.LowRank` leaves, without fixed activation masks.
+    Self-attention never qualifies with dense weights (``q_len == k_len`` costs more folded).
+    ``FOLD_KEYS = False`` turns it off. The counts of :func:`attention_score_flops`, of the
+    leaves and of :func:`lowrank_jax.leaves.count_rows` are those of the projected block.
 
-    Measured (``benchmarks/peak.py``, 2-core AVX-512 CPU): the Chronos-Bolt-base decoder's 12
-    cross-attentions (batch 32, 33 keys) ... (figures in ``benchmarks/README.md``).
+    Measured (``benchmarks/peak.py``, 2-core AVX-512 CPU, batch 32 x 33 encoder rows): the
+    Chronos-Bolt-base decoder took 87-90 ms instead of 230-238 ms, the whole forward 1.07-1.15x
+    less time.
     """
     if not FOLD_KEYS:
         return False
     qk, v, _, heads = attention_params(params, "fold_keys")
-    if not isinstance(qk, QueryKey) or _dense_weight(qk.k) is None or _dense_weight(v) is None:
+    if not isinstance(qk, QueryKey):
+        return False
+    fk, fv = _factors(qk.k), _factors(v)
+    if fk is None or fv is None:
         return False
     h, d = heads.num_heads, qk.d_k_in
     w_qk, w_v = max(qk.widths, default=0), max(heads.v, default=0)
-    projected = (k_len * d * (sum(qk.widths) + sum(heads.v))
+    projected = (_projection_flops(qk.k, k_len) + _projection_flops(v, k_len)
                  + q_len * k_len * h * (w_qk + w_v))
-    folded = q_len * h * (w_qk * d + 2 * k_len * d + d * w_v)
+    folded = q_len * h * (_fold_flops(fk, d, w_qk) + 2 * k_len * d + _fold_flops(fv, d, w_v))
     return folded < projected
 
 
@@ -502,16 +529,22 @@ def _folded_attention(qk: QueryKey, v, o, heads: HeadLayout, x: Array, kv: Array
     does not see (a masked logit stays ``finfo(float32).min``): it is left out. A value bias is
     added after the weighted sum (every probability row sums to 1, a fully masked row
     included: it is uniform)."""
+    (u_k, v_k), (u_v, v_v) = _factors(qk.k), _factors(v)
     q = qk.queries(x)  # [b, q_len, h, w_qk]
-    w_k = split_heads(_dense_weight(qk.k), qk.widths)  # [d_kv, h, w_qk], zero-padded
-    folded = jnp.einsum("bqhw,dhw->bhqd", q, w_k)  # [b, h, q_len, d_kv]
+    lift_k = split_heads(v_k, qk.widths)  # [d_kv or r, h, w_qk], zero-padded
+    if u_k is None:
+        folded = jnp.einsum("bqhw,dhw->bhqd", q, lift_k)  # [b, h, q_len, d_kv]
+    else:
+        folded = jnp.einsum("bhqr,dr->bhqd", jnp.einsum("bqhw,rhw->bhqr", q, lift_k), u_k)
     logits = jnp.einsum("bhqd,bkd->bhqk", folded, kv)
     probs = _probabilities(logits, heads, bias=bias, mask=mask).astype(kv.dtype)
     # Heads before queries in `mixed`: XLA:CPU (jax 0.10) has no bf16 x bf16 -> f32 kernel for
     # the same product written "bhqk,bkd->bqhd" (bf16_forward failed on it).
     mixed = jnp.einsum("bhqk,bkd->bhqd", probs, kv)  # [b, h, q_len, d_kv]
-    w_v = split_heads(_dense_weight(v), heads.v)  # [d_kv, h, w_v]
-    out = jnp.einsum("bhqd,dhw->bqhw", mixed, w_v)  # [b, q_len, h, w_v]
+    lift_v = split_heads(v_v, heads.v)  # [d_kv or r, h, w_v]
+    if u_v is not None:
+        mixed = jnp.einsum("bhqd,dr->bhqr", mixed, u_v)  # [b, h, q_len, r]
+    out = jnp.einsum("bhqd,dhw->bqhw", mixed, lift_v)  # [b, q_len, h, w_v]
     if bias_of(v) is not None:
         out = out + split_heads(bias_of(v), heads.v)
     return linear(o, merge_heads(out, heads.v))

@@ -987,10 +987,19 @@ def test_fold_keys_policy(monkeypatch):
     assert not attn.fold_keys(shapes, 32, 33)  # 5.72e7 > 4.05e7
     assert not attn.fold_keys(shapes, 33, 33)  # self-attention
     assert not attn.fold_keys(shapes, 1, 1)  # one key: 1.18e6 each way, not fewer
+    # A rank-r key folds through its factors: (64 + 768) r instead of 64 * 768 per head.
     lowrank_k = LowRank(u=jnp.zeros((768, 8)), v=jnp.zeros((8, 768)))
-    assert not attn.fold_keys({**shapes, "qk": QueryKey(shapes["qk"].q, lowrank_k,
+    with_lowrank_k = {**shapes, "qk": QueryKey(shapes["qk"].q, lowrank_k, shapes["qk"].widths)}
+    # projected: 33 * 8 * 1536 + 33 * 768 * 768 + q * 33 * 12 * 128;
+    # folded: q * 12 * (832 * 8 + 2 * 33 * 768 + 64 * 768)
+    assert attn.fold_keys(with_lowrank_k, 1, 33)  # 1.28e6 < 1.99e7
+    assert attn.fold_keys(with_lowrank_k, 16, 33)  # 2.04e7 < 2.07e7
+    assert not attn.fold_keys(with_lowrank_k, 24, 33)  # 3.07e7 > 2.11e7
+    assert not attn.fold_keys(with_lowrank_k, 33, 33)
+    other = MaskedBinary(w=jnp.zeros((768, 768)), s=jnp.zeros((768, 768)), keep=0.5)
+    assert not attn.fold_keys({**shapes, "qk": QueryKey(shapes["qk"].q, other,
                                                         shapes["qk"].widths)}, 1, 33)
-    assert not attn.fold_keys({**shapes, "v": lowrank_k}, 1, 33)
+    assert not attn.fold_keys({**shapes, "v": other}, 1, 33)
     plain = {**shapes, "qk": QueryKey(jnp.zeros((768, 768)), jnp.zeros((768, 768)),
                                       shapes["qk"].widths), "v": jnp.zeros((768, 768))}
     assert attn.fold_keys(plain, 1, 33)  # plain weight arrays are dense weights too
@@ -1068,3 +1077,63 @@ def test_activation_masks_are_never_folded(monkeypatch):
     act = (qkv_activation_masks(5, 1, 4, 0.5)["q"], qkv_activation_masks(5, 9, 4, 0.5)["k"],
            qkv_activation_masks(5, 9, 4, 0.5)["v"])
     assert max_err(y, np_attention(p, x, scale=0.5, kv=enc, act_masks=act)) <= TOL
+
+
+def lowrank_block(seed, *, d=16, d_kv=12, heads=4, d_head=4, rank_k=3, rank_v=5, bias=True):
+    """A block whose key and value weights are LowRank (q, o Dense), and its Dense twin with
+    the products formed in NumPy (float64, then float32)."""
+    rng = np.random.default_rng(seed)
+
+    def arr(*shape, scale=0.5):
+        return (scale * rng.standard_normal(shape)).astype(np.float32)
+
+    inner = heads * d_head
+    u_k, v_k, u_v, v_v = arr(d_kv, rank_k), arr(rank_k, inner), arr(d_kv, rank_v), arr(rank_v, inner)
+    b_k, b_v = (arr(inner), arr(inner)) if bias else (None, None)
+    j = lambda a: None if a is None else jnp.asarray(a)  # noqa: E731
+    q, o = Dense(j(arr(d, inner)), j(arr(inner)) if bias else None), Dense(j(arr(inner, d)))
+    heads_layout = HeadLayout.uniform(heads, d_head, 1 / math.sqrt(d_head))
+    p = {"qk": QueryKey.uniform(q, LowRank(j(u_k), j(v_k), j(b_k)), heads),
+         "v": LowRank(j(u_v), j(v_v), j(b_v)), "o": o, "heads": heads_layout}
+    dense_k = (u_k.astype(np.float64) @ v_k).astype(np.float32)
+    dense_v = (u_v.astype(np.float64) @ v_v).astype(np.float32)
+    twin = {**p, "qk": QueryKey.uniform(q, Dense(j(dense_k), j(b_k)), heads),
+            "v": Dense(j(dense_v), j(b_v))}
+    return p, twin
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_folded_lowrank_keys_and_values_match_reference(monkeypatch, bias):
+    """LowRank key and value leaves fold through their factors: against the float64 per-head
+    loop over the Dense twin (products formed in NumPy), and against the same block projected;
+    padding mask with a fully masked sequence, per-head relative bias."""
+    p, twin = lowrank_block(110, bias=bias)
+    assert attn.fold_keys(p, 1, 9)
+    enc, x = rand(111, (3, 9, 12)), rand(112, (3, 1, 16))
+    valid = np.ones((3, 9), bool)
+    valid[1, 4:] = False
+    valid[2] = False
+    mask = np.asarray(padding_mask(valid))
+    rel = rand(113, (1, 4, 1, 9), 2.0)
+    y = unjitted(monkeypatch, True, p, x, CFG, kv=enc, mask=jnp.asarray(mask), bias=rel)
+    ref = np_attention(twin, x, scale=0.5, kv=enc, mask=mask, bias=rel)
+    assert max_err(y, ref) <= TOL
+    projected = unjitted(monkeypatch, False, p, x, CFG, kv=enc, mask=jnp.asarray(mask),
+                         bias=rel)
+    assert max_err(y, projected) <= TOL
+
+
+def test_folded_lowrank_gradient_equals_projected(monkeypatch):
+    p, _ = lowrank_block(114)
+    x, enc = rand(115, (2, 1, 16)), rand(116, (2, 9, 12))
+
+    def loss(params, x, enc):
+        return jnp.sum(jnp.sin(apply_attention(params, x, CFG, kv=enc)))
+
+    grads = {}
+    for fold in (True, False):
+        monkeypatch.setattr(attn, "FOLD_KEYS", fold)
+        grads[fold] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p, x, enc)
+    for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True):
+        assert max_err(a, b) <= TOL
+    assert float(jnp.abs(grads[True][0]["qk"].k.u).max()) > 1e-3
