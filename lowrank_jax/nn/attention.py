@@ -41,6 +41,7 @@ from lowrank_jax.leaves import (
     split_heads,
 )
 from lowrank_jax.leaves.base import Leaf
+from lowrank_jax.leaves.channel_masked import ChannelPruned
 from lowrank_jax.nn.execution import cpu_chunks
 from lowrank_jax.nn.masks import combine_masks, qkv_activation_masks
 
@@ -446,18 +447,25 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
 FOLD_KEYS = True
 
 
-def _factors(w) -> tuple[Array | None, Array] | None:
-    """``(u, v)`` with ``W = u @ v`` for the weights attention can fold (``u`` is ``None`` for a
-    dense weight, ``W = v``): a :class:`~lowrank_jax.Dense` leaf, a plain weight array or a
-    :class:`~lowrank_jax.LowRank` leaf, read as they are stored (nothing is computed).
-    ``None`` for every other leaf type."""
+def _factors(w) -> tuple[Array | None, Array, tuple[int, ...] | None] | None:
+    """``(u, v, rows)`` with ``W = u @ v`` applied to the inputs at ``rows`` (``None``: all)
+    for the weights attention can fold: a :class:`~lowrank_jax.Dense` leaf or a plain weight
+    array (``u`` is ``None``, ``W = v``), a :class:`~lowrank_jax.LowRank` leaf, or either
+    inside a :class:`~lowrank_jax.leaves.ChannelPruned` that removed input channels only
+    (structured pruning's residual-stream rows). Read as they are stored: nothing is computed.
+    ``None`` for every other leaf."""
+    rows = None
+    if type(w) is ChannelPruned:
+        if w.cols is not None:
+            return None
+        rows, w = w.rows, w.base
     if type(w) is Dense:
-        return None, w.w
+        return None, w.w, rows
     if type(w) is LowRank:
-        return w.u, w.v
+        return w.u, w.v, rows
     if isinstance(w, Leaf) or np.ndim(w) != 2:
         return None
-    return None, jnp.asarray(w)
+    return None, jnp.asarray(w), rows
 
 
 def _projection_flops(w, rows: int) -> int:
@@ -467,12 +475,14 @@ def _projection_flops(w, rows: int) -> int:
     return rows * int(np.shape(w)[0]) * int(np.shape(w)[1])
 
 
-def _fold_flops(factors, d_in: int, width: int) -> int:
-    """Multiply-adds of one head's ``width``-vector through ``W^T`` (or an input vector through
-    ``W`` onto one head's ``width`` columns): ``width * d_in`` dense, ``(width + d_in) * r``
+def _fold_flops(factors, width: int) -> tuple[int, int]:
+    """``(multiply-adds, d)``: one head's ``width``-vector through ``W^T`` onto the ``d``
+    inputs the weight reads (or the other way): ``width * d`` dense, ``(width + d) * r``
     through rank-``r`` factors."""
-    u, _ = factors
-    return width * d_in if u is None else (width + d_in) * int(u.shape[1])
+    u, v, _ = factors
+    if u is None:
+        return width * int(v.shape[0]), int(v.shape[0])
+    return (width + int(u.shape[0])) * int(u.shape[1]), int(u.shape[0])
 
 
 def fold_keys(params: dict, q_len: int, k_len: int) -> bool:
@@ -493,9 +503,13 @@ def fold_keys(params: dict, q_len: int, k_len: int) -> bool:
 
     with ``fold(W) = w * d_kv`` for a dense weight and ``(w + d_kv) * r`` for rank-``r``
     factors (``w`` the widest head), ``flops`` the leaves' own counts of projecting the keys'
-    ``k_len`` rows, and ``d_kv`` the keys' input width; for a :class:`~lowrank_jax.QueryKey`
-    whose ``k`` and the block's ``v`` are dense weights (:class:`~lowrank_jax.Dense` or plain
-    arrays) or :class:`~lowrank_jax.LowRank` leaves, without fixed activation masks.
+    ``k_len`` rows, and ``d_kv`` the input width the weight reads (``2 * k_len * d_kv`` is
+    the sum over the key and value weights); for a :class:`~lowrank_jax.QueryKey` whose ``k``
+    and the block's ``v`` are dense weights (:class:`~lowrank_jax.Dense` or plain arrays) or
+    :class:`~lowrank_jax.LowRank` leaves, bare or inside a
+    :class:`~lowrank_jax.leaves.ChannelPruned` that removed input channels only (a
+    structurally pruned model's residual-stream rows: the folded vectors then have the kept
+    inputs' width), without fixed activation masks.
     Self-attention never qualifies with dense weights (``q_len == k_len`` costs more folded).
     ``FOLD_KEYS = False`` turns it off. The counts of :func:`attention_score_flops`, of the
     leaves and of :func:`lowrank_jax.leaves.count_rows` are those of the projected block.
@@ -512,11 +526,12 @@ def fold_keys(params: dict, q_len: int, k_len: int) -> bool:
     fk, fv = _factors(qk.k), _factors(v)
     if fk is None or fv is None:
         return False
-    h, d = heads.num_heads, qk.d_k_in
+    h = heads.num_heads
     w_qk, w_v = max(qk.widths, default=0), max(heads.v, default=0)
+    (in_k, d_k), (out_v, d_v) = _fold_flops(fk, w_qk), _fold_flops(fv, w_v)
     projected = (_projection_flops(qk.k, k_len) + _projection_flops(v, k_len)
                  + q_len * k_len * h * (w_qk + w_v))
-    folded = q_len * h * (_fold_flops(fk, d, w_qk) + 2 * k_len * d + _fold_flops(fv, d, w_v))
+    folded = q_len * h * (in_k + k_len * (d_k + d_v) + out_v)
     return folded < projected
 
 
@@ -529,18 +544,20 @@ def _folded_attention(qk: QueryKey, v, o, heads: HeadLayout, x: Array, kv: Array
     does not see (a masked logit stays ``finfo(float32).min``): it is left out. A value bias is
     added after the weighted sum (every probability row sums to 1, a fully masked row
     included: it is uniform)."""
-    (u_k, v_k), (u_v, v_v) = _factors(qk.k), _factors(v)
+    (u_k, v_k, rows_k), (u_v, v_v, rows_v) = _factors(qk.k), _factors(v)
+    kv_k = kv if rows_k is None else kv[..., np.asarray(rows_k, np.int64)]  # inputs it reads
+    kv_v = kv if rows_v is None else kv[..., np.asarray(rows_v, np.int64)]
     q = qk.queries(x)  # [b, q_len, h, w_qk]
     lift_k = split_heads(v_k, qk.widths)  # [d_kv or r, h, w_qk], zero-padded
     if u_k is None:
         folded = jnp.einsum("bqhw,dhw->bhqd", q, lift_k)  # [b, h, q_len, d_kv]
     else:
         folded = jnp.einsum("bhqr,dr->bhqd", jnp.einsum("bqhw,rhw->bhqr", q, lift_k), u_k)
-    logits = jnp.einsum("bhqd,bkd->bhqk", folded, kv)
+    logits = jnp.einsum("bhqd,bkd->bhqk", folded, kv_k)
     probs = _probabilities(logits, heads, bias=bias, mask=mask).astype(kv.dtype)
     # Heads before queries in `mixed`: XLA:CPU (jax 0.10) has no bf16 x bf16 -> f32 kernel for
     # the same product written "bhqk,bkd->bqhd" (bf16_forward failed on it).
-    mixed = jnp.einsum("bhqk,bkd->bhqd", probs, kv)  # [b, h, q_len, d_kv]
+    mixed = jnp.einsum("bhqk,bkd->bhqd", probs, kv_v)  # [b, h, q_len, d of v's inputs]
     lift_v = split_heads(v_v, heads.v)  # [d_kv or r, h, w_v]
     if u_v is not None:
         mixed = jnp.einsum("bhqd,dr->bhqr", mixed, u_v)  # [b, h, q_len, r]

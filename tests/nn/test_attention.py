@@ -16,6 +16,7 @@ import pytest
 
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import (
+    ChannelPruned,
     Dense,
     HeadLayout,
     HeadLowRank,
@@ -1137,3 +1138,37 @@ def test_folded_lowrank_gradient_equals_projected(monkeypatch):
     for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True):
         assert max_err(a, b) <= TOL
     assert float(jnp.abs(grads[True][0]["qk"].k.u).max()) > 1e-3
+
+
+def test_folded_channel_pruned_keys_and_values_match_reference(monkeypatch):
+    """Structured pruning's physical form (``ChannelPruned`` with the residual-stream input
+    rows removed) around a Dense key and a LowRank value folds on the kept inputs: against the
+    float64 loop over a Dense twin whose removed rows are zero (built in NumPy), and against
+    the projected block. Removed output columns are not folded."""
+    p, _ = lowrank_block(120, bias=True)
+    rng = np.random.default_rng(121)
+    rows_k, rows_v = (0, 2, 3, 5, 8, 9, 11), (1, 2, 4, 6, 7, 10)
+    w_k = np.asarray(p["qk"].k.u, np.float64) @ np.asarray(p["qk"].k.v)  # any dense [12, 16]
+    w_k = (w_k + 0.3 * rng.standard_normal(w_k.shape)).astype(np.float32)
+    u_v, v_v = np.asarray(p["v"].u), np.asarray(p["v"].v)
+    k = ChannelPruned(Dense(jnp.asarray(w_k[list(rows_k)]), p["qk"].k.b), rows=rows_k,
+                      d_in_full=12, d_out_full=16)
+    v = ChannelPruned(LowRank(jnp.asarray(u_v[list(rows_v)]), jnp.asarray(v_v), p["v"].b),
+                      rows=rows_v, d_in_full=12, d_out_full=16)
+    pruned = {**p, "qk": QueryKey.uniform(p["qk"].q, k, 4), "v": v}
+    assert attn.fold_keys(pruned, 1, 9)
+    twin_k, twin_v = np.zeros((12, 16), np.float32), np.zeros((12, 16), np.float32)
+    twin_k[list(rows_k)] = w_k[list(rows_k)]
+    twin_v[list(rows_v)] = (u_v[list(rows_v)].astype(np.float64) @ v_v).astype(np.float32)
+    twin = {**p, "qk": QueryKey.uniform(p["qk"].q, Dense(jnp.asarray(twin_k), p["qk"].k.b), 4),
+            "v": Dense(jnp.asarray(twin_v), p["v"].b)}
+    enc, x = rand(122, (2, 9, 12)), rand(123, (2, 1, 16))
+    mask = np.asarray(padding_mask(np.array([[1] * 9, [1] * 6 + [0] * 3], bool)))
+    y = unjitted(monkeypatch, True, pruned, x, CFG, kv=enc, mask=jnp.asarray(mask))
+    assert max_err(y, np_attention(twin, x, scale=0.5, kv=enc, mask=mask)) <= TOL
+    projected = unjitted(monkeypatch, False, pruned, x, CFG, kv=enc, mask=jnp.asarray(mask))
+    assert max_err(y, projected) <= TOL
+    cols_removed = ChannelPruned(Dense(jnp.asarray(w_k[:, :12])), cols=tuple(range(12)),
+                                 d_in_full=12, d_out_full=16)
+    assert not attn.fold_keys({**pruned, "qk": QueryKey.uniform(p["qk"].q, cols_removed, 4)},
+                              1, 9)
