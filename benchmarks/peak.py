@@ -364,7 +364,7 @@ def main(argv: list[str] | None = None) -> dict:
     solo_gemm = max(2 * gemm_fns[k][0] ** 3 / solo_best[k] for k in gemm_fns if "bf16" not in k)
 
     dense_flops = stats[PROJECTED]["flops"]  # what PyTorch executes: charged to its rows
-    solo_fraction = stats[PROJECTED]["flops"] / solo_best[PROJECTED] / solo_gemm
+    solo_fraction = dense_flops / solo_best[PROJECTED] / solo_gemm
     part_rows = [{"part": k, "gflop": fl / 1e9, "best_ms": solo_best[k] * 1e3,
                   "fraction_of_gemm": fl / solo_best[k] / solo_gemm,
                   "share_of_forward_time": solo_best[k] / solo_best["jax dense"]}

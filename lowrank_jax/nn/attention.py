@@ -398,8 +398,9 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
         if w_v:
             v_mask = qkv_activation_masks(seed, k_len, w_v, cfg.qkv_keep)["v"]
 
-    if cfg.qkv_keep is None and fold_keys(params, q_len, k_len):
-        return _folded_attention(qk, v, o, heads, x, kv, bias=bias, mask=mask)
+    folding = None if cfg.qkv_keep is not None else _fold_factors(qk, v, heads, q_len, k_len)
+    if folding is not None:
+        return _folded_attention(folding, qk, v, o, heads, x, kv, bias=bias, mask=mask)
     vals = split_heads(linear(v, kv), heads.v)  # [batch, k_len, h, max(w_v)]
     if v_mask is not None:
         vals = vals * v_mask[:, None, :].astype(vals.dtype)
@@ -515,36 +516,40 @@ def fold_keys(params: dict, q_len: int, k_len: int) -> bool:
     leaves and of :func:`lowrank_jax.leaves.count_rows` are those of the projected block.
 
     Measured (``benchmarks/peak.py``, 2-core AVX-512 CPU, batch 32 x 33 encoder rows): the
-    Chronos-Bolt-base decoder took 87-90 ms instead of 230-238 ms, the whole forward 1.07-1.15x
+    Chronos-Bolt-base decoder took 83-92 ms instead of 224-252 ms, the whole forward 1.07-1.15x
     less time.
     """
-    if not FOLD_KEYS:
-        return False
     qk, v, _, heads = attention_params(params, "fold_keys")
-    if not isinstance(qk, QueryKey):
-        return False
+    return _fold_factors(qk, v, heads, q_len, k_len) is not None
+
+
+def _fold_factors(qk: QK, v, heads: HeadLayout, q_len: int, k_len: int):
+    """The key's and the value's :func:`_factors` where :func:`fold_keys` says fold, else
+    ``None``."""
+    if not FOLD_KEYS or not isinstance(qk, QueryKey):
+        return None
     fk, fv = _factors(qk.k), _factors(v)
     if fk is None or fv is None:
-        return False
+        return None
     h = heads.num_heads
     w_qk, w_v = max(qk.widths, default=0), max(heads.v, default=0)
     (in_k, d_k), (out_v, d_v) = _fold_flops(fk, w_qk), _fold_flops(fv, w_v)
     projected = (_projection_flops(qk.k, k_len) + _projection_flops(v, k_len)
                  + q_len * k_len * h * (w_qk + w_v))
     folded = q_len * h * (in_k + k_len * (d_k + d_v) + out_v)
-    return folded < projected
+    return (fk, fv) if folded < projected else None
 
 
-def _folded_attention(qk: QueryKey, v, o, heads: HeadLayout, x: Array, kv: Array, *, bias,
-                      mask) -> Array:
+def _folded_attention(factors, qk: QueryKey, v, o, heads: HeadLayout, x: Array, kv: Array, *,
+                      bias, mask) -> Array:
     """:func:`apply_attention` with the key and value projections folded into the queries
-    (:func:`fold_keys`): the same block, reassociated.
+    (:func:`fold_keys`; ``factors`` from :func:`_fold_factors`): the same block, reassociated.
 
     A key bias would add ``q_h . b^K_h`` to all logits of a query alike, which the softmax
     does not see (a masked logit stays ``finfo(float32).min``): it is left out. A value bias is
     added after the weighted sum (every probability row sums to 1, a fully masked row
     included: it is uniform)."""
-    (u_k, v_k, rows_k), (u_v, v_v, rows_v) = _factors(qk.k), _factors(v)
+    (u_k, v_k, rows_k), (u_v, v_v, rows_v) = factors
     kv_k = kv if rows_k is None else kv[..., np.asarray(rows_k, np.int64)]  # inputs it reads
     kv_v = kv if rows_v is None else kv[..., np.asarray(rows_v, np.int64)]
     q = qk.queries(x)  # [b, q_len, h, w_qk]
