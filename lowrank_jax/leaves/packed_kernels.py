@@ -19,15 +19,20 @@ of which every Pallas backend lowers. The gain ``alpha`` multiplies the output o
 (the float leaf folds it into the weight; the results agree to float32 round-off, not bit for
 bit). The words are transposed to ``[words, d_out]`` so that outputs lie along the lanes.
 
-Selection: :func:`use_kernel` is true on ``gpu`` / ``tpu`` backends and false on CPU (there
-Pallas runs only in interpret mode, which is for tests). The environment variable
-``LOWRANK_JAX_PACKED_KERNEL`` overrides it: ``off`` never uses the kernel, ``on`` always does
-(interpreted on CPU), ``auto`` (default) chooses by backend. It is read when a program is
-traced: a function jitted before the variable changed keeps the path it was traced with.
+Selection: under ``auto`` (the default) :func:`use_kernel` is true only for a backend listed in
+:data:`VERIFIED`, the backends on which this kernel has been run against a NumPy reference
+(multi-block grids, odd sizes, float32 and bf16). The table is empty: every backend takes the
+XLA path (unpack, then XLA's dot). The environment variable ``LOWRANK_JAX_PACKED_KERNEL``
+overrides it: ``off`` never uses the kernel, ``on`` always does (interpreted on CPU). It is read
+when a program is traced: a function jitted before the variable changed keeps the path it was
+traced with.
 
-Status: the kernel is tested in interpret mode against a NumPy reference
-(``tests/leaves/test_packed_kernels.py``); its GPU and TPU lowering has not been run on such a
-machine in this repository's CI.
+Status: correct in interpret mode against a NumPy reference
+(``tests/leaves/test_packed_kernels.py``), where the grid runs sequentially. **Wrong on GPU**: on
+an NVIDIA H200 a multi-block case ``[64, 1000] @ [1000, 300]`` gave relative error 0.67
+(float32) against NumPy, because the kernel adds into its output block across the reduction
+grid axis, which races where grid programs run in parallel (a single-block case was right).
+Until a version has been checked on a GPU, ``on`` is for experiments only.
 """
 
 from __future__ import annotations
@@ -42,7 +47,11 @@ from lowrank_jax.errors import ConfigError, ShapeError
 
 WORD = 32
 ENV = "LOWRANK_JAX_PACKED_KERNEL"
-KERNEL_BACKENDS = ("gpu", "cuda", "rocm", "tpu")
+#: Backends on which ``auto`` uses the kernel: only those where it has run against a NumPy
+#: reference on that hardware (multi-block grids, odd sizes, both dtypes). A backend is added
+#: only in the commit that records such a run. Empty: the kernel races on GPU (see above) and
+#: has never run on a TPU.
+VERIFIED: tuple[str, ...] = ()
 
 
 def use_kernel(backend: str | None = None) -> bool:
@@ -52,8 +61,8 @@ def use_kernel(backend: str | None = None) -> bool:
       backend: a JAX platform name; default ``jax.default_backend()``.
 
     Returns:
-      ``True`` on GPU/TPU backends, ``False`` on CPU, unless ``LOWRANK_JAX_PACKED_KERNEL`` is
-      ``on`` or ``off``.
+      ``True`` only on a backend in :data:`VERIFIED` (none yet), unless
+      ``LOWRANK_JAX_PACKED_KERNEL`` is ``on`` or ``off``.
     """
     mode = os.environ.get(ENV, "auto").strip().lower()
     if mode not in ("auto", "on", "off"):
@@ -61,7 +70,7 @@ def use_kernel(backend: str | None = None) -> bool:
                           expected="auto | on | off", actual=mode)
     if mode != "auto":
         return mode == "on"
-    return (backend or jax.default_backend()) in KERNEL_BACKENDS
+    return (backend or jax.default_backend()) in VERIFIED
 
 
 def _round_up(n: int, m: int) -> int:
@@ -188,4 +197,4 @@ def packed_matmul(x: jax.Array, sign_bits: jax.Array, mask_bits: jax.Array, alph
     return y.astype(out_dtype).reshape(lead + (d_out,))
 
 
-__all__ = ["ENV", "packed_matmul", "permute_inputs", "use_kernel"]
+__all__ = ["ENV", "VERIFIED", "packed_matmul", "permute_inputs", "use_kernel"]
