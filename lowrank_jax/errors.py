@@ -97,6 +97,12 @@ class LeafTypeError(LowrankJaxError, TypeError):
     or for saving."""
 
 
+class NotSupportedError(LeafTypeError):
+    """A leaf type does not implement an optional capability an operation needs (structured
+    pruning's channel surgery, a bias, ...). The message names the leaf type, the capability
+    and the operation, and says which method to implement."""
+
+
 class MissingFileError(LowrankJaxError, FileNotFoundError):
     """A file or directory the library needs does not exist."""
 
@@ -113,5 +119,5 @@ def _shape(s) -> str:
 
 __all__ = [
     "CheckpointError", "ConfigError", "DataError", "LeafTypeError", "LowrankJaxError",
-    "MissingFileError", "OutputExistsError", "PlanError", "ShapeError",
+    "MissingFileError", "NotSupportedError", "OutputExistsError", "PlanError", "ShapeError",
 ]

@@ -2,12 +2,14 @@
 placement (the bottom layer of lowrank_jax)."""
 
 from lowrank_jax.leaves.base import (
+    Factors,
     Leaf,
     array_bits,
     array_size,
     bias_of,
     check_bias,
     data_fields,
+    factors,
     is_leaf,
     keep_inputs,
     keep_outputs,
@@ -16,11 +18,13 @@ from lowrank_jax.leaves.base import (
     linear,
     materialize,
     materialize_host,
+    matmul_flops,
     meta_fields,
     node_types,
     qualified_name,
     require_leaf,
     slice_bias,
+    weight_shape,
 )
 from lowrank_jax.leaves.channel_masked import (
     ChannelMasked,
@@ -59,7 +63,13 @@ from lowrank_jax.leaves.packed_binary import (
 )
 from lowrank_jax.leaves.partitioned import CompressedKeys, Partitioned
 from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey, augmented_joint
-from lowrank_jax.leaves.query_key import QK, QueryKey, attention_logits
+from lowrank_jax.leaves.query_key import (
+    QK,
+    Projections,
+    QueryKey,
+    attention_logits,
+    is_query_key,
+)
 from lowrank_jax.leaves.sharding import mesh_shardings, partition_specs
 from lowrank_jax.leaves.tree import (
     check_tokens,
@@ -82,6 +92,7 @@ __all__ = [
     "init_lora", "is_channel_masked", "is_lora", "kept_counts", "mask_leaf", "mask_partition",
     "merge_lora", "pruned_leaf", "unmask", "with_channel_masks",
     "BTDQueryKey", "CPQueryKey", "augmented_joint",
+    "Factors", "Projections", "factors", "weight_shape", "matmul_flops", "is_query_key",
     "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
     "CompressedKeys", "Partitioned",
     "MaskedBinary", "QueryKey", "array_bits", "array_size", "attention_logits", "bias_of",

@@ -45,6 +45,7 @@ from lowrank_jax.leaves.base import (
     Array,
     Leaf,
     bias_of,
+    factors,
     is_leaf,
     keep_inputs,
     keep_outputs,
@@ -226,6 +227,17 @@ class ChannelPruned(Leaf):
         inv[np.asarray(self.cols, np.int64)] = np.arange(len(self.cols))
         y = jnp.concatenate([y, jnp.zeros((*y.shape[:-1], 1), y.dtype)], axis=-1)
         return y[..., inv]  # [..., d_out]
+
+    def factors(self):
+        """The base's factors on the kept inputs, when only inputs were removed (structured
+        pruning's residual-stream rows); ``None`` when outputs were removed too (the scatter
+        into ``d_out`` is not a product of stored factors)."""
+        if self.cols is not None:
+            return None
+        f = factors(self.base)
+        if f is None or f.rows is not None:
+            return None
+        return f._replace(rows=self.rows)
 
     def to_dense(self) -> Array:
         w = materialize(self.base)

@@ -114,14 +114,15 @@ def activation_keep_count(n: int, keep: float) -> int:
     return int(exact.quantize(decimal.Decimal(1), rounding=decimal.ROUND_HALF_UP))
 
 
-_CHUNK = 4096  # random bits are drawn in fixed-size chunks: one compiled sampler for all sizes
-
-
 def _random_bits(key: Array, n: int) -> np.ndarray:
-    """``n`` uint32 random words from ``key``: chunk ``i`` is ``bits(fold_in(key, i))``."""
+    """``n`` uint32 random words from ``key``: chunk ``i`` is ``bits(fold_in(key, i))``.
+
+    Drawn in chunks of 4096 words (one compiled sampler for all sizes); the chunk size is part
+    of the masks' definition (another size draws other masks), not a setting."""
+    chunk = 4096
     chunks = [
-        np.asarray(jax.random.bits(jax.random.fold_in(key, i), (_CHUNK,), jnp.uint32))
-        for i in range(-(-n // _CHUNK))
+        np.asarray(jax.random.bits(jax.random.fold_in(key, i), (chunk,), jnp.uint32))
+        for i in range(-(-n // chunk))
     ]
     return np.concatenate(chunks)[:n]
 
