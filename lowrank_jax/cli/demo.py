@@ -34,7 +34,7 @@ from lowrank_jax.cli.status import Status
 from lowrank_jax.compress import compress
 from lowrank_jax.datasets import builtin_datasets, windows
 from lowrank_jax.errors import ConfigError
-from lowrank_jax.leaves import Dense, Leaf, bias_of, map_with_path, materialize, param_count
+from lowrank_jax.leaves import Dense, bias_of, is_leaf, map_with_path, materialize, param_count
 from lowrank_jax.models import patch_encoder as pe
 from lowrank_jax.nn import apply_norm
 
@@ -110,7 +110,7 @@ def _dense_copy(tree):
     reuses one compiled forward instead of compiling one per rank.
     """
     return map_with_path(
-        lambda _, n: Dense(materialize(n), bias_of(n)) if isinstance(n, Leaf) else n, tree)
+        lambda _, n: Dense(materialize(n), bias_of(n)) if is_leaf(n) else n, tree)
 
 
 def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool = True,

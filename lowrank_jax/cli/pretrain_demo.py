@@ -30,7 +30,7 @@ from lowrank_jax.cli.status import Status
 from lowrank_jax.compress import ATTENTION_QKVO, compress, factorize_init, power_schedule
 from lowrank_jax.datasets import builtin_datasets
 from lowrank_jax.errors import ConfigError
-from lowrank_jax.leaves import Leaf, bias_of, layer_index, named_leaves, param_count
+from lowrank_jax.leaves import bias_of, is_leaf, layer_index, named_leaves, param_count
 from lowrank_jax.losses import geometric_mean_relative, mase, wql
 from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
@@ -102,7 +102,7 @@ def _attention_params(params) -> int:
     return sum(
         param_count(leaf) - (0 if bias_of(leaf) is None else int(np.size(bias_of(leaf))))
         for path, leaf in named_leaves(params)
-        if isinstance(leaf, Leaf) and _is_attention(path)
+        if is_leaf(leaf) and _is_attention(path)
     )
 
 
@@ -397,7 +397,7 @@ def _layer_ranks(params) -> dict:
     """Spectra of the trained dense encoder's attention weights, and eps-rank per layer."""
     spectra: dict[int, list] = {}
     for path, leaf in named_leaves(params):
-        if isinstance(leaf, Leaf) and path.startswith("encoder/") and _is_attention(path):
+        if is_leaf(leaf) and path.startswith("encoder/") and _is_attention(path):
             spectra.setdefault(layer_index(path), []).append(singular_values(leaf, name=path))
     eps_rank = {
         f"{e:g}": [

@@ -37,9 +37,9 @@ from lowrank_jax.compress.svd import is_int, truncatable, uniform_head_widths
 from lowrank_jax.errors import PlanError, ShapeError
 from lowrank_jax.leaves import (
     HeadLowRank,
-    Leaf,
     LowRank,
     bias_of,
+    is_leaf,
     layer_index,
     leaf_dtype,
     map_with_path,
@@ -235,7 +235,7 @@ def reuse_weights(params: Any, pretrained: Any, pattern: str) -> Any:
     hits = []
 
     def describe(node):
-        shape = node.shape if isinstance(node, Leaf) else np.shape(node)
+        shape = node.shape if is_leaf(node) else np.shape(node)
         arrays = [tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(node)]
         return f"{type(node).__name__} of shape {tuple(shape)} (arrays {arrays})"
 

@@ -59,7 +59,7 @@ from lowrank_jax.compress.plan import Plan, Step, apply_plan
 from lowrank_jax.compress.registry import registered_methods
 from lowrank_jax.compress.rules import ATTENTION_QK, ATTENTION_QKVO, select
 from lowrank_jax.errors import ConfigError, DataError, LowrankJaxError, PlanError
-from lowrank_jax.leaves import Leaf, named_leaves, param_count, storage_bits
+from lowrank_jax.leaves import is_leaf, named_leaves, param_count, storage_bits
 from lowrank_jax.leaves.channel_masked import count_rows
 from lowrank_jax.losses import geometric_mean_relative, mase, wql
 from lowrank_jax.models import apply as model_apply
@@ -603,7 +603,7 @@ def model_flops(config: Any, params: Any, inputs: Mapping | None = None, *,
     Attention score products are not included (see :func:`lowrank_jax.nn.attention_score_flops`);
     :func:`frontier` reports them inside XLA's count of the compiled program.
     """
-    leaves = [(path, node) for path, node in named_leaves(params) if isinstance(node, Leaf)]
+    leaves = [(path, node) for path, node in named_leaves(params) if is_leaf(node)]
     if rows is None or any(path not in rows for path, _ in leaves):
         rows = leaf_rows(config, params, inputs)
     return int(sum(node.flops(rows.get(path, 0)) for path, node in leaves))

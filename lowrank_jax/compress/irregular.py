@@ -75,10 +75,12 @@ from lowrank_jax.leaves import (
     Dense,
     HeadLayout,
     QueryKey,
+    as_query_key,
     bias_of,
     flops,
     get_path,
     head_offsets,
+    is_query_key,
     leaf_dtype,
     materialize_host,
     replace_paths,
@@ -316,8 +318,9 @@ def to_query_key(qk: QK, *, max_width: int | None = None, rtol: float = 1e-10,
       ShapeError: a slice has rank above ``max_width`` (naming the path, the heads, their ranks
         and the limit).
     """
-    if isinstance(qk, QueryKey):
-        return qk
+    separate = as_query_key(qk)
+    if separate is not None:
+        return separate
     y = augmented_joint(qk)
     qb, kb = _bias_rows(y)
     core = _core(y, qb, kb)
@@ -835,7 +838,7 @@ def format_layer_table(layers: Sequence[Mapping]) -> str:
 
 
 def _is_qk(node) -> bool:
-    return isinstance(node, QK)
+    return is_query_key(node)
 
 
 register_method("truncatt", truncatt, selects="qk", settings=SETTINGS, overrides=OVERRIDES,

@@ -40,7 +40,7 @@ from lowrank_jax.interop.kernels import (
     contract,
     materialize_tree,
 )
-from lowrank_jax.leaves import Dense, Leaf, linear
+from lowrank_jax.leaves import Dense, Leaf, is_leaf, linear
 
 LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
 
@@ -155,7 +155,7 @@ def _interceptor(next_fun, args, kwargs, context):
     if context.method_name != "__call__" or not module.has_variable("params", KERNEL):
         return next_fun(*args, **kwargs)
     leaf = module.get_variable("params", KERNEL)
-    if not isinstance(leaf, Leaf):
+    if not is_leaf(leaf):
         return next_fun(*args, **kwargs)
     where = _where(module)
     if isinstance(module, (LeafDense, LeafDenseGeneral)):

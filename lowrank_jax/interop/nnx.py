@@ -30,7 +30,7 @@ from flax import nnx
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.interop import prune as _prune
 from lowrank_jax.interop.kernels import KERNEL, compress_tree, contract, dense_matrix, flat_dict
-from lowrank_jax.leaves import Dense, Leaf, linear
+from lowrank_jax.leaves import Dense, Leaf, is_leaf, linear
 
 LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
 
@@ -57,7 +57,7 @@ class LeafLinear(nnx.Module):
     """
 
     def __init__(self, leaf: Leaf, *, dtype: Any = None, name: str = ""):
-        if not isinstance(leaf, Leaf):
+        if not is_leaf(leaf):
             raise ConfigError(f"LeafLinear {name}: expected a lowrank_jax leaf, got "
                               f"{type(leaf).__name__}", where=name or "leaf", expected="Leaf",
                               actual=type(leaf).__name__)
@@ -99,7 +99,7 @@ class LeafLinearGeneral(nnx.Module):
         self.in_features = tuple(in_features)
         self.out_features = tuple(out_features)
         self.axis = tuple(axis)
-        if not isinstance(leaf, Leaf) or len(self.axis) != len(self.in_features):
+        if not is_leaf(leaf) or len(self.axis) != len(self.in_features):
             raise ConfigError(f"LeafLinearGeneral {name}: expected a leaf and one axis per input "
                               f"feature, got {type(leaf).__name__}, axis {self.axis}, "
                               f"in_features {self.in_features}", where=name or "leaf",
@@ -168,7 +168,7 @@ def _replace(model: nnx.Module, tree: dict) -> nnx.Module:
     new = nnx.clone(model)
     linears = _linears(new)
     for key, v in flat_dict(tree).items():
-        if not isinstance(v, Leaf):
+        if not is_leaf(v):
             continue
         where = _path(key)
         if key[-1] != KERNEL or where not in linears:

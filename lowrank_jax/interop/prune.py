@@ -77,7 +77,7 @@ from lowrank_jax.interop.kernels import (
     kernel_paths,
     to_leaves,
 )
-from lowrank_jax.leaves import Leaf
+from lowrank_jax.leaves import is_leaf
 from lowrank_jax.leaves.channel_masked import mask_leaf
 
 UNITS = ("channel", "head")
@@ -182,7 +182,7 @@ def _resolve(tree: Any, groups: Iterable[ChannelGroup], in_dims: Mapping[str, in
                         f"{kernels[:12]}{' ...' if len(kernels) > 12 else ''}", where=path,
                         expected="a kernel path", actual=path)
                 kernel = flat[key]
-                if isinstance(kernel, Leaf):
+                if is_leaf(kernel):
                     raise ConfigError(
                         f"group {g.name!r}: {path} is already a {type(kernel).__name__} leaf; "
                         "prune the plain Flax kernels first, then compress (svd and binarize act "
@@ -264,7 +264,7 @@ def infer_groups(tree: Any, *, call_order: Iterable[str] | None = None) -> list[
     rank = {p: i for i, p in enumerate(call_order or ())}
     flat = flat_dict(tree)
     kernels = {k[:-1]: v for k, v in flat.items() if k[-1] == KERNEL and np.ndim(v) >= 2
-               and not isinstance(v, Leaf)}
+               and not is_leaf(v)}
     children: dict[tuple, list] = {}
     for mod in kernels:
         if mod:

@@ -33,6 +33,7 @@ from lowrank_jax.leaves.channel_masked import (
     count_rows,
     is_channel_masked,
     kept_counts,
+    kept_outputs,
     mask_leaf,
     mask_partition,
     pruned_leaf,
@@ -52,6 +53,7 @@ from lowrank_jax.leaves.masked_binary import (
     init_masked_binary,
     keep_count,
     top_mask,
+    with_kept_divisor,
 )
 from lowrank_jax.leaves.packed_binary import (
     PackedBinary,
@@ -67,6 +69,7 @@ from lowrank_jax.leaves.query_key import (
     QK,
     Projections,
     QueryKey,
+    as_query_key,
     attention_logits,
     is_query_key,
 )
@@ -89,10 +92,11 @@ from lowrank_jax.leaves.tree import (
 
 __all__ = [
     "ChannelMasked", "ChannelPruned", "LoRA", "add_lora", "channel_masks", "count_rows",
-    "init_lora", "is_channel_masked", "is_lora", "kept_counts", "mask_leaf", "mask_partition",
+    "init_lora", "is_channel_masked", "is_lora", "kept_counts", "kept_outputs", "mask_leaf",
+    "mask_partition", "with_kept_divisor",
     "merge_lora", "pruned_leaf", "unmask", "with_channel_masks",
     "BTDQueryKey", "CPQueryKey", "augmented_joint",
-    "Factors", "Projections", "factors", "weight_shape", "matmul_flops", "is_query_key",
+    "Factors", "Projections", "as_query_key", "factors", "weight_shape", "matmul_flops", "is_query_key",
     "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
     "CompressedKeys", "Partitioned",
     "MaskedBinary", "QueryKey", "array_bits", "array_size", "attention_logits", "bias_of",

@@ -473,6 +473,15 @@ def _(leaf: ChannelPruned) -> int | None:
     return output_granularity(leaf.base) if leaf.cols is None else 1
 
 
+def kept_outputs(leaf: Any) -> tuple[int, ...] | None:
+    """The output positions a leaf still computes after physical pruning (a
+    :class:`ChannelPruned` that removed outputs: its ``cols``), ``None`` when every output is
+    computed (any other leaf, or a plain array)."""
+    if isinstance(leaf, ChannelPruned) and leaf.cols is not None:
+        return tuple(int(c) for c in leaf.cols)
+    return None
+
+
 @functools.singledispatch
 def input_granularity(leaf: Any) -> int | None:
     """As :func:`output_granularity`, for input channels (1 for every built-in leaf except
@@ -671,7 +680,7 @@ def count_rows(fn: Callable[[Any], Any], tree: Any, paths: Iterable[str] | None 
 
 __all__ = [
     "ChannelMasked", "ChannelPruned", "channel_masks", "count_rows", "input_granularity",
-    "is_channel_masked", "kept_counts", "mask_leaf", "mask_partition", "mask_selector",
+    "is_channel_masked", "kept_counts", "kept_outputs", "mask_leaf", "mask_partition", "mask_selector",
     "output_granularity", "pruned_base", "pruned_leaf", "rebuild", "surgery_form", "unmask",
     "with_channel_masks",
 ]

@@ -297,4 +297,15 @@ class QueryKey(QK):
 
 QueryKey = leaf_dataclass(QueryKey, meta=("widths",))
 
-__all__ = ["QK", "Projections", "QueryKey", "attention_logits", "is_query_key"]
+
+def as_query_key(qk: Any) -> QueryKey | None:
+    """``qk`` as separate per-head query and key weights: ``qk`` itself when it is a
+    :class:`QueryKey`, a ``QueryKey`` on its :meth:`QK.projections` when it has them, ``None``
+    when it has none (a joint factorization: :func:`lowrank_jax.compress.to_query_key` solves
+    for equivalent weights)."""
+    if isinstance(qk, QueryKey):
+        return qk
+    proj = qk.projections() if isinstance(qk, QK) else None
+    return None if proj is None else QueryKey(q=proj.q, k=proj.k, widths=proj.widths)
+
+__all__ = ["QK", "Projections", "QueryKey", "as_query_key", "attention_logits", "is_query_key"]

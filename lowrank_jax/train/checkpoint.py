@@ -65,7 +65,7 @@ from lowrank_jax.errors import (
     MissingFileError,
     OutputExistsError,
 )
-from lowrank_jax.leaves import MaskedBinary, path_str
+from lowrank_jax.leaves import path_str, with_kept_divisor
 from lowrank_jax.train.state import TrainState
 
 FORMAT = "lowrank_jax.train_state"
@@ -654,11 +654,7 @@ def _kept_divisor_v1(like: Any, treedef: Any) -> Any:
     ``divisor='kept'``: lowrank_jax 0.1 divided Biprop's gain by the kept count, so a state it
     saved keeps computing what it was trained to compute."""
 
-    def fix(x):
-        return dataclasses.replace(x, divisor="kept") if isinstance(x, MaskedBinary) else x
-
-    fixed = jax.tree_util.tree_map(fix, like, is_leaf=lambda x: isinstance(x, MaskedBinary))
-    return jax.tree_util.tree_structure(fixed)
+    return jax.tree_util.tree_structure(with_kept_divisor(like))
 
 
 __all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError",

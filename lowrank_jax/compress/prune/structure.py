@@ -48,12 +48,12 @@ import numpy as np
 
 from lowrank_jax.errors import PlanError, ShapeError
 from lowrank_jax.leaves import (
-    QK,
     HeadLayout,
-    Leaf,
     QueryKey,
     get_path,
     head_offsets,
+    is_leaf,
+    is_query_key,
     keep_inputs,
     keep_outputs,
     named_leaves,
@@ -150,12 +150,12 @@ def find_blocks(tree: Any) -> tuple[list[tuple[str, dict]], list[tuple[str, dict
 
     def walk(node, prefix):
         if isinstance(node, dict):
-            if isinstance(node.get("heads"), HeadLayout) and isinstance(node.get("qk"), QK) \
+            if isinstance(node.get("heads"), HeadLayout) and is_query_key(node.get("qk")) \
                     and {"v", "o"} <= set(node):
                 attn.append((prefix, node))
                 return
-            names = [n for n in MLP_INPUTS if isinstance(node.get(n), Leaf)]
-            if isinstance(node.get("wo"), Leaf) and (names == ["wi"] or names == ["wi_0", "wi_1"]):
+            names = [n for n in MLP_INPUTS if is_leaf(node.get(n))]
+            if is_leaf(node.get("wo")) and (names == ["wi"] or names == ["wi_0", "wi_1"]):
                 mlp.append((prefix, node))
                 return
             for k in node:
@@ -220,7 +220,8 @@ class Structure:
         for path, block in attn:
             names = {"v": _join(path, "v"), "o": _join(path, "o")}
             qk = block["qk"]
-            is_qk = isinstance(qk, QueryKey)
+            proj = qk.projections()
+            is_qk = proj is not None
             if is_qk:
                 names["q"], names["k"] = _join(path, "qk/q"), _join(path, "qk/k")
             paths = list(names.values())
@@ -230,7 +231,7 @@ class Structure:
             self.attention.append(Attention(
                 path=path, q=names.get("q", ""), k=names.get("k", ""), v=names["v"],
                 o=names["o"], query_key=is_qk,
-                qk_widths=tuple(qk.widths) if is_qk else (), heads=block["heads"], qk=qk))
+                qk_widths=tuple(proj.widths) if is_qk else (), heads=block["heads"], qk=qk))
             in_blocks.update(paths)
         for path, block in mlp:
             wi = tuple(_join(path, n) for n in MLP_INPUTS if n in block)
