@@ -146,14 +146,18 @@ _INSTALLED: dict[type, object] = {}
 
 
 def _checked_classes():
-    from lowrank_jax.leaves import HeadLayout
+    """``{class: field names}`` of every leaf and query-key class of ``lowrank_jax.leaves``,
+    less the names of the protocol itself (``shape``, ``d_in``, ``bias``, ``num_heads``, ...:
+    a field that is also a protocol member, such as ``PackedBinary.d_in``, may be read)."""
+    from lowrank_jax.leaves import QK, HeadLayout, Leaf
     from lowrank_jax.leaves.base import data_fields, meta_fields, node_types
 
+    protocol = set(dir(Leaf)) | set(dir(QK))
     out = {}
     for name, cls in node_types().items():
-        if not name.startswith("lowrank_jax.") or cls is HeadLayout:
+        if not name.startswith("lowrank_jax.leaves.") or cls is HeadLayout:
             continue
-        out[cls] = frozenset(data_fields(cls)) | frozenset(meta_fields(cls))
+        out[cls] = frozenset(data_fields(cls)) | frozenset(meta_fields(cls)) - protocol
     return out
 
 

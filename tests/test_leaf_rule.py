@@ -24,7 +24,7 @@ def leaf_class_names() -> set[str]:
     :class:`HeadLayout` is a layout record, not a weight, and is exempt."""
     names = {"Leaf", "QK"}
     for qual, cls in node_types().items():
-        if qual.startswith("lowrank_jax.") and cls is not HeadLayout:
+        if qual.startswith("lowrank_jax.leaves.") and cls is not HeadLayout:
             names.add(cls.__name__)
     return names
 

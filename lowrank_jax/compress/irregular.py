@@ -509,9 +509,10 @@ def truncatt(params, selection, settings, ctx):
         out, err = query_key_from_slices(y, ranks, dtype=leaf_dtype(qk), svds=svds)
         new[sel.path] = out
         _, block = _block_of(params, sel.path, "truncatt")
-        details = {"head_ranks": list(out.widths), "rank": list(out.widths),
-                   "uniform_heads": [h for h, r in enumerate(out.widths) if r == 0],
-                   **_finish_info(info, "truncatt", list(out.widths), qk, out, block, sel.path,
+        kept = list(out.projections().widths)
+        details = {"head_ranks": kept, "rank": kept,
+                   "uniform_heads": [h for h, r in enumerate(kept) if r == 0],
+                   **_finish_info(info, "truncatt", kept, qk, out, block, sel.path,
                                   qk.num_heads)}
         rows.append(Row.compare(sel.path, qk, out, rule=sel.rule, kind="truncatt", error=err,
                                 details=details))

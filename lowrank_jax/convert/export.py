@@ -102,7 +102,7 @@ def _exact_query_keys(params, rows) -> Any:
             block = where.rsplit("/", 1)[0] if "/" in where else ""
             new[where] = to_query_key(node, max_width=widths.get(block), where=where)
             logger.info("export: %s (%s) rewritten as a QueryKey with per-head widths %s",
-                        where, type(node).__name__, new[where].widths)
+                        where, type(node).__name__, new[where].projections().widths)
     return replace_paths(params, new), sorted(new)
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import CheckpointError, LeafTypeError
-from lowrank_jax.leaves import data_fields, meta_fields, node_types, qualified_name
+from lowrank_jax.leaves import data_fields, meta_fields, node_fields, node_types, qualified_name
 
 #: Array kinds: restored as ``jax.Array``, ``numpy.ndarray`` or a NumPy scalar.
 KINDS = ("jax", "numpy", "numpy_scalar")
@@ -245,9 +245,9 @@ class TreeEncoder:
             actual=type(x).__name__)
 
     def _registered_node(self, x: Any, name: str, path: str) -> dict:
-        data = {f: self._node(getattr(x, f), join(path, f)) for f in data_fields(x)}
-        static = {f: encode_static(getattr(x, f), join(path, f), self.who)
-                  for f in meta_fields(x)}
+        children, fixed = node_fields(x)
+        data = {f: self._node(v, join(path, f)) for f, v in children.items()}
+        static = {f: encode_static(v, join(path, f), self.who) for f, v in fixed.items()}
         return {"type": "node", "class": name, "data": data, "static": static}
 
     def _array(self, x: Any, path: str) -> dict:

@@ -138,6 +138,13 @@ def meta_fields(node: Any) -> tuple[str, ...]:
         node.__lowrank_jax_meta__
 
 
+def node_fields(node: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(children, static)`` of a registered node: its array fields and its static fields by
+    name (what a serializer writes; blocks ask for capabilities instead)."""
+    return ({n: getattr(node, n) for n in data_fields(node)},
+            {n: getattr(node, n) for n in meta_fields(node)})
+
+
 # ---------------------------------------------------------------------------------------------
 # The weight-leaf protocol.
 
