@@ -209,7 +209,7 @@ def load_pretrained(source, *, family: str | None = None, config=None):
       ConfigError: unknown or ambiguous family, or an invalid config (or an invalid
         ``generation_config.json``).
     """
-    generation = None
+    generation, architecture = None, None
     config_dir = (os.fspath(config) if isinstance(config, (str, os.PathLike))
                   and os.path.isdir(config) else None)
     if isinstance(source, (str, os.PathLike)):
@@ -238,15 +238,18 @@ def load_pretrained(source, *, family: str | None = None, config=None):
             generation = read_generation_config(config_dir)
         elif module.can_generate() and getattr(module, "generation_config", None) is not None:
             generation = file_dict(module.generation_config)
-        if config is None:
-            config = module.config
+        if config is None:  # the config.json the module's save_pretrained would write
+            config, architecture = module.config, type(module).__name__
     fam = _get_family(family if family is not None else detect_family(hf_config))
     spec = fam.hf
     cfg = spec.config_from_hf(hf_config, {spec.rename(k): v for k, v in state.items()})
     # the file as written: a PretrainedConfig in the form its save_pretrained writes
-    written = hf_config if config is None or isinstance(config, (str, os.PathLike)) else config
-    cfg = with_hf_files(cfg, HFConfigFiles(config=file_dict(written),
-                                           generation_config=generation, loaded=cfg))
+    written = file_dict(hf_config if config is None or isinstance(config, (str, os.PathLike))
+                        else config)
+    if architecture is not None:
+        written["architectures"] = [architecture]
+    cfg = with_hf_files(cfg, HFConfigFiles(config=written, generation_config=generation,
+                                           loaded=cfg))
     return cfg, params_from_state_dict(cfg, state, source=where)
 
 
