@@ -232,7 +232,8 @@ def run(args) -> int:
         from lowrank_jax.io import save_model, save_params
 
         meta = {**src.metadata, "partition": settings}
-        with status.phase(f"saving to {args.out}"):
+        with status.phase(f"saving to {args.out}"), outputs.writing_checkpoint(
+                args.out, overwrite=args.overwrite):
             if src.config is not None:
                 save_model(args.out, src.config, new, metadata=meta, overwrite=args.overwrite)
             else:
