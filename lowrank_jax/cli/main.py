@@ -524,7 +524,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("params", metavar="MODEL", help=model_help)
     g = c.add_mutually_exclusive_group()
     g.add_argument("--plan", help="a JSON compression plan: {'steps': [{'method', 'rules', "
-                   "'settings'}]} (see lowrank_jax.compress.Plan)")
+                   "'settings'}]} with at least one step, checked before the model is read "
+                   "(see lowrank_jax.compress.Plan)")
     g.add_argument("--eps", type=float, help="truncate every selected matrix at this eps")
     g.add_argument("--rank", type=int, help="truncate every selected matrix to this rank")
     g.add_argument("--ratio", type=float, help="target parameter ratio of the selected weights")

@@ -180,21 +180,31 @@ def writing(path: str | os.PathLike, *, flag: str, overwrite: bool = False,
     """
     try:
         yield
-    except OutputExistsError as e:
-        if owned is None or e.where is None or _real(e.where) != _real(path):
+    except (OutputExistsError, OSError) as e:
+        named = _name_option(e, path, flag=flag, overwrite=overwrite, owned=owned, what=what)
+        if named is None:
             raise
+        raise named from None
+
+
+def _name_option(e: BaseException, path: str | os.PathLike, *, flag: str, overwrite: bool,
+                 owned: Callable[[str], bool] | None, what: str) -> BaseException | None:
+    """The error to raise instead of ``e`` (a failure of the final write of ``path``), or
+    ``None`` to raise ``e`` itself (:func:`writing`)."""
+    if isinstance(e, OutputExistsError):
+        if owned is None or e.where is None or _real(e.where) != _real(path):
+            return None
         refusal = _refusal(path, overwrite=overwrite, owned=owned, what=what, flag=flag)
         text = (refusal[0] if refusal else
                 f"{flag} {os.fspath(path)} changed while this command ran")
-        raise OutputExistsError(
+        return OutputExistsError(
             f"{text}; it appeared or changed while this command ran (another writer?), and "
             "nothing was written there", where=os.fspath(path), expected=e.expected,
-            actual=e.actual) from None
-    except OSError as e:
-        if isinstance(e, LowrankJaxError) or e.errno is None:
-            raise
-        raise OSError(e.errno, f"{flag} {os.fspath(path)}: could not write it: "
-                      f"{e.strerror or type(e).__name__}; nothing was written there") from None
+            actual=e.actual)
+    if not isinstance(e, OSError) or isinstance(e, LowrankJaxError) or e.errno is None:
+        return None
+    return OSError(e.errno, f"{flag} {os.fspath(path)}: could not write it: "
+                   f"{e.strerror or type(e).__name__}; nothing was written there")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -324,7 +334,8 @@ def marked_directory(path: str | os.PathLike, *, kind: str, overwrite: bool, who
     Yields a temporary directory to fill. On success a marker listing every file written
     (relative paths) is added and the directory is renamed to ``path``, replacing a previous
     ``kind`` output only when ``overwrite``; on an error nothing changes at ``path``. A
-    failure of the final write names ``flag`` (:func:`writing`).
+    failure of the directory's own writing (not of the caller's block) names ``flag``
+    (:func:`writing`).
 
     Args:
       path: the output directory.
@@ -335,16 +346,25 @@ def marked_directory(path: str | os.PathLike, *, kind: str, overwrite: bool, who
       flag: the option that names ``path``.
     """
     owned = owned_by(kind)
-    with writing(path, flag=flag, overwrite=overwrite, owned=owned,
-                 what=f"a previous lowrank-jax {kind} directory"), \
-            atomic_directory(path, overwrite=overwrite, owned=owned, who=who) as tmp:
-        yield tmp
-        files = sorted(os.listdir(tmp))
-        doc = {"format": MARKER_FORMAT, "kind": kind, "command": who, "version": _version(),
-               "files": files, **dict(info or {})}
-        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
-            json.dump(json_safe(doc), f, indent=2, allow_nan=False)
-            f.write("\n")
+    in_body = False  # the caller's own failures (while it fills the directory) pass unchanged
+    try:
+        with atomic_directory(path, overwrite=overwrite, owned=owned, who=who) as tmp:
+            in_body = True
+            yield tmp
+            in_body = False
+            files = sorted(os.listdir(tmp))
+            doc = {"format": MARKER_FORMAT, "kind": kind, "command": who, "version": _version(),
+                   "files": files, **dict(info or {})}
+            with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+                json.dump(json_safe(doc), f, indent=2, allow_nan=False)
+                f.write("\n")
+    except (OutputExistsError, OSError) as e:
+        named = None if in_body else _name_option(
+            e, path, flag=flag, overwrite=overwrite, owned=owned,
+            what=f"a previous lowrank-jax {kind} directory")
+        if named is None:
+            raise
+        raise named from None
 
 
 @contextlib.contextmanager

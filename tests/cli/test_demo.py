@@ -228,6 +228,21 @@ def test_plots_are_replaced_only_with_overwrite(tmp_path, monkeypatch, capsys):
     assert "inside the output" in capsys.readouterr().err and ran == []
 
 
+def test_a_failure_of_the_work_is_not_blamed_on_plots(tmp_path, monkeypatch, capsys):
+    """The demo's work runs while its plots directory is being filled: an OS error of the work
+    keeps its own message (it is not a failure to write --plots), and nothing is written."""
+    pytest.importorskip("matplotlib")
+
+    def missing(*args, **kw):
+        raise FileNotFoundError("series file /data/x.csv not found")
+
+    monkeypatch.setattr(demo_mod, "_run_demo", missing)
+    assert main(["demo", "--no-progress", "--plots", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "series file /data/x.csv not found" in err
+    assert "--plots" not in err and os.listdir(tmp_path) == []
+
+
 def test_plots_must_be_a_directory(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(demo_mod, "run_demo", lambda **kw: pytest.fail("ran"))
     f = tmp_path / "plots"
