@@ -54,10 +54,23 @@ def _num_layers(params) -> int | None:
     return max(idx) + 1 if idx else None
 
 
+def _check_eps_list(flag: str, values) -> None:
+    """Every eps threshold in (0, 1), before the model is read."""
+    import math
+
+    bad = [v for v in values or () if not (math.isfinite(v) and 0 < v < 1)]
+    if bad:
+        raise ConfigError(f"{flag} values must be numbers in (0, 1), got {bad[0]}", where=flag,
+                          expected="(0, 1)", actual=bad[0])
+
+
 def cmd_analyze(args) -> int:
     from lowrank_jax.analysis import analyze
     from lowrank_jax.cli.sources import load_source
 
+    _check_eps_list("--eps", args.eps)
+    if args.sweep:
+        _check_eps_list("--sweep-eps", args.sweep_eps)
     status = Status("analyze", bars=not args.no_progress)
     src = load_source(args.params, status=status, family=args.family)
     status.say(f"eps-ranks and spectra of every weight ({args.pattern or 'all weights'})")

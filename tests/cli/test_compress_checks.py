@@ -118,6 +118,16 @@ def test_bad_plan_is_refused_before_loading(step, needle, ckpt, tmp_path, loader
     assert loader == []
 
 
+@pytest.mark.parametrize("argv, needle", [
+    (["--eps", "0.1", "2"], "--eps values must be numbers in (0, 1), got 2.0"),
+    (["--sweep", "--sweep-eps", "0.5", "0"], "--sweep-eps values must be numbers in (0, 1)"),
+])
+def test_analyze_values_are_refused_before_loading(argv, needle, ckpt, loader, capsys):
+    assert main(["analyze", str(ckpt), *argv, "--no-progress"]) == 2
+    assert needle in one_line(capsys.readouterr().err, "analyze")
+    assert loader == []
+
+
 @pytest.mark.parametrize("argv, needle", [(["--eps", "-1"], "--eps must be a number > 0"),
                                           (["--rank", "-1"], "--rank must be an int >= 0")])
 def test_partition_values_are_refused_before_loading(argv, needle, ckpt, loader, capsys):
