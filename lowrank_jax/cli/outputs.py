@@ -134,7 +134,7 @@ def check_writable(path: str | os.PathLike, *, flag: str, inside: bool = False) 
       ConfigError: naming the flag, the path, the directory that cannot be written and why.
     """
     check_parent(path, flag=flag)
-    path = os.path.abspath(os.fspath(path))
+    given, path = os.fspath(path), os.path.abspath(os.fspath(path))
     if inside and os.path.isdir(path):
         where, name = path, "probe"
     else:
@@ -148,7 +148,7 @@ def check_writable(path: str | os.PathLike, *, flag: str, inside: bool = False) 
     except OSError as e:
         reason = e.strerror or type(e).__name__
         raise ConfigError(
-            f"{flag} {path}: cannot write there: creating an entry in {where} fails ({reason}); "
+            f"{flag} {given}: cannot write there: creating an entry in {where} fails ({reason}); "
             "choose a writable location", where=flag, expected=f"a writable directory {where}",
             actual=reason) from None
     os.rmdir(probe)

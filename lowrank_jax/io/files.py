@@ -149,9 +149,10 @@ def rename_noreplace(src: str | os.PathLike, dst: str | os.PathLike) -> None:
     file, a symbolic link, a directory, an empty directory), with no window between the check
     and the rename. Where that is missing (other systems, old C libraries, file systems that
     refuse the flag) a file is moved with ``link(2)`` + ``unlink(2)`` (``link`` fails when
-    ``dst`` exists), and a directory with a check followed by ``rename(2)``, which itself
-    refuses a file or a non-empty directory at ``dst``; only an empty directory created in the
-    instant between the check and the rename would be replaced there.
+    ``dst`` exists; where hard links are not supported, a check and ``rename(2)``), and a
+    directory with a check followed by ``rename(2)``, which itself refuses a file or a
+    non-empty directory at ``dst``; only an empty directory created in the instant between the
+    check and the rename would be replaced there.
 
     Args:
       src: the path to move.
@@ -325,8 +326,8 @@ def _replace_dir(src: str, dst: str, *, overwrite: bool = False,
     if old is not None and not is_empty_dir(old) and (
             os.path.islink(old) or not os.path.isdir(old) or owned is None or not owned(old)):
         _put_back(old, dst, who)  # it changed meanwhile into something not ours: refuse
-        _check_replaceable(dst, overwrite=True, owned=owned, who=who)
-        raise _appeared(who, dst)  # pragma: no cover - _check_replaceable raises
+        _check_replaceable(dst, overwrite=True, owned=owned, who=who)  # says what it is
+        raise _appeared(who, dst)  # it changed yet again
     try:
         rename_noreplace(src, dst)
     except BaseException as e:
