@@ -250,7 +250,7 @@ def describe(path: str | os.PathLike) -> str:
     if doc is not None:
         return f"a lowrank-jax {doc.get('kind')} output with files added by someone else"
     n = len(os.listdir(path))
-    return f"a directory of {n} entries that lowrank-jax did not write"
+    return f"a directory of {n} entr{'y' if n == 1 else 'ies'} that lowrank-jax did not write"
 
 
 def _refusal(path: str | os.PathLike, *, overwrite: bool, owned: Callable[[str], bool],
