@@ -52,6 +52,7 @@ materialized.
 from __future__ import annotations
 
 import copy
+import errno
 import json
 import logging
 import math
@@ -457,22 +458,48 @@ def _write_dir(directory: str, hf_config: dict, generation: dict | None, state: 
     save_file(state, os.path.join(directory, WEIGHTS_NAME), metadata=metadata)
 
 
-def _move_into_place(tmp: str, path: str) -> None:
-    """Rename ``tmp`` to ``path``; an existing ``path`` is set aside first and restored if the
-    rename fails, removed after it succeeds."""
-    if not os.path.lexists(path):
-        os.rename(tmp, path)
-        return
-    parent, name = os.path.split(path)
-    backup = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-    os.rmdir(backup)  # only the unique name is wanted
-    os.rename(path, backup)
+def _move_into_place(tmp: str, path: str, overwrite: bool = False) -> None:
+    """Rename ``tmp`` to ``path`` without losing what another writer put there meanwhile.
+
+    Without ``overwrite`` only an empty directory at ``path`` is replaced (removed just before
+    the rename); anything else at ``path`` when the rename happens -- another export that
+    finished first, someone's files -- is left as it is and refused
+    (:func:`lowrank_jax.io.files.rename_noreplace`). With ``overwrite`` an existing directory is
+    set aside first, restored if the rename fails, removed after it succeeds.
+
+    Raises:
+      OutputExistsError: something other than an empty directory (without ``overwrite``) or a
+        directory (with it) took ``path`` while ``tmp`` was written.
+    """
+    from lowrank_jax.io.files import is_empty_dir, rename_noreplace
+
+    backup = None
     try:
-        os.rename(tmp, path)
-    except BaseException:
-        os.rename(backup, path)
+        if overwrite and os.path.isdir(path) and not os.path.islink(path):
+            parent, name = os.path.split(path)
+            backup = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.rmdir(backup)  # only the unique name is wanted
+            os.rename(path, backup)
+        elif is_empty_dir(path):
+            try:
+                os.rmdir(path)  # fails if something was put into it meanwhile
+            except FileNotFoundError:
+                pass
+        rename_noreplace(tmp, path)
+    except BaseException as e:
+        if backup is not None:
+            try:
+                rename_noreplace(backup, path)
+            except OSError:  # another export took its place; it was being replaced anyway
+                shutil.rmtree(backup, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise OutputExistsError(
+                f"save_pretrained: {path} appeared while the export was being written (another "
+                "writer?); nothing was written there. Pass overwrite=True to replace it, or "
+                "choose another path", where=path) from None
         raise
-    shutil.rmtree(backup, ignore_errors=True)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
 
 
 def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) -> dict:
@@ -530,7 +557,7 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
     try:
         _write_dir(tmp, hf_config, generation, state, metadata)
         _check_target(path, overwrite)  # again: something may have appeared meanwhile
-        _move_into_place(tmp, path)
+        _move_into_place(tmp, path, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
