@@ -29,11 +29,11 @@ from lowrank_jax.analysis import (
     theorem3_width_experiment,
     theorem4_experiment,
 )
+from lowrank_jax.cli import outputs
 from lowrank_jax.cli.pretrain_demo import check_seed, check_steps, run_pretraining_demo
 from lowrank_jax.cli.status import Status
 from lowrank_jax.compress import compress
 from lowrank_jax.datasets import builtin_datasets, windows
-from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves import Dense, bias_of, is_leaf, map_with_path, materialize, param_count
 from lowrank_jax.models import patch_encoder as pe
 from lowrank_jax.nn import apply_norm
@@ -114,7 +114,7 @@ def _dense_copy(tree):
 
 
 def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool = True,
-             steps: int | None = None, seed: int = 0) -> dict:
+             steps: int | None = None, seed: int = 0, overwrite: bool = False) -> dict:
     """Run the demo, print its report, and return it as a JSON-able dict.
 
     ``rows`` holds the pretraining comparison (keys ``method``, ``size_ratio``, ``time_ratio``,
@@ -123,20 +123,35 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
 
     Args:
       quick: smaller sizes, a 2 + 1 layer model and 40 training steps (about a minute).
-      plots_dir: save PNG plots there.
+      plots_dir: save PNG plots there. It follows the command's output rules
+        (:mod:`lowrank_jax.cli.outputs`): checked before anything runs, written whole at the end
+        (nothing appears there if the demo fails), and never over anything lowrank-jax did not
+        write there.
       progress: tqdm progress bars (status lines are printed either way).
       steps: training steps per pretrained model, an int >= 1 (default 600; quick: 40).
       seed: seed of the pretraining part (initialization, batch order, factor draws).
+      overwrite: replace ``plots_dir`` if it is a previous lowrank-jax plots directory.
 
     Raises:
-      ConfigError: ``steps`` or ``seed`` out of range (before anything runs).
+      ConfigError: ``steps`` or ``seed`` out of range, or ``plots_dir`` not writable (before
+        anything runs).
+      OutputExistsError: ``plots_dir`` holds something that may not be replaced.
     """
     steps = check_steps(steps)
     seed = check_seed(seed)
-    check_plots_dir(plots_dir)
+    if plots_dir:
+        outputs.check_plots_out(plots_dir, {}, overwrite=overwrite)
     status = Status("demo", bars=bool(progress))
     with one_blas_thread():
-        return _run_demo(bool(quick), plots_dir, status, steps, seed)
+        if not plots_dir:
+            return _run_demo(bool(quick), None, status, steps, seed)
+        with outputs.marked_directory(plots_dir, kind="plots", overwrite=overwrite,
+                                      who="demo") as tmp:
+            result = _run_demo(bool(quick), tmp, status, steps, seed)
+    names = [os.path.basename(p) for p in result["plots"]]
+    result["plots"] = [os.path.join(plots_dir, n) for n in names]
+    print(f"wrote {len(names)} plots to {plots_dir}: {', '.join(names)}")
+    return result
 
 
 def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | None,
@@ -255,7 +270,7 @@ def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | N
 
     t2 = time.perf_counter()
     status.say("part 3 of 3: pretraining compressed Chronos-Bolt models")
-    pre = run_pretraining_demo(quick=quick, steps=steps, seed=seed, plots_dir=plots_dir,
+    pre = run_pretraining_demo(quick=quick, steps=steps, seed=seed, plots_into=plots_dir,
                                progress=status.bars, datasets=(groups, source), status=status)
     result["rows"] = pre.pop("rows")
     result["pretraining"] = pre
@@ -272,8 +287,7 @@ def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | N
 def _plots(plots_dir: str, report, appj: dict) -> list[str]:
     from lowrank_jax.analysis.plots import plot_layer_ranks, plot_slope, plot_spectra
 
-    os.makedirs(plots_dir, exist_ok=True)
-    paths = [
+    return [
         plot_spectra(
             [h.singular_values for h in report.hidden],
             [f"input to layer {h.layer}" for h in report.hidden],
@@ -295,18 +309,3 @@ def _plots(plots_dir: str, report, appj: dict) -> list[str]:
             title="Theorem 3 (App. J.1)",
         ),
     ]
-    for p in paths:
-        print(f"wrote {p}")
-    return paths
-
-
-
-def check_plots_dir(plots_dir: str | None) -> None:
-    """Refuse, before the demo runs for minutes, a ``--plots`` path that is not a directory.
-
-    Raises:
-      ConfigError: ``plots_dir`` exists and is not a directory.
-    """
-    if plots_dir and os.path.exists(plots_dir) and not os.path.isdir(plots_dir):
-        raise ConfigError(f"demo: --plots must be a directory, got the file {plots_dir!r}",
-                          where="--plots", expected="a directory", actual=plots_dir)

@@ -128,6 +128,12 @@ def _check(args) -> None:
         raise MissingFileError(f"--data {args.data}: no such CSV file (or 'builtin' for the "
                                "series shipped with aeon)", where="--data")
     inputs = _inputs(args)
+    if args.params == DEMO:  # the model is pretrained, then cached: the cache must be writable
+        from lowrank_jax.io import is_checkpoint
+
+        cached = cached_model_path(args.cache, quick=args.quick)
+        if not is_checkpoint(cached):
+            outputs.check_writable(cached, flag="--cache")
     if args.plots:
         outputs.check_plots_out(args.plots, inputs, overwrite=args.overwrite)
     if args.json:
@@ -146,6 +152,17 @@ def cache_dir(given: str | None = None) -> str:
         return os.environ["LOWRANK_JAX_CACHE"]
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "lowrank_jax")
+
+
+def cached_model_path(cache: str | None, *, quick: bool, steps: int | None = None,
+                      seed: int = 0) -> str:
+    """Where :func:`demo_model` caches the demo's pretrained model (``steps``: ``None`` for the
+    demo's default)."""
+    from lowrank_jax.cli.pretrain_demo import DEFAULT_STEPS
+
+    steps = DEFAULT_STEPS[bool(quick)] if steps is None else int(steps)
+    return os.path.join(cache_dir(cache), f"demo_chronos_bolt_{'quick' if quick else 'full'}"
+                                          f"_steps{steps}_seed{seed}")
 
 
 def demo_model(*, quick: bool, cache: str | None, status: Status, seed: int = 0,
@@ -170,8 +187,7 @@ def demo_model(*, quick: bool, cache: str | None, status: Status, seed: int = 0,
         groups, source = builtin_datasets()
     recipe = {"quick": bool(quick), "steps": steps, "seed": int(seed), "data": source,
               "version": 1}
-    path = os.path.join(cache_dir(cache), f"demo_chronos_bolt_{'quick' if quick else 'full'}"
-                                          f"_steps{steps}_seed{seed}")
+    path = cached_model_path(cache, quick=quick, steps=steps, seed=seed)
     if is_checkpoint(path) and load_metadata(path).get("demo_pretraining") == recipe:
         with status.phase(f"loading the demo's pretrained Chronos-Bolt from {path}"):
             config, params = load_model(path)
@@ -191,7 +207,8 @@ def demo_model(*, quick: bool, cache: str | None, status: Status, seed: int = 0,
     state, _ = fit(chronos_bolt.loss(cfg), init, train, steps=steps,
                    key=jax.random.fold_in(key, 1), progress=status.bars, desc="dense")
     params = full_params(state)
-    with status.phase(f"caching it in {path}"):
+    with status.phase(f"caching it in {path}"), outputs.writing_checkpoint(
+            path, overwrite=True, flag="--cache"):
         save_model(path, cfg, params, metadata={"demo_pretraining": recipe}, overwrite=True)
     return cfg, params, path
 

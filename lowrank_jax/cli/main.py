@@ -54,10 +54,23 @@ def _num_layers(params) -> int | None:
     return max(idx) + 1 if idx else None
 
 
+def _check_eps_list(flag: str, values) -> None:
+    """Every eps threshold in (0, 1), before the model is read."""
+    import math
+
+    bad = [v for v in values or () if not (math.isfinite(v) and 0 < v < 1)]
+    if bad:
+        raise ConfigError(f"{flag} values must be numbers in (0, 1), got {bad[0]}", where=flag,
+                          expected="(0, 1)", actual=bad[0])
+
+
 def cmd_analyze(args) -> int:
     from lowrank_jax.analysis import analyze
     from lowrank_jax.cli.sources import load_source
 
+    _check_eps_list("--eps", args.eps)
+    if args.sweep:
+        _check_eps_list("--sweep-eps", args.sweep_eps)
     status = Status("analyze", bars=not args.no_progress)
     src = load_source(args.params, status=status, family=args.family)
     status.say(f"eps-ranks and spectra of every weight ({args.pattern or 'all weights'})")
@@ -130,7 +143,12 @@ def _head_sweeps(args, params, status: Status) -> list[dict]:
 
 
 def _parse_schedule(text: str) -> tuple[str, list[float]]:
-    """``('power', [D0, ALPHA])`` or ``('interp', [R1, RD, ALPHA])`` from --schedule."""
+    """``('power', [D0, ALPHA])`` or ``('interp', [R1, RD, ALPHA])`` from --schedule, each value
+    checked (``D0 > 0``, ``ALPHA >= 0``, ``R1``/``RD`` whole numbers >= 1)."""
+    import math
+
+    from lowrank_jax.compress import interpolation_schedule, power_schedule
+
     expected = "'power:D0:ALPHA' or 'interp:R1:RD:ALPHA' (numbers)"
     kind, *vals = text.split(":")
     try:
@@ -140,6 +158,18 @@ def _parse_schedule(text: str) -> tuple[str, list[float]]:
     if (kind, len(nums)) not in (("power", 2), ("interp", 3)):
         raise ConfigError(f"--schedule: expected {expected}, got {text!r}", where="--schedule",
                           expected=expected, actual=text)
+    try:
+        if kind == "power":
+            power_schedule(nums[0], nums[1], 1)
+        else:
+            for name, r, given in (("R1", nums[0], vals[0]), ("RD", nums[1], vals[1])):
+                if not (math.isfinite(r) and r == int(r) and r >= 1):
+                    raise ConfigError(f"{name} must be a whole number >= 1, got {given}")
+            interpolation_schedule(int(nums[0]), int(nums[1]), nums[2], 1)
+    except ConfigError as e:
+        detail = str(e).split(": ", 1)[-1]  # drop the function's name
+        raise ConfigError(f"--schedule {text}: {detail}", where="--schedule",
+                          expected=expected, actual=text) from None
     return kind, nums
 
 
@@ -192,6 +222,15 @@ def _check_compress_flags(args) -> None:
                           where="--plan", expected="a file", actual="a directory")
     if args.schedule:
         _parse_schedule(args.schedule)
+    _check_svd_values(args)
+    if args.rule:
+        for r in args.rule:
+            try:
+                re.compile(r[1:] if r.startswith("!") else r)
+            except re.error as e:
+                raise ConfigError(f"--rule {r!r} is not a valid regular expression: {e}",
+                                  where="--rule", expected="a regular expression",
+                                  actual=r) from None
     if args.time_runs < 1:
         raise ConfigError(f"--time-runs must be >= 1, got {args.time_runs}", where="--time-runs",
                           expected=">= 1", actual=args.time_runs)
@@ -206,6 +245,55 @@ def _check_compress_flags(args) -> None:
             outputs.check_report_path(args.json, _inputs(args), (args.out, args.plots))
 
 
+def _check_svd_values(args) -> None:
+    """--eps / --rank / --ratio / --rank-multiple / --num-layers in range (before the model is
+    read)."""
+    import math
+
+    def bad(flag, value, expected):
+        raise ConfigError(f"{flag} must be {expected}, got {value}", where=flag,
+                          expected=expected, actual=value)
+
+    if args.eps is not None and not (math.isfinite(args.eps) and 0 < args.eps < 1):
+        bad("--eps", args.eps, "a number in (0, 1)")
+    if args.rank is not None and args.rank < 1:
+        bad("--rank", args.rank, "an int >= 1")
+    if args.ratio is not None and not (math.isfinite(args.ratio) and 0 < args.ratio <= 1):
+        bad("--ratio", args.ratio, "a number in (0, 1]")
+    if args.rank_multiple is not None and args.rank_multiple < 1:
+        bad("--rank-multiple", args.rank_multiple, "an int >= 1")
+    if args.num_layers is not None and args.num_layers < 1:
+        bad("--num-layers", args.num_layers, "an int >= 1")
+
+
+def _load_plan(path: str):
+    """The --plan file as a :class:`~lowrank_jax.compress.Plan`, every step checked (methods,
+    setting names and values) before the model is read; a plan without steps is refused."""
+    from lowrank_jax.compress import Plan
+    from lowrank_jax.compress.plan import validate_plan
+    from lowrank_jax.errors import PlanError
+
+    plan = Plan.from_file(path)
+    if not plan.steps:
+        raise ConfigError(f"--plan {path} has no steps (\"steps\": []): it would change nothing; "
+                          "give at least one step", where="--plan", expected="at least one step",
+                          actual="no steps")
+    try:
+        validate_plan(plan)
+    except PlanError as e:
+        raise PlanError(f"--plan {path}: {e}", where=e.where, expected=e.expected,
+                        actual=e.actual) from None
+    return plan
+
+
+def _time_line(ev: dict) -> str:
+    """The measured time ratio with its spread (``compare_models``' paired runs)."""
+    lo, hi = ev["time_ratio_quartiles"]
+    text = (f"measured time ratio {ev['time_ratio']:.3f} (middle half of {ev['time_runs']} paired "
+            f"runs: {lo:.3f}-{hi:.3f}")
+    return text + ("; no measurable difference)" if lo <= 1.0 <= hi else ")")
+
+
 def cmd_compress(args) -> int:
     import jax
 
@@ -216,7 +304,7 @@ def cmd_compress(args) -> int:
 
     status = Status("compress", bars=not args.no_progress)
     _check_compress_flags(args)
-    plan = Plan.from_file(args.plan) if args.plan else None
+    plan = _load_plan(args.plan) if args.plan else None
     if args.plots and not any(s.method in ("truncatt", "cp", "btd") for s in plan.steps):
         raise ConfigError(f"--plots draws the query-key ranks per head of truncatt, cp or btd "
                           f"steps; the plan {args.plan} has none (its methods: "
@@ -247,17 +335,20 @@ def cmd_compress(args) -> int:
     if config is not None and not args.no_eval:
         from lowrank_jax.compress import compare_models
 
-        with status.phase(f"evaluating the model (compile and run the original and the "
-                          f"compressed model on sample inputs, time {args.time_runs} forward "
-                          "calls of each)"):
-            ev = compare_models(config, params, new_params, time_runs=args.time_runs)
+        timed = report.changed > 0  # an unchanged model: a time ratio would be noise
+        with status.phase("evaluating the model (compile and run the original and the "
+                          "compressed model on sample inputs"
+                          + (f", time {args.time_runs} forward calls of each)" if timed else ")")):
+            ev = compare_models(config, params, new_params, time_runs=args.time_runs,
+                                measure_time=timed)
         out["model"] = ev
         print(
             f"\nmodel: parameter ratio {ev['param_ratio']:.4f}, FLOP ratio {ev['flop_ratio']:.4f}, "
             f"{ev['output']} max abs error {ev['max_abs_error']:.3e}, "
             f"rel. error {ev['rel_error']:.3e}"
             + (f", top-10 Jaccard {ev['top10_jaccard']:.3f}" if "top10_jaccard" in ev else "")
-            + f", measured time ratio {ev['time_ratio']:.3f}"
+            + (f", {_time_line(ev)}" if timed else
+               ", time not measured (no weight changed: the models are the same)")
         )
     if args.plots:
         from lowrank_jax.compress.irregular import save_head_rank_plot
@@ -272,7 +363,8 @@ def cmd_compress(args) -> int:
         meta_out = dict(src.metadata)
         meta_out["compression"] = out["totals"]
         meta_out["plan"] = plan.to_dict()
-        with status.phase(f"saving to {args.out}"):
+        with status.phase(f"saving to {args.out}"), outputs.writing_checkpoint(
+                args.out, overwrite=args.overwrite):
             if config is not None:
                 save_model(args.out, config, new_params, metadata=meta_out,
                            overwrite=args.overwrite)
@@ -290,8 +382,10 @@ def cmd_convert(args) -> int:
     from lowrank_jax.leaves import param_count
 
     status = Status("convert", bars=not args.no_progress)
-    src = load_source(args.src, status=status, family=args.family, huggingface=True)
-    with status.phase(f"saving to {args.out}"):
+    src = load_source(args.src, status=status, family=args.family, huggingface=True,
+                      label="SRC")
+    with status.phase(f"saving to {args.out}"), outputs.writing_checkpoint(
+            args.out, overwrite=args.overwrite):
         save_model(args.out, src.config, src.params, metadata=src.metadata,
                    overwrite=args.overwrite)
     print(
@@ -323,8 +417,8 @@ def cmd_export(args) -> int:
             where=args.model, expected="a model checkpoint", actual="a parameter checkpoint")
     with status.phase(f"writing the Hugging Face directory {args.out}"):
         with outputs.marked_directory(args.out, kind="export", overwrite=args.overwrite,
-                                      who="export", info={"source": os.path.abspath(
-                                          args.model)}) as tmp:
+                                      who="export", flag="--out", info={
+                                          "source": os.path.abspath(args.model)}) as tmp:
             inner = os.path.join(tmp, "hf")  # save_pretrained's own temporaries stay inside
             summary = save_pretrained(src.config, src.params, inner)
             for name in os.listdir(inner):
@@ -369,16 +463,21 @@ def _quick_compile(quick: bool):
 
 
 def cmd_demo(args) -> int:
-    from lowrank_jax.cli.demo import check_plots_dir, run_demo
+    from lowrank_jax.cli.demo import run_demo
     from lowrank_jax.cli.pretrain_demo import check_seed, check_steps
 
-    check_steps(args.steps, "--steps")  # before minutes of work: 0 is an error, not "default"
+    # before minutes of work: 0 steps is an error, not "default"; outputs as every command's
+    check_steps(args.steps, "--steps")
     check_seed(args.seed, "--seed")
-    check_plots_dir(args.plots)
+    if args.plots:
+        outputs.check_plots_out(args.plots, {}, overwrite=args.overwrite)
+    if args.json:
+        outputs.check_report_path(args.json, {}, (args.plots,))
     with _quick_compile(args.quick):
         result = run_demo(quick=args.quick, plots_dir=args.plots, progress=not args.no_progress,
-                          steps=args.steps, seed=args.seed)
-    _write_json(args.json, result)  # strict JSON: NaN or inf are written as null
+                          steps=args.steps, seed=args.seed, overwrite=args.overwrite)
+    # strict JSON: NaN or inf are written as null
+    _write_json(args.json, result, outputs_=(args.plots,))
     return 0
 
 
@@ -438,7 +537,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("params", metavar="MODEL", help=model_help)
     g = c.add_mutually_exclusive_group()
     g.add_argument("--plan", help="a JSON compression plan: {'steps': [{'method', 'rules', "
-                   "'settings'}]} (see lowrank_jax.compress.Plan)")
+                   "'settings'}]} with at least one step, checked before the model is read "
+                   "(see lowrank_jax.compress.Plan)")
     g.add_argument("--eps", type=float, help="truncate every selected matrix at this eps")
     g.add_argument("--rank", type=int, help="truncate every selected matrix to this rank")
     g.add_argument("--ratio", type=float, help="target parameter ratio of the selected weights")
@@ -518,8 +618,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="training steps per pretrained model, >= 1 (default 600; --quick: 40)")
     d.add_argument("--seed", type=int, default=0,
                    help="seed of the pretraining part, >= 0 (initialization, batches, factors)")
-    d.add_argument("--json", help="write the results as JSON to this path")
-    d.add_argument("--plots", help="directory for PNG plots")
+    d.add_argument("--json", help="write the results as JSON to this path (replaces only a "
+                                  "previous lowrank-jax report)")
+    d.add_argument("--plots", help="directory for PNG plots (a new or empty directory; written "
+                                   "whole when the demo ends)")
+    d.add_argument("--overwrite", action="store_true",
+                   help="replace --plots if lowrank-jax wrote it (nothing else)")
     d.add_argument("--no-progress", action="store_true")
     d.set_defaults(func=cmd_demo)
 

@@ -20,7 +20,15 @@ when writing:
   next write to the same path (:func:`lowrank_jax.io.files.clean_stale`). Non-finite numbers
   are written as ``null``, so the file is always valid JSON.
 
-Directory outputs are written atomically (:func:`lowrank_jax.io.atomic_directory`).
+* **Outputs must be writable**, found before any work: an output whose directory cannot be
+  created or written (an ancestor is a file, no permission, a read-only file system) is refused
+  naming its option (:func:`check_writable`).
+* **Two writers never both win.** Directory outputs are written atomically
+  (:func:`lowrank_jax.io.atomic_directory`): built beside the target and renamed into place at
+  the end, without ever replacing what appeared there meanwhile (another run writing the same
+  ``--out`` that finished first, someone's files): the later writer fails with one line naming
+  the option, and the target keeps the first writer's complete output. Failures of the final
+  write name the option, not the temporary directory (:func:`writing`).
 """
 
 from __future__ import annotations
@@ -32,9 +40,9 @@ import numbers
 import os
 from typing import Any, Callable, Iterable, Iterator, Mapping
 
-from lowrank_jax.errors import ConfigError, OutputExistsError
+from lowrank_jax.errors import ConfigError, LowrankJaxError, OutputExistsError
 from lowrank_jax.io import atomic_directory, is_checkpoint
-from lowrank_jax.io.files import clean_stale, is_empty_dir, temp_path
+from lowrank_jax.io.files import clean_stale, is_empty_dir, rename_noreplace, temp_path
 
 #: The marker file a directory output other than a checkpoint carries (``export``, plots).
 MARKER = "lowrank_jax_output.json"
@@ -107,6 +115,98 @@ def check_parent(path: str | os.PathLike, *, flag: str) -> None:
             expected=f"{p} to be a directory", actual="a file")
 
 
+def check_writable(path: str | os.PathLike, *, flag: str, inside: bool = False) -> None:
+    """Refuse, before any work, an output that could not be written.
+
+    The output (or the directories leading to it) would be created in its nearest existing
+    ancestor directory; a temporary directory is created there, with the name the output's own
+    temporaries get (:func:`lowrank_jax.io.files.temp_path`), and removed at once. That meets
+    every obstacle the real write would meet (an ancestor that is a file, no permission -- which
+    does not stop root --, a read-only file system, a pseudo file system) and leaves nothing.
+
+    Args:
+      path: the output (file or directory; it need not exist).
+      flag: the option that names it, for messages.
+      inside: the command writes *into* ``path`` when it is an existing directory (``train``'s
+        run directory) rather than beside it.
+
+    Raises:
+      ConfigError: naming the flag, the path, the directory that cannot be written and why.
+    """
+    check_parent(path, flag=flag)
+    given, path = os.fspath(path), os.path.abspath(os.fspath(path))
+    if inside and os.path.isdir(path):
+        where, name = path, "probe"
+    else:
+        child, where = path, os.path.dirname(path)
+        while not os.path.isdir(where) and os.path.dirname(where) != where:
+            child, where = where, os.path.dirname(where)
+        name = os.path.basename(child)
+    probe = temp_path(os.path.join(where, name), "tmp")
+    try:
+        os.mkdir(probe)
+    except OSError as e:
+        reason = e.strerror or type(e).__name__
+        raise ConfigError(
+            f"{flag} {given}: cannot write there: creating an entry in {where} fails ({reason}); "
+            "choose a writable location", where=flag, expected=f"a writable directory {where}",
+            actual=reason) from None
+    os.rmdir(probe)
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike, *, flag: str, overwrite: bool = False,
+            owned: Callable[[str], bool] | None = None, what: str = "an output of this kind"
+            ) -> Iterator[None]:
+    """Name the option when the final write of an output fails.
+
+    Everything was checked before the work started (:func:`check_output_dir`), but the
+    filesystem may change while a command runs: another run may write the same output first
+    (the writers' final rename then refuses to replace it, see
+    :func:`lowrank_jax.io.atomic_directory`), the disk may fill. Inside this block such failures
+    become one line that names ``flag`` and ``path`` (not a temporary directory, not a library
+    function) and says that nothing was written there.
+
+    Args:
+      path: the output.
+      flag: its option.
+      overwrite, owned, what: as for :func:`check_output_dir` (to say what is there now);
+        ``owned=None``: the block's own refusals already name the option and pass unchanged.
+
+    Raises:
+      OutputExistsError: the output appeared or changed while the command ran.
+      OSError: another failure of the write (the class its errno gives, the option in its
+        message; no file name: the temporary ones mean nothing to the user).
+    """
+    try:
+        yield
+    except (OutputExistsError, OSError) as e:
+        named = _name_option(e, path, flag=flag, overwrite=overwrite, owned=owned, what=what)
+        if named is None:
+            raise
+        raise named from None
+
+
+def _name_option(e: BaseException, path: str | os.PathLike, *, flag: str, overwrite: bool,
+                 owned: Callable[[str], bool] | None, what: str) -> BaseException | None:
+    """The error to raise instead of ``e`` (a failure of the final write of ``path``), or
+    ``None`` to raise ``e`` itself (:func:`writing`)."""
+    if isinstance(e, OutputExistsError):
+        if owned is None or e.where is None or _real(e.where) != _real(path):
+            return None
+        refusal = _refusal(path, overwrite=overwrite, owned=owned, what=what, flag=flag)
+        text = (refusal[0] if refusal else
+                f"{flag} {os.fspath(path)} changed while this command ran")
+        return OutputExistsError(
+            f"{text}; it appeared or changed while this command ran (another writer?), and "
+            "nothing was written there", where=os.fspath(path), expected=e.expected,
+            actual=e.actual)
+    if not isinstance(e, OSError) or isinstance(e, LowrankJaxError) or e.errno is None:
+        return None
+    return OSError(e.errno, f"{flag} {os.fspath(path)}: could not write it: "
+                   f"{e.strerror or type(e).__name__}; nothing was written there")
+
+
 # ---------------------------------------------------------------------------------------------
 # Directory outputs.
 
@@ -150,7 +250,26 @@ def describe(path: str | os.PathLike) -> str:
     if doc is not None:
         return f"a lowrank-jax {doc.get('kind')} output with files added by someone else"
     n = len(os.listdir(path))
-    return f"a directory of {n} entries that lowrank-jax did not write"
+    return f"a directory of {n} entr{'y' if n == 1 else 'ies'} that lowrank-jax did not write"
+
+
+def _refusal(path: str | os.PathLike, *, overwrite: bool, owned: Callable[[str], bool],
+             what: str, flag: str) -> tuple[str, str] | None:
+    """``(message, what is there)`` when ``path`` may not be written, else ``None``."""
+    path = os.fspath(path)
+    if not os.path.lexists(path) or is_empty_dir(path):
+        return None
+    is_dir = os.path.isdir(path) and not os.path.islink(path)
+    if not overwrite:
+        hint = ("pass --overwrite to replace it" if is_dir and owned(path) else
+                f"it is {describe(path)}, which --overwrite would not replace either; "
+                "choose another path")
+        return f"{flag} {path} exists: {hint}", describe(path)
+    if not is_dir or not owned(path):
+        return (f"{flag} {path}: refusing to replace {describe(path)}; --overwrite replaces only "
+                f"{what} or an empty directory. Nothing was changed: remove it yourself or "
+                "choose another path", describe(path))
+    return None
 
 
 def check_output_dir(path: str | os.PathLike, *, overwrite: bool, owned: Callable[[str], bool],
@@ -167,24 +286,15 @@ def check_output_dir(path: str | os.PathLike, *, overwrite: bool, owned: Callabl
     Raises:
       OutputExistsError: ``path`` exists, is not an empty directory, and ``overwrite`` is not
         given or ``path`` is not ``what``.
-      ConfigError: an ancestor of ``path`` is a file.
+      ConfigError: ``path`` cannot be written (:func:`check_writable`).
     """
     check_parent(path, flag=flag)
-    path = os.fspath(path)
-    if not os.path.lexists(path) or is_empty_dir(path):
-        return
-    is_dir = os.path.isdir(path) and not os.path.islink(path)
-    if not overwrite:
-        hint = ("pass --overwrite to replace it" if is_dir and owned(path) else
-                f"it is {describe(path)}, which --overwrite would not replace either; "
-                "choose another path")
-        raise OutputExistsError(f"{flag} {path} exists: {hint}", where=path,
-                                expected="a missing or empty directory", actual=describe(path))
-    if not is_dir or not owned(path):
-        raise OutputExistsError(
-            f"{flag} {path}: refusing to replace {describe(path)}; --overwrite replaces only "
-            f"{what} or an empty directory. Nothing was changed: remove it yourself or choose "
-            "another path", where=path, expected=what, actual=describe(path))
+    refusal = _refusal(path, overwrite=overwrite, owned=owned, what=what, flag=flag)
+    if refusal is not None:
+        expected = "a missing or empty directory" if not overwrite else what
+        raise OutputExistsError(refusal[0], where=os.fspath(path), expected=expected,
+                                actual=refusal[1])
+    check_writable(path, flag=flag)
 
 
 def check_checkpoint_out(path: str | os.PathLike, inputs: Mapping[str, str | os.PathLike | None],
@@ -218,12 +328,14 @@ def check_plots_out(path: str | os.PathLike, inputs: Mapping[str, str | os.PathL
 
 @contextlib.contextmanager
 def marked_directory(path: str | os.PathLike, *, kind: str, overwrite: bool, who: str,
-                     info: Mapping | None = None) -> Iterator[str]:
+                     info: Mapping | None = None, flag: str = "--plots") -> Iterator[str]:
     """Write a directory output with a marker, atomically.
 
     Yields a temporary directory to fill. On success a marker listing every file written
     (relative paths) is added and the directory is renamed to ``path``, replacing a previous
-    ``kind`` output only when ``overwrite``; on an error nothing changes at ``path``.
+    ``kind`` output only when ``overwrite``; on an error nothing changes at ``path``. A
+    failure of the directory's own writing (not of the caller's block) names ``flag``
+    (:func:`writing`).
 
     Args:
       path: the output directory.
@@ -231,16 +343,37 @@ def marked_directory(path: str | os.PathLike, *, kind: str, overwrite: bool, who
       overwrite: replace a previous output of the same kind.
       who: the command, for messages.
       info: JSON-able extra fields for the marker.
+      flag: the option that names ``path``.
     """
     owned = owned_by(kind)
-    with atomic_directory(path, overwrite=overwrite, owned=owned, who=who) as tmp:
-        yield tmp
-        files = sorted(os.listdir(tmp))
-        doc = {"format": MARKER_FORMAT, "kind": kind, "command": who, "version": _version(),
-               "files": files, **dict(info or {})}
-        with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
-            json.dump(json_safe(doc), f, indent=2, allow_nan=False)
-            f.write("\n")
+    in_body = False  # the caller's own failures (while it fills the directory) pass unchanged
+    try:
+        with atomic_directory(path, overwrite=overwrite, owned=owned, who=who) as tmp:
+            in_body = True
+            yield tmp
+            in_body = False
+            files = sorted(os.listdir(tmp))
+            doc = {"format": MARKER_FORMAT, "kind": kind, "command": who, "version": _version(),
+                   "files": files, **dict(info or {})}
+            with open(os.path.join(tmp, MARKER), "w", encoding="utf-8") as f:
+                json.dump(json_safe(doc), f, indent=2, allow_nan=False)
+                f.write("\n")
+    except (OutputExistsError, OSError) as e:
+        named = None if in_body else _name_option(
+            e, path, flag=flag, overwrite=overwrite, owned=owned,
+            what=f"a previous lowrank-jax {kind} directory")
+        if named is None:
+            raise
+        raise named from None
+
+
+@contextlib.contextmanager
+def writing_checkpoint(path: str | os.PathLike, *, overwrite: bool,
+                       flag: str = "--out") -> Iterator[None]:
+    """:func:`writing` for a lowrank_jax checkpoint output (``save_model`` / ``save_params``)."""
+    with writing(path, flag=flag, overwrite=overwrite, owned=is_checkpoint,
+                 what="a lowrank_jax checkpoint"):
+        yield
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,10 +417,17 @@ def check_report_path(path: str | os.PathLike,
     """Refuse, before any work, a JSON report path that may not be written.
 
     Raises:
-      ConfigError: the path is an input, lies inside an input or an output directory, or an
-        ancestor is a file.
+      ConfigError: the path is an input, lies inside an input or an output directory, or
+        cannot be written (:func:`check_writable`).
       OutputExistsError: it is a directory, or an existing file that is not a report.
     """
+    _check_report_target(path, inputs, outputs, flag=flag)
+    check_writable(path, flag=flag)
+
+
+def _check_report_target(path: str | os.PathLike,
+                         inputs: Mapping[str, str | os.PathLike | None] | None,
+                         outputs: Iterable[str | os.PathLike | None], *, flag: str) -> None:
     check_parent(path, flag=flag)
     check_separate(path, dict(inputs or {}), flag=flag)
     for out in outputs:
@@ -310,9 +450,14 @@ def check_report_path(path: str | os.PathLike,
 
 def write_report(path: str | os.PathLike, obj: Mapping, *, command: str,
                  inputs: Mapping[str, str | os.PathLike | None] | None = None,
-                 outputs: Iterable[str | os.PathLike | None] = ()) -> str:
+                 outputs: Iterable[str | os.PathLike | None] = (), flag: str = "--json") -> str:
     """Write ``obj`` as a JSON report to ``path`` (temp file + rename; checked as in
     :func:`check_report_path`).
+
+    The file is written to a temporary sibling and renamed into place. A previous report (or an
+    empty file) is replaced; when nothing was at ``path`` at the last check, the rename never
+    replaces what appeared there meanwhile (:func:`lowrank_jax.io.files.rename_noreplace`): a
+    report another run wrote first is replaced, anything else refused.
 
     Args:
       path: the report file.
@@ -320,33 +465,48 @@ def write_report(path: str | os.PathLike, obj: Mapping, *, command: str,
         in front.
       command: the command that wrote it.
       inputs, outputs: as for :func:`check_report_path`.
+      flag: the option that names ``path``.
 
     Returns:
       The absolute path written.
     """
     outputs = tuple(outputs)
-    check_report_path(path, inputs, outputs)
+    _check_report_target(path, inputs, outputs, flag=flag)
     path = os.path.abspath(os.fspath(path))
     doc = {REPORT_KEY: {"command": command, "version": _version()},
            **{k: v for k, v in obj.items() if k != REPORT_KEY}}
     text = json.dumps(json_safe(doc), indent=2, allow_nan=False) + "\n"
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    clean_stale(path)
-    tmp = temp_path(path, "tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        check_report_path(path, inputs, outputs)  # again: something may have appeared meanwhile
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
+    with writing(path, flag=flag):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        clean_stale(path)
+        tmp = temp_path(path, "tmp")
+        try:
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            for _ in range(2):
+                # again: something may have appeared meanwhile
+                _check_report_target(path, inputs, outputs, flag=flag)
+                if os.path.lexists(path):  # a previous report: replaced
+                    os.replace(tmp, path)
+                    break
+                try:
+                    rename_noreplace(tmp, path)
+                    break
+                except FileExistsError:
+                    continue  # appeared in between: replace it only if it is a report
+            else:  # pragma: no cover - appeared, vanished and appeared again
+                raise OutputExistsError(f"{flag} {path} keeps changing while being written",
+                                        where=path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+            raise
     return path
 
 
 __all__ = ["MARKER", "REPORT_KEY", "check_checkpoint_out", "check_output_dir", "check_parent",
-           "check_plots_out", "check_report_path", "check_separate", "describe", "is_report",
-           "json_safe", "marked_directory", "owned_by", "read_marker", "write_report"]
+           "check_plots_out", "check_report_path", "check_separate", "check_writable",
+           "describe", "is_report", "json_safe", "marked_directory", "owned_by", "read_marker",
+           "write_report", "writing", "writing_checkpoint"]

@@ -18,6 +18,7 @@ Wire it into ``lowrank_jax.cli.main`` with ``partition_cmd.add_parser(sub)``.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
 import numpy as np
@@ -75,6 +76,12 @@ def _check(args) -> dict:
     if args.samples < 1:
         raise ConfigError(f"--samples must be >= 1, got {args.samples}", where="--samples",
                           expected=">= 1", actual=args.samples)
+    if args.rank is not None and args.rank < 0:
+        raise ConfigError(f"--rank must be an int >= 0, got {args.rank}", where="--rank",
+                          expected=">= 0", actual=args.rank)
+    if args.eps is not None and not (math.isfinite(args.eps) and args.eps > 0):
+        raise ConfigError(f"--eps must be a number > 0, got {args.eps}", where="--eps",
+                          expected="> 0", actual=args.eps)
     settings = {"machines": args.machines, "assignment": args.assignment,
                 "relative": bool(args.relative)}
     if args.rank is not None:
@@ -232,7 +239,8 @@ def run(args) -> int:
         from lowrank_jax.io import save_model, save_params
 
         meta = {**src.metadata, "partition": settings}
-        with status.phase(f"saving to {args.out}"):
+        with status.phase(f"saving to {args.out}"), outputs.writing_checkpoint(
+                args.out, overwrite=args.overwrite):
             if src.config is not None:
                 save_model(args.out, src.config, new, metadata=meta, overwrite=args.overwrite)
             else:

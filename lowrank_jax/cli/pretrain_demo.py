@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.analysis import eps_rank_from_sv, singular_values
+from lowrank_jax.cli import outputs
 from lowrank_jax.cli.status import Status
 from lowrank_jax.compress import ATTENTION_QKVO, compress, factorize_init, power_schedule
 from lowrank_jax.datasets import builtin_datasets
@@ -77,7 +78,8 @@ def check_steps(steps, name: str = "steps") -> int | None:
     if steps is None:
         return None
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
-        raise ConfigError(f"demo: {name} must be an int >= 1 (training steps per model), got "
+        who = "" if name.startswith("--") else "demo: "  # an option: the command names itself
+        raise ConfigError(f"{who}{name} must be an int >= 1 (training steps per model), got "
                           f"{steps!r}", where=name, expected="int >= 1", actual=steps)
     return int(steps)
 
@@ -89,7 +91,8 @@ def check_seed(seed, name: str = "seed") -> int:
       ConfigError: anything else.
     """
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise ConfigError(f"demo: {name} must be an int >= 0, got {seed!r}", where=name,
+        who = "" if name.startswith("--") else "demo: "
+        raise ConfigError(f"{who}{name} must be an int >= 0, got {seed!r}", where=name,
                           expected="int >= 0", actual=seed)
     return int(seed)
 
@@ -220,6 +223,8 @@ def run_pretraining_demo(
     progress: bool = True,
     datasets: tuple[dict, str] | None = None,
     status: Status | None = None,
+    overwrite: bool = False,
+    plots_into: str | None = None,
 ) -> dict:
     """Run the comparison, print its table, return rows and details as a JSON-able dict.
 
@@ -227,20 +232,30 @@ def run_pretraining_demo(
       quick: the 2 + 1 layer model, 40 steps by default, fewer timing runs.
       steps: training steps per pretrained model (an int >= 1; default 600, quick 40).
       seed: seeds the initializations, the training batches' order and the factor draws.
-      plots_dir: also save plots there.
+      plots_dir: also save plots there, as :func:`lowrank_jax.cli.demo.run_demo` does
+        (checked first, written whole at the end, never over what lowrank-jax did not write).
       progress: tqdm bars for training.
       datasets: ``builtin_datasets()``'s result, if already loaded.
       status: where status lines go (default: ``Status('demo', bars=progress)``, on stderr).
+      overwrite: replace ``plots_dir`` if it is a previous lowrank-jax plots directory.
+      plots_into: instead of ``plots_dir``, an existing directory the plots are simply written
+        into (the demo's own temporary plots directory).
 
     Returns:
       ``{'rows': [{'method', 'size_ratio', 'time_ratio', 'wql', 'mase', ...}], ...}`` with
       ``wql`` / ``mase`` the geometric means over datasets relative to the dense model.
 
     Raises:
-      ConfigError: ``steps`` or ``seed`` out of range.
+      ConfigError: ``steps`` or ``seed`` out of range, ``plots_dir`` not writable.
+      OutputExistsError: ``plots_dir`` holds something that may not be replaced.
     """
     steps = check_steps(steps)
     seed = check_seed(seed)
+    if plots_dir and plots_into:
+        raise ConfigError("run_pretraining_demo: give plots_dir or plots_into, not both",
+                          where="plots_into", expected="one of them", actual="both")
+    if plots_dir:
+        outputs.check_plots_out(plots_dir, {}, overwrite=overwrite)
     status = status if status is not None else Status("demo", bars=progress)
     t_start = time.perf_counter()
     cfg = demo_config(quick)
@@ -388,8 +403,14 @@ def run_pretraining_demo(
         "dense_layer_eps_rank": ranks["eps_rank"],
         "seconds": time.perf_counter() - t_start,
     }
-    if plots_dir:
-        out["plots"] = _plots(plots_dir, ranks, rows)
+    if plots_into:
+        out["plots"] = _plots(plots_into, ranks, rows)
+    elif plots_dir:
+        with outputs.marked_directory(plots_dir, kind="plots", overwrite=overwrite,
+                                      who="demo") as tmp:
+            names = [os.path.basename(p) for p in _plots(tmp, ranks, rows)]
+        out["plots"] = [os.path.join(plots_dir, n) for n in names]
+        print(f"wrote {len(names)} plots to {plots_dir}: {', '.join(names)}")
     return out
 
 
@@ -412,7 +433,6 @@ def _layer_ranks(params) -> dict:
 def _plots(plots_dir: str, ranks: dict, rows: list[dict]) -> list[str]:
     from lowrank_jax.analysis.plots import plot_layer_ranks, plot_spectra, pyplot
 
-    os.makedirs(plots_dir, exist_ok=True)
     paths = [
         plot_spectra(
             list(ranks["spectra"].values()),
@@ -442,6 +462,4 @@ def _plots(plots_dir: str, ranks: dict, rows: list[dict]) -> list[str]:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     paths.append(path)
-    for p in paths:
-        print(f"wrote {p}")
     return paths

@@ -384,7 +384,8 @@ def run(args) -> int:
         from lowrank_jax.io import save_model
 
         meta = {**src.metadata, "prune": report["settings"]}
-        with status.phase(f"saving to {args.out}"):
+        with status.phase(f"saving to {args.out}"), outputs.writing_checkpoint(
+                args.out, overwrite=args.overwrite):
             save_model(args.out, cfg, final, metadata=meta, overwrite=args.overwrite)
         print(f"saved the pruned model to {args.out}")
     if args.json:

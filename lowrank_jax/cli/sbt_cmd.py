@@ -246,7 +246,8 @@ def run(args) -> int:
         from lowrank_jax.io import save_model
         from lowrank_jax.leaves import pack_binary_tree
 
-        with status.phase(f"saving to {args.out} (binary weights packed)"):
+        with status.phase(f"saving to {args.out} (binary weights packed)"), \
+                outputs.writing_checkpoint(args.out, overwrite=args.overwrite):
             save_model(args.out, cfg, pack_binary_tree(result.params), state=result.state,
                        metadata={"sbt": report["settings"]}, overwrite=args.overwrite)
         print(f"saved the model to {args.out}")

@@ -22,7 +22,7 @@ from typing import Any
 
 from lowrank_jax.cli.status import Status
 from lowrank_jax.convert.files import CONFIG_NAME, INDEX_NAME, TORCH_NAME, WEIGHTS_NAME
-from lowrank_jax.errors import ConfigError
+from lowrank_jax.errors import ConfigError, LowrankJaxError
 from lowrank_jax.io import TREE_FILE
 
 WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, TORCH_NAME)
@@ -82,8 +82,25 @@ def _size(path: str) -> str:
     return f"{n} bytes"
 
 
+#: Library readers whose names start their messages (``load_metadata: ...``); the command
+#: names its argument instead (:func:`load_source`).
+_READERS = ("load_metadata", "load_params", "load_state", "load_model", "load_model_state",
+            "load_pretrained", "read_checkpoint", "read_document")
+
+
+def _name_argument(e: LowrankJaxError, label: str, path: str) -> None:
+    """Start the message of a reader's error ``e`` with the command's argument (``MODEL
+    DIR: ...``) instead of the library function that raised it (changed in place; other
+    messages are left as they are)."""
+    head, sep, text = str(e).partition(": ")
+    if not sep or head not in _READERS:
+        return
+    prefix = f"{label}: " if path in text.split("\n", 1)[0] else f"{label} {path}: "
+    e.args = (prefix + text,)
+
+
 def load_source(path: str | os.PathLike, *, status: Status, family: str | None = None,
-                huggingface: bool = False) -> Source:
+                huggingface: bool = False, label: str = "MODEL") -> Source:
     """Load a lowrank_jax checkpoint or a Hugging Face directory (module docstring).
 
     Args:
@@ -92,6 +109,8 @@ def load_source(path: str | os.PathLike, *, status: Status, family: str | None =
       family: force this model family for a Hugging Face directory.
       huggingface: read ``path`` as a Hugging Face directory whatever it holds (``convert``:
         the reader's errors name the missing or unreadable file).
+      label: the command's name for ``path`` (``MODEL``, ``SRC``): the readers' errors start
+        with it (and the path), not with the library function that raised them.
 
     Returns:
       The :class:`Source`.
@@ -101,6 +120,14 @@ def load_source(path: str | os.PathLike, *, status: Status, family: str | None =
       MissingFileError, CheckpointError, ConfigError: from the readers, naming the file.
     """
     path = os.fspath(path)
+    try:
+        return _load(path, status=status, family=family, huggingface=huggingface)
+    except LowrankJaxError as e:
+        _name_argument(e, label, path)
+        raise
+
+
+def _load(path: str, *, status: Status, family: str | None, huggingface: bool) -> Source:
     if huggingface or is_hf_directory(path):
         from lowrank_jax.convert import load_pretrained
 

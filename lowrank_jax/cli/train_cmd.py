@@ -76,6 +76,7 @@ import os
 import re
 from typing import Any, Callable
 
+from lowrank_jax.cli import outputs
 from lowrank_jax.cli.outputs import json_safe
 from lowrank_jax.errors import ConfigError, OutputExistsError
 
@@ -626,6 +627,7 @@ def run_train(config_path: str, out_dir: str, *, progress: bool = True,
     kind, doc = "new", None
     if n_proc == 1:
         kind, doc = inspect_run_dir(out_dir, c, resume_changed_config=resume_changed_config)
+        outputs.check_writable(out_dir, flag="--out", inside=True)  # before the model is built
     cfg = build_model_config(c["model"])
     fam = get_family(c["model"]["family"])
     if fam.forecast is None or fam.batch_from_windows is None:  # pragma: no cover - schema

@@ -11,7 +11,10 @@ next to the parameter and FLOP ratios:
   ("Understanding Transformers for Time Series: Rank Structure, Flow-of-Ranks, and
   Compressibility", Table 2, "Overlap");
 * ``time_ratio``: median compressed / median original forward time, both jitted, measured
-  interleaved in one run so machine noise hits both alike.
+  interleaved in one run so machine noise hits both alike; ``time_ratio_quartiles``, the
+  25th and 75th percentiles of the per-run ratios (compressed / original call of the same
+  round), show how far apart single measurements fall: a range that holds 1 means no
+  measurable difference.
 
 Everything family-specific comes from the family record (:func:`lowrank_jax.models.family_of`).
 """
@@ -83,7 +86,8 @@ def compare_models(config: Any, params: Any, new_params: Any, *, inputs: dict | 
     Returns:
       A dict: ``output`` (the primary output's name), ``max_abs_error``, ``rel_error``,
       ``top10_jaccard`` (token families), ``param_ratio``, ``flop_ratio`` (weight leaves, for
-      the batch's tokens), ``time_ratio`` and ``time_ms``.
+      the batch's tokens); when timed also ``time_ratio``, ``time_ratio_quartiles`` (module
+      docstring), ``time_runs`` and ``time_ms``.
     """
     family = family_of(config)
     inputs = sample_inputs(config) if inputs is None else inputs
@@ -115,6 +119,10 @@ def compare_models(config: Any, params: Any, new_params: Any, *, inputs: dict | 
             t_ref.append(t1 - t0)
             t_new.append(t2 - t1)
         out["time_ratio"] = float(np.median(t_new) / np.median(t_ref))
+        paired = np.asarray(t_new) / np.asarray(t_ref)
+        out["time_ratio_quartiles"] = [float(np.percentile(paired, 25)),
+                                       float(np.percentile(paired, 75))]
+        out["time_runs"] = int(time_runs)
         out["time_ms"] = {
             "original": 1e3 * float(np.median(t_ref)),
             "compressed": 1e3 * float(np.median(t_new)),

@@ -53,7 +53,10 @@ What the paper leaves open is decided in :mod:`lowrank_jax.decomp.btd` (rank-0 t
 starts, stopping rule, CPD-EPC) and here: ``btd`` caps each head's rank at the numerical rank
 of its slice (at most ``d_head``; Algorithm 1 may give more, which a slice cannot use) and gives
 the surplus columns to the heads with the next largest fusion weight; a head with rank 0 attends
-uniformly (its row says so in ``details['uniform_heads']``).
+exactly uniformly (its row of the fusion matrix is held at zero during the sweeps; see
+:func:`btd`, setting ``rank0_uniform``), and ``details['uniform_heads']`` lists the heads whose
+row of the fitted fusion matrix is zero. For ``cp``, a head whose ``head_ranks`` is 0 is not
+uniform: every rank-1 term still reaches it through its row of ``S^H``.
 """
 
 from __future__ import annotations
@@ -343,7 +346,7 @@ def to_query_key(qk: QK, *, max_width: int | None = None, rtol: float = 1e-10,
 # Settings.
 
 SETTINGS = ("rank", "flops_ratio", "n_tokens", "vo_rank", "drop_key_bias", "n_iter_max", "tol",
-            "epc", "ranks", "n_iter_term", "cp_n_iter_max", "float64")
+            "epc", "ranks", "n_iter_term", "cp_n_iter_max", "float64", "rank0_uniform")
 OVERRIDES = ("rank", "flops_ratio", "vo_rank", "ranks")
 
 
@@ -377,7 +380,7 @@ def _check_settings(method: str, s: Mapping, *, complete: bool = True) -> None:
         raise PlanError(f"{method}: rank must be an int >= 0 or a list of them (one per head), "
                         f"got {rank!r}", where="rank", expected="int or list of ints",
                         actual=rank)
-    for name in ("drop_key_bias", "epc", "float64"):
+    for name in ("drop_key_bias", "epc", "float64", "rank0_uniform"):
         if name in s and not isinstance(s[name], bool):
             raise PlanError(f"{method}: {name} must be a bool, got {s[name]!r}", where=name,
                             expected="bool", actual=s[name])
@@ -533,6 +536,11 @@ def cp(params, selection, settings, ctx):
         (ALS sweeps, default 100), ``tol`` (default 1e-8), ``epc`` (default ``True``),
         ``float64`` (decompose in float64, default ``True``).
 
+    Row ``details['head_ranks']`` counts, per head, the rank-1 terms whose largest fusion weight
+    lies in that head. A head that counts 0 still receives every term through its row of
+    ``S^H`` (CP-ALS leaves no exact zeros there), so it does not attend uniformly and the row
+    claims no uniform heads.
+
     Returns:
       ``(new_params, rows)``.
     """
@@ -585,6 +593,12 @@ def _pack_terms(a: np.ndarray, b: np.ndarray, ranks: Sequence[int]):
     return cat(qa, a.shape[1]), cat(kb, b.shape[1])
 
 
+def _uniform_heads(c: np.ndarray, ranks: Sequence[int]) -> list[int]:
+    """Heads whose logits are exactly zero: no term of rank > 0 has weight in their row of C."""
+    live = np.asarray(ranks) > 0
+    return [h for h in range(c.shape[0]) if not np.any(c[h, live] != 0)]
+
+
 def btd(params, selection, settings, ctx):
     """The ``btd`` plan method: IrrAtt ("Vision Transformer with Irregular Attention",
     eqs. 5-6, Algorithms 1-3).
@@ -596,7 +610,18 @@ def btd(params, selection, settings, ctx):
         ``vo_rank``; ``drop_key_bias``; ``n_iter_max`` (sweeps, default 50), ``tol`` (default
         1e-8), ``n_iter_term`` (Algorithm 2 iterations per term and sweep, default 1),
         ``cp_n_iter_max`` (default 100), ``epc`` (default ``True``), ``float64`` (default
-        ``True``).
+        ``True``), ``rank0_uniform`` (default ``True``, below).
+
+    A head of rank 0 (asked for with ``ranks``, or given none of the ``R`` columns by
+    Algorithm 1) attends exactly uniformly by default: the sweeps hold its row of the fusion
+    matrix ``C`` at zero (``zero_empty`` of :func:`~lowrank_jax.decomp.btd_ll1`), so no other
+    term reaches it and its logits are exactly zero. Algorithm 3 as printed refits every term's
+    fusion weights over all heads, and the other terms would give the head logits again; a head
+    the user (or Algorithm 1) gave nothing should get nothing, and the ranks in the report
+    should describe the model. ``rank0_uniform=False`` runs Algorithm 3 as printed (lower error
+    where a head would profit from the others' terms). Row ``details['uniform_heads']`` is read
+    off the fitted ``C``, not the ranks: the heads no term of rank > 0 reaches. Fine-tuning the
+    fusion matrix afterwards can give those heads weights again.
 
     Returns:
       ``(new_params, rows)``.
@@ -615,7 +640,8 @@ def btd(params, selection, settings, ctx):
         with jax.enable_x64(_x64(s)):
             t = jnp.asarray(core, jnp.float64 if _x64(s) else jnp.float32)
             kw = dict(n_iter_max=int(s.get("n_iter_max", 50)), tol=float(s.get("tol", 1e-8)),
-                      n_iter_term=int(s.get("n_iter_term", 1)))
+                      n_iter_term=int(s.get("n_iter_term", 1)),
+                      zero_empty=bool(s.get("rank0_uniform", True)))
             if s.get("ranks") is not None:
                 ranks_in = _per_head(s["ranks"], h, f"{sel.path}: ranks")
                 res = btd_ll1(t, init="slices", ranks=ranks_in, **kw)
@@ -640,7 +666,7 @@ def btd(params, selection, settings, ctx):
         _, block = _block_of(params, sel.path, "btd")
         details = {"rank": ranks, "head_ranks": ranks, "rank_total": int(sum(ranks)),
                    "slice_ranks": caps, "sweeps": n_sweeps, "errors": history,
-                   "uniform_heads": [i for i, r in enumerate(ranks) if r == 0],
+                   "uniform_heads": _uniform_heads(c, ranks),
                    **_finish_info(info, "btd", int(sum(ranks)), qk, out, block, sel.path, h)}
         rows.append(Row.compare(sel.path, qk, out, rule=sel.rule, kind="btd", error=err,
                                 details=details))

@@ -26,6 +26,20 @@ outputs are zero) and a zero hidden channel adds nothing (every activation maps 
 cannot be exported exactly is refused: more heads than the config, heads wider than its head
 width, a logit scale other than the one the PyTorch class applies.
 
+``config.json`` and ``generation_config.json``: a config that carries the files of the checkpoint
+it was loaded from (``hf_files``, :class:`~lowrank_jax.models.hf.HFConfigFiles`, set by
+:func:`~lowrank_jax.convert.load_pretrained` and kept by ``save_model`` / ``load_model``) gets
+them back: ``generation_config.json`` verbatim, ``config.json`` verbatim except the fields that
+the config changed since it was loaded (those in which the family's ``config_to_hf`` of the
+exported config differs from that of the loaded one, nested dicts such as ``chronos_config``
+entry by entry) and ``dtype`` / ``torch_dtype``, which name the exported tensors' ``float32``;
+``transformers_version`` stays the source's (the file keeps that version's conventions). The
+result must read back as the exported config (``config_from_hf``); if a changed field depends
+on one the source left to its default, the fields the config determines that the source lacks
+are written too, and failing that all of them. A config without recorded files (built in
+lowrank_jax, or loaded from a checkpoint written before they were recorded) gets the
+``config.json`` of ``config_to_hf`` alone and no ``generation_config.json``.
+
 Query-key objects other than :class:`~lowrank_jax.QueryKey` (the CP-SlimAtt and IrrAtt factors
 of "Vision Transformer with Irregular Attention") are rewritten as separate q/k weights per head
 by a float64 SVD of every slice of their query-key tensor, biases included (an augmented constant
@@ -37,6 +51,8 @@ materialized.
 
 from __future__ import annotations
 
+import copy
+import errno
 import json
 import logging
 import math
@@ -49,7 +65,7 @@ import jax
 import numpy as np
 
 from lowrank_jax.compress import to_query_key
-from lowrank_jax.convert.files import CONFIG_NAME, WEIGHTS_NAME
+from lowrank_jax.convert.files import CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME
 from lowrank_jax.convert.load import hf_spec
 from lowrank_jax.errors import CheckpointError, OutputExistsError, ShapeError
 from lowrank_jax.leaves import (
@@ -65,7 +81,7 @@ from lowrank_jax.leaves import (
     replace_paths,
 )
 from lowrank_jax.models import family_of
-from lowrank_jax.models.hf import HFRow, Widen
+from lowrank_jax.models.hf import HFRow, HFSpec, Widen, hf_files_of
 from lowrank_jax.nn import attention_params, head_widths
 
 logger = logging.getLogger("lowrank_jax.convert")
@@ -330,6 +346,89 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
 
 
 # ---------------------------------------------------------------------------------------------
+# config.json and generation_config.json.
+
+#: ``config.json`` keys that name the dtype of the checkpoint's tensors (transformers 5, 4).
+DTYPE_KEYS = ("dtype", "torch_dtype")
+
+
+def _overlay(source: dict, base: dict, ours: dict) -> dict:
+    """A copy of ``source`` with the entries in which ``ours`` differs from ``base`` set to
+    ``ours``' (dicts present in all three entry by entry) and the entries of ``base`` that
+    ``ours`` no longer has removed."""
+    out = copy.deepcopy(source)
+    for k, v in ours.items():
+        b = base.get(k, _ABSENT)
+        if b is not _ABSENT and type(b) is type(v) and b == v:
+            continue
+        if isinstance(v, dict) and isinstance(b, dict) and isinstance(out.get(k), dict):
+            out[k] = _overlay(out[k], b, v)
+        else:
+            out[k] = copy.deepcopy(v)
+    for k in base:
+        if k not in ours:
+            out.pop(k, None)
+    return out
+
+
+def _fill(out: dict, ours: dict) -> dict:
+    """A copy of ``out`` with the entries of ``ours`` that it lacks added (nested dicts too)."""
+    out = copy.deepcopy(out)
+    for k, v in ours.items():
+        if k not in out:
+            out[k] = copy.deepcopy(v)
+        elif isinstance(v, dict) and isinstance(out[k], dict):
+            out[k] = _fill(out[k], v)
+    return out
+
+
+def _reads_back(spec: HFSpec, hf_config: dict, state: dict, ours: dict) -> bool:
+    """Whether ``hf_config`` (with the exported tensors) translates to a config whose
+    ``config_to_hf`` is ``ours``."""
+    try:
+        return spec.config_to_hf(spec.config_from_hf(copy.deepcopy(hf_config), state)) == ours
+    except (ValueError, KeyError, TypeError):  # ConfigError is a ValueError
+        return False
+
+
+def config_files(config: Any, state: dict) -> tuple[dict, dict | None, list[str] | None]:
+    """The ``config.json`` and ``generation_config.json`` of an export (module docstring).
+
+    Args:
+      config: the exported model's config (of a family with a Hugging Face mapping).
+      state: the exported tensors (:func:`state_dict_from_params`), which the family's
+        ``config_from_hf`` may read (a tied or untied head, a pooler).
+
+    Returns:
+      ``(config_json, generation_json, changed)``: ``generation_json`` is ``None`` when the
+      source had none; ``changed`` lists the top-level ``config.json`` keys that differ from
+      the source's, ``None`` when no source files are recorded.
+    """
+    spec = hf_spec(family_of(config))
+    ours = spec.config_to_hf(config)
+    files = hf_files_of(config)
+    if files is not None and not isinstance(files.loaded, type(config)):
+        logger.warning("export: the recorded Hugging Face files belong to a %s, not to the "
+                       "exported %s; writing config.json from the config alone",
+                       type(files.loaded).__name__, type(config).__name__)
+        files = None
+    if files is None:
+        return ours, None, None
+    source = files.config
+    out = _overlay(source, spec.config_to_hf(files.loaded), ours)
+    if not _reads_back(spec, out, state, ours):
+        out = _fill(out, ours)  # a changed field may depend on one the source left to default
+        if not _reads_back(spec, out, state, ours):
+            out = _overlay(out, {}, ours)
+    for k in DTYPE_KEYS:
+        if k in out:
+            out[k] = "float32"
+    changed = sorted(k for k in set(out) | set(source)
+                     if out.get(k, _ABSENT) != source.get(k, _ABSENT))
+    return out, copy.deepcopy(files.generation_config), changed
+
+
+# ---------------------------------------------------------------------------------------------
 # Writing.
 
 def _check_target(path: str, overwrite: bool) -> None:
@@ -343,31 +442,64 @@ def _check_target(path: str, overwrite: bool) -> None:
                                     where=path)
 
 
-def _write_dir(directory: str, hf_config: dict, state: dict, metadata: dict) -> None:
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def _write_dir(directory: str, hf_config: dict, generation: dict | None, state: dict,
+               metadata: dict) -> None:
     from safetensors.numpy import save_file
 
-    with open(os.path.join(directory, CONFIG_NAME), "w") as f:
-        json.dump(hf_config, f, indent=2, sort_keys=True)
-        f.write("\n")
+    _write_json(os.path.join(directory, CONFIG_NAME), hf_config)
+    if generation is not None:
+        _write_json(os.path.join(directory, GENERATION_CONFIG_NAME), generation)
     save_file(state, os.path.join(directory, WEIGHTS_NAME), metadata=metadata)
 
 
-def _move_into_place(tmp: str, path: str) -> None:
-    """Rename ``tmp`` to ``path``; an existing ``path`` is set aside first and restored if the
-    rename fails, removed after it succeeds."""
-    if not os.path.lexists(path):
-        os.rename(tmp, path)
-        return
-    parent, name = os.path.split(path)
-    backup = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
-    os.rmdir(backup)  # only the unique name is wanted
-    os.rename(path, backup)
+def _move_into_place(tmp: str, path: str, overwrite: bool = False) -> None:
+    """Rename ``tmp`` to ``path`` without losing what another writer put there meanwhile.
+
+    Without ``overwrite`` only an empty directory at ``path`` is replaced (removed just before
+    the rename); anything else at ``path`` when the rename happens -- another export that
+    finished first, someone's files -- is left as it is and refused
+    (:func:`lowrank_jax.io.files.rename_noreplace`). With ``overwrite`` an existing directory is
+    set aside first, restored if the rename fails, removed after it succeeds.
+
+    Raises:
+      OutputExistsError: something other than an empty directory (without ``overwrite``) or a
+        directory (with it) took ``path`` while ``tmp`` was written.
+    """
+    from lowrank_jax.io.files import is_empty_dir, rename_noreplace
+
+    backup = None
     try:
-        os.rename(tmp, path)
-    except BaseException:
-        os.rename(backup, path)
+        if overwrite and os.path.isdir(path) and not os.path.islink(path):
+            parent, name = os.path.split(path)
+            backup = tempfile.mkdtemp(prefix=f".{name}.old-", dir=parent)
+            os.rmdir(backup)  # only the unique name is wanted
+            os.rename(path, backup)
+        elif is_empty_dir(path):
+            try:
+                os.rmdir(path)  # fails if something was put into it meanwhile
+            except FileNotFoundError:
+                pass
+        rename_noreplace(tmp, path)
+    except BaseException as e:
+        if backup is not None:
+            try:
+                rename_noreplace(backup, path)
+            except OSError:  # another export took its place; it was being replaced anyway
+                shutil.rmtree(backup, ignore_errors=True)
+        if isinstance(e, OSError) and e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+            raise OutputExistsError(
+                f"save_pretrained: {path} appeared while the export was being written (another "
+                "writer?); nothing was written there. Pass overwrite=True to replace it, or "
+                "choose another path", where=path) from None
         raise
-    shutil.rmtree(backup, ignore_errors=True)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
 
 
 def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) -> dict:
@@ -377,7 +509,10 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
     same outputs. Compressed leaves are densified with :func:`~lowrank_jax.materialize` (logged
     on the ``lowrank_jax.convert`` logger, listed in the summary and in the safetensors
     metadata), so the exported file is as large as the uncompressed model; narrower layers are
-    zero-padded to the config's widths (see the module docstring).
+    zero-padded to the config's widths (see the module docstring). A config loaded with
+    ``load_pretrained`` (directly or through ``save_model`` / ``load_model``) gets its source's
+    ``config.json`` and ``generation_config.json`` back, changed only where the config changed
+    (module docstring), so training settings such as dropout survive the round trip.
 
     Args:
       config: the model's config dataclass (of any family with a Hugging Face mapping).
@@ -389,7 +524,9 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
     Returns:
       A summary: ``{'family', 'architecture', 'path', 'files', 'n_tensors', 'n_parameters',
       'materialized' (tree paths of densified leaves), 'widened' (zero-padded blocks),
-      'load_kwargs' (what ``from_pretrained`` needs beyond the path)}``.
+      'config_changed' (the ``config.json`` keys that differ from the source's; ``None`` when
+      the config records no source files), 'load_kwargs' (what ``from_pretrained`` needs
+      beyond the path)}``.
 
     Raises:
       OutputExistsError: ``path`` is a non-empty directory (without ``overwrite``) or a file.
@@ -401,7 +538,9 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
     family = family_of(config)
     spec = hf_spec(family)
     state, materialized, widened = state_dict_from_params(config, params)
-    hf_config = spec.config_to_hf(config)
+    hf_config, generation, changed = config_files(config, state)
+    if changed:
+        logger.info("export config.json: the source's, with %s changed", ", ".join(changed))
     if materialized:
         logger.warning("export materialized %d compressed leaves: %s", len(materialized),
                        ", ".join(materialized))
@@ -416,9 +555,9 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
-        _write_dir(tmp, hf_config, state, metadata)
+        _write_dir(tmp, hf_config, generation, state, metadata)
         _check_target(path, overwrite)  # again: something may have appeared meanwhile
-        _move_into_place(tmp, path)
+        _move_into_place(tmp, path, overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -426,13 +565,15 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
         "family": family.name,
         "architecture": (hf_config.get("architectures") or [""])[0],
         "path": path,
-        "files": [CONFIG_NAME, WEIGHTS_NAME],
+        "files": [CONFIG_NAME] + ([GENERATION_CONFIG_NAME] if generation is not None else [])
+                 + [WEIGHTS_NAME],
         "n_tensors": len(state),
         "n_parameters": int(sum(a.size for a in state.values())),
         "materialized": materialized,
         "widened": widened,
+        "config_changed": changed,
         "load_kwargs": dict(spec.load_kwargs(config)),
     }
 
 
-__all__ = ["save_pretrained", "state_dict_from_params"]
+__all__ = ["DTYPE_KEYS", "config_files", "save_pretrained", "state_dict_from_params"]

@@ -19,6 +19,7 @@ import numpy as np
 from lowrank_jax.errors import CheckpointError, ConfigError, DataError, MissingFileError
 
 CONFIG_NAME = "config.json"
+GENERATION_CONFIG_NAME = "generation_config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 TORCH_NAME = "pytorch_model.bin"
@@ -177,6 +178,51 @@ def read_config(path: str) -> dict:
     return config
 
 
+def read_generation_config(directory: str) -> dict | None:
+    """The parsed ``generation_config.json`` of a checkpoint directory, or ``None`` if it has
+    none.
+
+    Raises:
+      ConfigError: the file is not valid JSON, or not a JSON object.
+    """
+    path = os.path.join(directory, GENERATION_CONFIG_NAME)
+    if not os.path.exists(path):
+        return None
+    return read_config(path)
+
+
+def _json_value(v: Any) -> Any:
+    """``json.dumps``' fallback for the values a config dict may hold besides JSON ones: NumPy
+    scalars and arrays as numbers and lists, anything else (a ``torch.dtype``) as its string,
+    as ``transformers`` writes it."""
+    if isinstance(v, np.generic):
+        return v.item()
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return str(v)
+
+
+def file_dict(config: Any) -> dict | None:
+    """A Hugging Face config as the JSON object its file holds: what
+    :func:`~lowrank_jax.convert.load_pretrained` keeps to write back on export.
+
+    Args:
+      config: ``None``, a dict (copied through JSON), or a ``transformers`` ``PretrainedConfig``
+        or ``GenerationConfig`` (what its ``save_pretrained`` writes: the fields that differ
+        from the class defaults).
+
+    Returns:
+      A JSON-able dict (``None`` for ``None``).
+    """
+    if config is None:
+        return None
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(config, (transformers.PretrainedConfig,
+                                                        transformers.GenerationConfig)):
+        return json.loads(config.to_json_string(use_diff=True))
+    return json.loads(json.dumps(dict(config), default=_json_value))
+
+
 def config_dict(config: Any) -> dict | None:
     """A Hugging Face config as a dict.
 
@@ -225,5 +271,6 @@ def hf_model(source: Any):
     return source
 
 
-__all__ = ["CONFIG_NAME", "INDEX_NAME", "TORCH_NAME", "WEIGHTS_NAME", "config_dict", "hf_model",
-           "read_config", "read_safetensors", "read_torch_bin", "read_weights", "to_numpy"]
+__all__ = ["CONFIG_NAME", "GENERATION_CONFIG_NAME", "INDEX_NAME", "TORCH_NAME", "WEIGHTS_NAME",
+           "config_dict", "file_dict", "hf_model", "read_config", "read_generation_config",
+           "read_safetensors", "read_torch_bin", "read_weights", "to_numpy"]

@@ -21,15 +21,17 @@ import numpy as np
 from lowrank_jax.convert.files import (
     CONFIG_NAME,
     config_dict,
+    file_dict,
     hf_model,
     read_config,
+    read_generation_config,
     read_weights,
     to_numpy,
 )
 from lowrank_jax.errors import CheckpointError, ConfigError, MissingFileError
 from lowrank_jax.leaves import Dense, get_path, replace_paths
 from lowrank_jax.models import ModelFamily, families, family_of
-from lowrank_jax.models.hf import HFSpec
+from lowrank_jax.models.hf import HFConfigFiles, HFSpec, with_hf_files
 
 
 def hf_families() -> dict[str, ModelFamily]:
@@ -192,13 +194,24 @@ def load_pretrained(source, *, family: str | None = None, config=None):
 
     Returns:
       The family's config dataclass and parameter tree (``Dense`` leaves, ``[d_in, d_out]``).
+      The config carries the source's ``config.json`` and ``generation_config.json`` verbatim
+      in its ``hf_files`` field (:class:`~lowrank_jax.models.hf.HFConfigFiles`; a config
+      class without that field carries nothing), so that
+      :func:`~lowrank_jax.convert.save_pretrained` writes back what lowrank_jax does not
+      model (dropout, initializer and cache settings, labels, decoding defaults). The
+      generation config is read from a checkpoint directory (or from a ``config=``
+      directory), or taken from a live model that can generate.
 
     Raises:
       CheckpointError: the weights do not match the config (every offending key is listed) or
         a weights file cannot be read.
       MissingFileError: no directory, ``config.json`` or weights file.
-      ConfigError: unknown or ambiguous family, or an invalid config.
+      ConfigError: unknown or ambiguous family, or an invalid config (or an invalid
+        ``generation_config.json``).
     """
+    generation, architecture = None, None
+    config_dir = (os.fspath(config) if isinstance(config, (str, os.PathLike))
+                  and os.path.isdir(config) else None)
     if isinstance(source, (str, os.PathLike)):
         directory = os.fspath(source)
         if not os.path.isdir(directory):
@@ -206,6 +219,7 @@ def load_pretrained(source, *, family: str | None = None, config=None):
                                    where=directory)
         hf_config = config_dict(config) or read_config(os.path.join(directory, CONFIG_NAME))
         state, where = read_weights(directory)
+        generation = read_generation_config(config_dir or directory)
     elif isinstance(source, dict):
         hf_config = config_dict(config)
         if hf_config is None:
@@ -213,14 +227,29 @@ def load_pretrained(source, *, family: str | None = None, config=None):
                               "config: a dict, a config.json path or a PretrainedConfig)",
                               where="config", expected="a config", actual=None)
         state, where = {k: to_numpy(v) for k, v in source.items()}, "<state dict>"
+        if config_dir is not None:
+            generation = read_generation_config(config_dir)
     else:
         module = hf_model(source)
         hf_config = config_dict(config if config is not None else module.config)
         state = {k: to_numpy(v) for k, v in module.state_dict().items()}
         where = f"<{type(module).__name__}>"
+        if config_dir is not None:
+            generation = read_generation_config(config_dir)
+        elif module.can_generate() and getattr(module, "generation_config", None) is not None:
+            generation = file_dict(module.generation_config)
+        if config is None:  # the config.json the module's save_pretrained would write
+            config, architecture = module.config, type(module).__name__
     fam = _get_family(family if family is not None else detect_family(hf_config))
     spec = fam.hf
     cfg = spec.config_from_hf(hf_config, {spec.rename(k): v for k, v in state.items()})
+    # the file as written: a PretrainedConfig in the form its save_pretrained writes
+    written = file_dict(hf_config if config is None or isinstance(config, (str, os.PathLike))
+                        else config)
+    if architecture is not None:
+        written["architectures"] = [architecture]
+    cfg = with_hf_files(cfg, HFConfigFiles(config=written, generation_config=generation,
+                                           loaded=cfg))
     return cfg, params_from_state_dict(cfg, state, source=where)
 
 

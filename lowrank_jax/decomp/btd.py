@@ -29,9 +29,19 @@ What the paper leaves open, and what is done here:
 * **Stopping rule.** Sweeps stop when the relative error changes by less than ``tol`` between
   two sweeps (as ``cp_als``) or after ``n_iter_max`` sweeps; Algorithm 2 inside a sweep runs
   ``n_iter_term`` iterations (default 1: plain block-coordinate ALS).
-* **Rank 0.** A term that receives no columns is exactly zero and keeps its ``c``; nothing is
-  divided by its norm, so no NaN appears. (In IrrAtt its head's logits are then constant: the
-  head attends uniformly.)
+* **Rank 0.** A term that receives no columns is exactly zero; nothing is divided by its norm,
+  so no NaN appears. One term per frontal index means term ``t`` is the term of slice ``t``
+  (Algorithm 1 assigns columns to the slice of their largest ``C`` entry, and ``C`` starts as
+  the identity), and a rank-0 term is then a request that slice ``t`` be left out. Algorithm 3
+  as printed does not keep it out: every sweep refits every term's ``c`` over all slices, so
+  the other terms leak into slice ``t`` (in IrrAtt: the head of a rank-0 term, meant to attend
+  uniformly, gets logits again). By default (``zero_empty=True``) row ``t`` of ``C`` is held
+  at exactly zero for every term during the sweeps: the rank-1 step of Algorithm 2 becomes the
+  least-squares fit of ``c`` with those entries zero (the best rank-1 approximation of
+  ``T_(3) khatri-rao(A, B)`` with the held rows zeroed, still an exact minimiser, so the
+  residual still never increases), and the rank-0 term's own ``c`` is zero. Slice ``t`` of the
+  model is then exactly zero; in IrrAtt the head's logits are exactly zero and it attends
+  exactly uniformly, as its rank says. ``zero_empty=False`` runs Algorithm 3 as printed.
 * **More rank than fits.** Algorithm 1 can give a term more columns than a matrix of its size
   can use, or than the caller wants (IrrAtt: more than ``d_head``, while every slice of the
   query-key tensor has rank at most ``d_head``). With ``max_rank`` set, columns are assigned in
@@ -68,8 +78,8 @@ class BTDResult(NamedTuple):
     Fields:
       a: ``[T, I, L]`` term factors ``A_t``, zero beyond column ``ranks[t]``.
       b: ``[T, J, L]`` term factors ``B_t``, zero beyond column ``ranks[t]``.
-      c: ``[K, T]`` third-mode vectors ``c_t`` (unit norm after a fit; the identity after
-        :func:`btd_from_cp`).
+      c: ``[K, T]`` third-mode vectors ``c_t`` (unit norm after a fit, zero for a rank-0 term
+        under ``zero_empty``; the identity after :func:`btd_from_cp`).
       ranks: ``[T]`` int32 ranks ``L_t``.
       errors: ``[n_iter_max]`` relative errors after each sweep, ``NaN`` after the last
         (empty for an initialisation).
@@ -112,9 +122,14 @@ def _fix_sign(c, w):
     return c * s, w * s
 
 
-def _term_step(x, rank, c, lmax: int):
+def _term_step(x, rank, c, lmax: int, rows=None):
     """One iteration of Algorithm 2 on ``x`` from ``c`` (unit). Returns ``(u, v, c, w)``: the
-    term is ``(u diag(w) v^T) o c`` with orthonormal ``u``, ``v`` (masked beyond ``rank``)."""
+    term is ``(u diag(w) v^T) o c`` with orthonormal ``u``, ``v`` (masked beyond ``rank``).
+
+    ``rows`` (``[K]`` of 0/1, or ``None``): entries of ``c`` held at zero where it is 0 (``c``
+    must already be zero there). The rank-1 step is then the exact least-squares minimiser over
+    the ``c`` with those zeros: ``||T - c w^T||^2`` splits into the held rows of ``T``, which no
+    ``c`` changes, and the free ones, whose best rank-1 approximation is taken."""
     mask = _rank_mask(rank, lmax, x.dtype)
     m = jnp.einsum("ijk,k->ij", x, c)
     u, _, vt = jnp.linalg.svd(m, full_matrices=False)
@@ -122,15 +137,21 @@ def _term_step(x, rank, c, lmax: int):
     v = vt[:lmax].T * mask[None, :]
     z = jnp.einsum("ijk,il->jkl", x, u)
     t = jnp.einsum("jkl,jl->kl", z, v)  # [K, L]: T = X_(3) khatri-rao(A, B)
+    if rows is not None:
+        t = t * rows[:, None]
     uu, ss, vvt = jnp.linalg.svd(t, full_matrices=False)
     live = ss[0] > 0
-    c_new = jnp.where(live, uu[:, 0], c)
+    c1 = uu[:, 0]
+    if rows is not None:  # exact zeros where held (the SVD may leave rounding there)
+        c1 = c1 * rows
+        c1 = c1 / jnp.where(live, jnp.linalg.norm(c1), 1.0)
+    c_new = jnp.where(live, c1, c)
     w = jnp.where(live, ss[0] * vvt[0], jnp.zeros_like(vvt[0]))
     c_new, w = _fix_sign(c_new, w)
     return u, v, c_new, w * mask
 
 
-def _fit_term_loop(x, rank, c, lmax: int, n_iter: int, tol):
+def _fit_term_loop(x, rank, c, lmax: int, n_iter: int, tol, rows=None):
     norm2 = jnp.sum(x * x)
     errors0 = jnp.full((n_iter,), jnp.nan, x.dtype)
     u0 = jnp.zeros((x.shape[0], lmax), x.dtype)
@@ -143,7 +164,7 @@ def _fit_term_loop(x, rank, c, lmax: int, n_iter: int, tol):
 
     def body(s):
         it, _, _, c, _, errors, _ = s
-        u, v, c, w = _term_step(x, rank, c, lmax)
+        u, v, c, w = _term_step(x, rank, c, lmax, rows)
         # the explicit residual (||X||^2 - ||w||^2 would cancel at small errors)
         fit = jnp.einsum("il,jl,k->ijk", u * w[None, :], v, c)
         err = jnp.linalg.norm((x - fit).ravel()) / jnp.sqrt(jnp.maximum(norm2, 1e-300))
@@ -294,11 +315,19 @@ def _lmax(rank: int, i: int, j: int, max_rank: int | None) -> int:
 # ---------------------------------------------------------------------------------------------
 # Algorithm 3.
 
-@functools.partial(jax.jit, static_argnames=("n_iter_max", "n_iter_term"))
-def _btd_als(x, a, b, c, ranks, tol, *, n_iter_max, n_iter_term):
+@functools.partial(jax.jit, static_argnames=("n_iter_max", "n_iter_term", "zero_empty"))
+def _btd_als(x, a, b, c, ranks, tol, *, n_iter_max, n_iter_term, zero_empty):
     dtype = x.dtype
     n_terms, _, lmax = a.shape
     norm = jnp.sqrt(jnp.sum(x * x))
+    rows = None
+    if zero_empty:
+        # frontal index t belongs to term t: where that term is empty, row t of C stays zero
+        rows = (ranks > 0).astype(dtype)
+        c = c * rows[:, None]
+        # a term whose start lies wholly in held rows restarts from its own index
+        dead = jnp.linalg.norm(c, axis=0) == 0
+        c = jnp.where(dead[None, :], jnp.eye(c.shape[0], n_terms, dtype=dtype) * rows[:, None], c)
     cn = jnp.linalg.norm(c, axis=0)
     cn = jnp.where(cn > 0, cn, 1.0)
     c = c / cn[None, :]
@@ -310,7 +339,7 @@ def _btd_als(x, a, b, c, ranks, tol, *, n_iter_max, n_iter_term):
         old = jnp.einsum("il,jl,k->ijk", a[t], b[t], c[:, t])
         resid = x - rec + old
         at, bt, ct, _, _ = _fit_term_loop(resid, ranks[t], c[:, t], lmax, n_iter_term,
-                                          jnp.asarray(0.0, dtype))
+                                          jnp.asarray(0.0, dtype), rows)
         new = jnp.einsum("il,jl,k->ijk", at, bt, ct)
         return a.at[t].set(at), b.at[t].set(bt), c.at[:, t].set(ct), rec - old + new
 
@@ -348,7 +377,7 @@ def _btd_from_slices(x, ranks, *, lmax):
 def btd_ll1(tensor: Array, rank: int | None = None, *, init="cp", ranks=None,
             max_rank: int | None = None, n_iter_max: int = 100, tol: float = 1e-8,
             n_iter_term: int = 1, cp_n_iter_max: int = 100, cp_tol: float = 1e-8,
-            epc: bool = True, key: Array | None = None) -> BTDResult:
+            epc: bool = True, key: Array | None = None, zero_empty: bool = True) -> BTDResult:
     """BTD-(L,L,1) decomposition with one term per frontal index (Algorithm 3 of "Vision
     Transformer with Irregular Attention", initialised by Algorithm 1 or from the slices).
 
@@ -369,6 +398,9 @@ def btd_ll1(tensor: Array, rank: int | None = None, *, init="cp", ranks=None,
       cp_n_iter_max, cp_tol: CP-ALS limits for ``init='cp'``.
       epc: run the error-preserving correction after CP-ALS.
       key: PRNG key for CP-ALS's random initial columns (the third mode is shorter than ``R``).
+      zero_empty: hold frontal slice ``t`` at zero when term ``t`` has rank 0: row ``t`` of
+        ``C`` stays exactly zero in every term during the sweeps (module docstring, "Rank 0").
+        ``False``: Algorithm 3 as printed, where the other terms may fit that slice.
 
     Returns:
       A :class:`BTDResult` (errors of the sweeps).
@@ -403,9 +435,18 @@ def btd_ll1(tensor: Array, rank: int | None = None, *, init="cp", ranks=None,
     else:
         raise ConfigError(f"btd_ll1: init must be 'cp', 'slices' or a BTDResult, got {init!r}",
                           where="init", expected=("cp", "slices", "BTDResult"), actual=init)
+    if not isinstance(zero_empty, bool):
+        raise ConfigError(f"btd_ll1: zero_empty must be a bool, got {zero_empty!r}",
+                          where="zero_empty", expected="bool", actual=zero_empty)
+    n_terms = start.a.shape[-3]
+    if zero_empty and n_terms != k:
+        raise ConfigError(f"btd_ll1: zero_empty pairs term t with frontal slice t, but the start "
+                          f"has {n_terms} terms for {k} slices; pass zero_empty=False",
+                          where="zero_empty", expected=f"{k} terms", actual=n_terms)
     return _btd_als(x, start.a.astype(x.dtype), start.b.astype(x.dtype), start.c.astype(x.dtype),
                     jnp.asarray(start.ranks, jnp.int32), jnp.asarray(tol, x.dtype),
-                    n_iter_max=int(n_iter_max), n_iter_term=int(n_iter_term))
+                    n_iter_max=int(n_iter_max), n_iter_term=int(n_iter_term),
+                    zero_empty=zero_empty)
 
 
 __all__ = ["BTDResult", "btd_from_cp", "btd_ll1", "btd_to_tensor", "fit_term"]

@@ -15,6 +15,10 @@
   attention heads; :mod:`lowrank_jax.interop.prune`), scored by weight magnitude or by
   :func:`gradient_scores` through the user's loss.
 
+A submodule called more than once (one ``nn.Dense`` instance reused, or one submodule under two
+attribute names) has one parameter entry, so a plan compresses it once and every call runs the
+leaf; the counts hold it once, in parameters and FLOPs, however often the model calls it.
+
 Kernels stacked by ``nn.scan`` (a leading layer axis): ``compress(..., stacked=('params/
 ScanLayer_0',))`` compresses every layer (:func:`lowrank_jax.interop.kernels.unstack`) and
 stacks the leaves again, which ``nn.scan`` slices per layer. Not covered: ``nn.Conv``,

@@ -16,6 +16,21 @@
 * :func:`prune`: structured pruning by channel groups over the state's paths (MLP hidden
   channels, attention heads; :mod:`lowrank_jax.interop.prune`), scored by weight magnitude or
   by :func:`gradient_scores` through the user's loss.
+
+**Tied layers.** A layer held under two names (``self.last = self.first``, or one module in two
+places of a list) is one module: ``nnx.state`` holds its parameters once, at its first path in
+nnx's (sorted) order, so plans, channel groups, report rows and saved trees address it by that
+path (a rule or group that names it only by another name is refused with an error naming both).
+:func:`compress`, :func:`with_leaves`, :func:`prune` and :func:`materialize` put the new module
+in every place that holds the layer, so the copy is tied as the model was and every call site
+runs the compressed weights. Two different modules that share a parameter variable
+(``self.b.kernel = self.a.kernel``) cannot both run one leaf (a leaf replaces the whole layer,
+bias included): compressing either is refused, naming both.
+
+**Counts of shared layers.** The report, :func:`lowrank_jax.param_count` and
+:func:`lowrank_jax.flops` count what is stored: a tied layer once, in parameters and in FLOPs,
+however often the model calls it (the counts read the parameters, not the model's code). A
+layer the model calls twice per token executes twice its ``flops``.
 """
 
 from __future__ import annotations
@@ -27,9 +42,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.compress import as_plan, normalize_rules
+from lowrank_jax.errors import ConfigError, PlanError, ShapeError
 from lowrank_jax.interop import prune as _prune
-from lowrank_jax.interop.kernels import KERNEL, compress_tree, contract, dense_matrix, flat_dict
+from lowrank_jax.interop.kernels import (
+    KERNEL,
+    compress_tree,
+    contract,
+    dense_matrix,
+    flat_dict,
+    kernel_paths,
+)
 from lowrank_jax.leaves import Dense, Leaf, is_leaf, linear
 
 LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
@@ -132,15 +155,91 @@ def _linears(model: nnx.Module) -> dict[str, tuple[tuple, nnx.Module]]:
     return out
 
 
-def _set(root: nnx.Module, path: tuple, new: nnx.Module) -> None:
-    parent = root
-    for k in path[:-1]:
-        parent = parent[k] if isinstance(k, int) or not hasattr(parent, str(k)) else getattr(
-            parent, k)
-    if isinstance(path[-1], int):
-        parent[path[-1]] = new
+def _put(parent: Any, key: Any, new: nnx.Module) -> None:
+    if isinstance(key, int):
+        parent[key] = new
     else:
-        setattr(parent, path[-1], new)
+        setattr(parent, key, new)
+
+
+def _references(model: nnx.Module) -> dict[int, list[tuple[Any, Any, tuple]]]:
+    """``{id(node): [(parent, key, path), ...]}``: every attribute or item through which each
+    graph node below ``model`` is held (``path``: the parent's path in ``nnx.iter_graph``
+    plus ``key``). A module tied under two names (``self.last = self.first``) has two entries;
+    one held by a shared parent has one (replacing it there replaces it under every path
+    through that parent)."""
+    refs: dict[int, list] = {}
+    for path, parent in nnx.iter_graph(model):
+        if not isinstance(parent, nnx.Pytree):  # modules, nnx.List, nnx.Dict
+            continue
+        for key, child in nnx.iter_children(parent):
+            if not isinstance(child, nnx.Variable):
+                refs.setdefault(id(child), []).append((parent, key, tuple(path) + (key,)))
+    return refs
+
+
+def _replace_everywhere(refs: dict, module: nnx.Module, new: nnx.Module) -> None:
+    """Put ``new`` in every place that holds ``module``: tied names stay one (shared) module."""
+    for parent, key, _ in refs.get(id(module), ()):
+        _put(parent, key, new)
+
+
+def _shared_variables(linears: dict) -> dict[int, list[str]]:
+    """``{id(layer): [kernel paths of the other layers]}`` for layers that share their kernel
+    or bias variable with a different layer (``self.b.kernel = self.a.kernel``)."""
+    holders: dict[int, dict[int, str]] = {}
+    for where, (_, m) in linears.items():
+        for name in (KERNEL, "bias"):
+            var = getattr(m, name, None)
+            if isinstance(var, nnx.Variable):
+                holders.setdefault(id(var), {})[id(m)] = where
+    out: dict[int, set[str]] = {}
+    for mods in holders.values():
+        for i in mods if len(mods) > 1 else ():
+            out.setdefault(i, set()).update(w for j, w in mods.items() if j != i)
+    return {i: sorted(v) for i, v in out.items()}
+
+
+def _aliases(model: nnx.Module) -> dict[str, str]:
+    """``{other kernel path: state kernel path}`` for every layer held under more than one
+    name (``self.last = self.first``: ``{'last/kernel': 'first/kernel'}``)."""
+    refs = _references(model)
+    out = {}
+    for where, (path, m) in _linears(model).items():
+        for _, _, p in refs.get(id(m), ()):
+            if tuple(p) != tuple(path):
+                out[_path(p + (KERNEL,))] = where
+    return out
+
+
+def _check_alias_rules(model: nnx.Module, plan: Any) -> None:
+    """A rule that matches a tied layer only under its second name: say so (the state, and so
+    the plan, knows it under its first)."""
+    aliases = _aliases(model)
+    if not aliases:
+        return
+    plan = as_plan(plan)
+    paths = list(kernel_paths(param_tree(model)))
+    for i, step in enumerate(plan.steps):
+        for rule in normalize_rules(step.rules, where=f"step {i} ({step.method})"):
+            hit = [a for a in aliases if rule.regex.search(a)]
+            if hit and not any(rule.regex.search(p) for p in paths):
+                raise PlanError(
+                    f"step {i} ({step.method}): rule {rule.pattern!r} matches {hit[0]} only, which "
+                    f"is the layer {aliases[hit[0]]} under a second name (one module, tied); "
+                    f"rules match the path nnx.state gives it: {aliases[hit[0]]}",
+                    where=rule.pattern, expected=aliases[hit[0]], actual=hit[0])
+
+
+def _check_alias_groups(model: nnx.Module, groups) -> None:
+    aliases = _aliases(model)
+    for g in groups if aliases else ():
+        for p in (*g.outputs, *g.inputs):
+            if p in aliases:
+                raise ConfigError(f"channel group {g.name!r}: {p} is the layer {aliases[p]} under "
+                                  "a second name (one module, tied); name it by the path "
+                                  f"nnx.state gives it: {aliases[p]}", where=p,
+                                  expected=aliases[p], actual=p)
 
 
 def _leaf_module(where: str, module: nnx.Module, leaf: Leaf) -> nnx.Module:
@@ -164,9 +263,12 @@ def _leaf_module(where: str, module: nnx.Module, leaf: Leaf) -> nnx.Module:
 
 
 def _replace(model: nnx.Module, tree: dict) -> nnx.Module:
-    """A copy of ``model`` with a leaf module wherever ``tree`` holds a leaf kernel."""
+    """A copy of ``model`` with a leaf module wherever ``tree`` holds a leaf kernel, put in
+    every place that holds the layer (a tied layer stays one module under all its names)."""
     new = nnx.clone(model)
     linears = _linears(new)
+    refs = _references(new)
+    shared = None
     for key, v in flat_dict(tree).items():
         if not is_leaf(v):
             continue
@@ -175,8 +277,17 @@ def _replace(model: nnx.Module, tree: dict) -> nnx.Module:
             raise ConfigError(f"{where}: a lowrank_jax leaf here does not belong to an nnx.Linear "
                               "or nnx.LinearGeneral of the model (only their kernels run on "
                               "leaves)", where=where, expected=sorted(linears)[:8], actual=where)
-        path, module = linears[where]
-        _set(new, path, _leaf_module(where, module, v))
+        _, module = linears[where]
+        shared = _shared_variables(linears) if shared is None else shared
+        if id(module) in shared:
+            others = shared[id(module)]
+            raise ConfigError(
+                f"{where}: this layer shares its kernel or bias variable with {others} (a "
+                "different module holding the same nnx.Param); a leaf replaces the whole layer, so "
+                "the other would stay dense. Tie the modules instead (self.b = self.a), or leave "
+                "these layers out of the plan", where=where, expected="a layer of its own",
+                actual=[where, *others])
+        _replace_everywhere(refs, module, _leaf_module(where, module, v))
     return new
 
 
@@ -192,13 +303,17 @@ def compress(model: nnx.Module, plan: Any, **kwargs) -> tuple[nnx.Module, Any]:
 
     Returns:
       ``(new_model, report)``: a copy whose compressed layers are :class:`LeafLinear` /
-      :class:`LeafLinearGeneral`; the report as for native trees (rows at nnx paths).
+      :class:`LeafLinearGeneral` (a tied layer under every name it has, still one module);
+      the report as for native trees (rows at nnx paths; a tied layer once, at its state path,
+      counted once: module docstring).
 
     Raises:
-      PlanError: a rule matching no kernel (naming the rule and listing the kernel paths).
-      ConfigError: a selected kernel of a module that is not Linear / LinearGeneral (naming
-        its path).
+      PlanError: a rule matching no kernel (naming the rule and listing the kernel paths), or
+        matching a tied layer only by its second name (naming both).
+      ConfigError: a selected kernel of a module that is not Linear / LinearGeneral, or of a
+        layer that shares its kernel or bias variable with another module (naming the paths).
     """
+    _check_alias_rules(model, plan)
     tree, report = compress_tree(param_tree(model), plan, in_dims=_in_dims(model), **kwargs)
     return _replace(model, tree), report
 
@@ -212,8 +327,8 @@ def _in_dims(model: nnx.Module) -> dict[str, int]:
 
 def with_leaves(model: nnx.Module, tree: dict) -> nnx.Module:
     """A copy of ``model`` running ``tree`` (e.g. ``load_params`` of a saved
-    :func:`param_tree` of a compressed model): leaf kernels replace their modules, every other
-    parameter is set with ``nnx.update``.
+    :func:`param_tree` of a compressed model): leaf kernels replace their modules (a tied layer
+    under every name it has), every other parameter is set with ``nnx.update``.
 
     Raises:
       ConfigError / ShapeError: a leaf at a path that is no Linear kernel, a leaf of the wrong
@@ -254,11 +369,13 @@ def _plain(m: LeafLinear | LeafLinearGeneral) -> nnx.Module:
 
 def materialize(model: nnx.Module) -> nnx.Module:
     """A copy of ``model`` with plain ``nnx.Linear`` / ``nnx.LinearGeneral`` layers holding the
-    densified leaves (:func:`lowrank_jax.materialize`)."""
+    densified leaves (:func:`lowrank_jax.materialize`; a tied layer becomes one plain module
+    under every name it has)."""
     new = nnx.clone(model)
-    for path, m in _linears(new).values():
+    refs = _references(new)
+    for _, m in _linears(new).values():
         if isinstance(m, (LeafLinear, LeafLinearGeneral)):
-            _set(new, path, _plain(m))
+            _replace_everywhere(refs, m, _plain(m))
     return new
 
 
@@ -272,6 +389,8 @@ def infer_groups(model: nnx.Module) -> list:
 
 def magnitude_scores(model: nnx.Module, groups) -> dict:
     """Weight-magnitude scores per unit: :func:`lowrank_jax.interop.prune.magnitude_scores`."""
+    groups = list(groups)
+    _check_alias_groups(model, groups)
     return _prune.magnitude_scores(param_tree(model), groups, in_dims=_in_dims(model))
 
 
@@ -280,6 +399,8 @@ def gradient_scores(loss_fn: Callable[[nnx.Module, Any], Any], model: nnx.Module
     """"Less is More" eq. 6 per unit through ``loss_fn(model, batch) -> loss`` on the unchanged
     model class (rebuilt with ``nnx.merge`` from the masked parameters; every other variable
     as the model holds it): :func:`lowrank_jax.interop.prune.gradient_scores`."""
+    groups = list(groups)
+    _check_alias_groups(model, groups)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
 
     def tree_loss(tree, batch):
@@ -305,9 +426,14 @@ def prune(model: nnx.Module, groups, *, target: float, scores: Any = "magnitude"
         (``'blocks/0/mlp/0/kernel'``), or :func:`infer_groups`.
       target, scores, scope: as :func:`lowrank_jax.interop.prune.prune_tree`.
 
+    A tied layer is pruned under every name it has (each call site runs the kept channels);
+    groups name it by its state path.
+
     Returns:
       ``(new_model, report)``.
     """
+    groups = list(groups)
+    _check_alias_groups(model, groups)
     tree, report = _prune.prune_tree(param_tree(model), groups, target=target, scores=scores,
                                      scope=scope, in_dims=_in_dims(model))
     return _replace(model, tree), report

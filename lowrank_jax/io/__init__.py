@@ -62,7 +62,10 @@ A ``NODE`` is one of::
 
 A model checkpoint stores ``metadata["config"] = {"__config__": "lowrank_jax.models.t5.T5Config",
 "fields": {...}}`` (nested configs encoded the same way), rebuilt from
-:func:`config_classes`.
+:func:`config_classes`. A config loaded from a Hugging Face checkpoint holds the checkpoint's
+``config.json`` and ``generation_config.json`` in its ``hf_files`` field
+(:class:`~lowrank_jax.models.hf.HFConfigFiles`), so they are stored there too and an export
+writes them back.
 
 Writes are atomic on a local filesystem: everything is written to a temporary sibling
 directory, renamed into place at the end. ``overwrite=True`` replaces only a lowrank_jax

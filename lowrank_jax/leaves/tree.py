@@ -132,7 +132,9 @@ def flops(tree: Any, n_tokens: int) -> int:
 
     These are the projections' counts. Attention score products (``q k^T`` and the weighted
     sum of values, which grow with the square of the sequence length) are counted by
-    :func:`lowrank_jax.nn.attention_score_flops`.
+    :func:`lowrank_jax.nn.attention_score_flops`. Every leaf of the tree counts once: a weight
+    the model applies more than once (a tied or reused layer, stored once) counts once, as in
+    :func:`param_count`; the tree does not say how often the model's code calls it.
     """
     n = check_tokens(n_tokens, "flops")
     return sum(node.flops(n) for _, node in named_leaves(tree) if isinstance(node, Leaf))

@@ -28,7 +28,14 @@ from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.models.common import check_inputs, check_token_ids, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
-from lowrank_jax.models.hf import HFRow, HFSpec, linear_rows, norm_rows
+from lowrank_jax.models.hf import (
+    HFConfigFiles,
+    HFRow,
+    HFSpec,
+    hf_files_field,
+    linear_rows,
+    norm_rows,
+)
 from lowrank_jax.models.vit import (
     activation_from_hf,
     activation_to_hf,
@@ -64,6 +71,9 @@ class BertConfig:
       layer_norm_eps: LayerNorm epsilon.
       pooler: dense + tanh on ``[CLS]`` (``BertModel(add_pooling_layer=True)``).
       num_labels: ``BertForSequenceClassification`` head on the pooled output; ``0`` = none.
+      hf_files: the Hugging Face configuration files the model was loaded from (set by
+        ``load_pretrained``; see :class:`~lowrank_jax.models.hf.HFConfigFiles`), written back
+        by an export; not compared, hashed or shown.
     """
 
     vocab_size: int = 30522
@@ -77,6 +87,7 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     pooler: bool = True
     num_labels: int = 0
+    hf_files: HFConfigFiles | None = hf_files_field()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -31,7 +31,7 @@ from lowrank_jax.datasets import builtin_series, windows
 from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.models import t5 as t5_model
 from lowrank_jax.models.family import ModelFamily, register_family
-from lowrank_jax.models.hf import HFSpec
+from lowrank_jax.models.hf import HFConfigFiles, HFSpec, hf_files_field
 from lowrank_jax.models.t5 import T5Config
 
 Array = jax.Array
@@ -42,7 +42,9 @@ class ChronosConfig:
     """A Chronos model: the T5 configuration plus the tokenizer and sampling settings.
 
     Attributes are named as in ``chronos.ChronosConfig`` (``tokenizer_kwargs`` flattened into
-    ``low_limit`` / ``high_limit``).
+    ``low_limit`` / ``high_limit``). ``hf_files``: the Hugging Face configuration files the model
+    was loaded from, as in :class:`~lowrank_jax.models.t5.T5Config` (the top-level config's, not
+    ``t5``'s, are the ones an export writes).
     """
 
     t5: T5Config
@@ -59,6 +61,7 @@ class ChronosConfig:
     use_eos_token: bool = True
     pad_token_id: int = 0
     eos_token_id: int = 1
+    hf_files: HFConfigFiles | None = hf_files_field()
 
     def __post_init__(self):
         if not isinstance(self.t5, T5Config):

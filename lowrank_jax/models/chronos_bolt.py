@@ -45,7 +45,7 @@ from lowrank_jax.losses import quantile_loss
 from lowrank_jax.models import t5 as t5_model
 from lowrank_jax.models.common import check_inputs, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
-from lowrank_jax.models.hf import HFSpec, linear_rows
+from lowrank_jax.models.hf import HFConfigFiles, HFSpec, hf_files_field, linear_rows
 from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.nn import (
     ACTIVATIONS,
@@ -68,7 +68,8 @@ class ChronosBoltConfig:
 
     Attributes are named as in ``chronos.chronos_bolt.ChronosBoltConfig``. ``t5.vocab_size``
     is the size of ``shared``: 1 (decoder start token) or 2 (plus ``[REG]``), as the reference
-    model forces it.
+    model forces it. ``hf_files``: the Hugging Face configuration files the model was loaded
+    from, as in :class:`~lowrank_jax.models.t5.T5Config`.
     """
 
     t5: T5Config
@@ -78,6 +79,7 @@ class ChronosBoltConfig:
     input_patch_stride: int = 16
     quantiles: tuple[float, ...] = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
     use_reg_token: bool = False
+    hf_files: HFConfigFiles | None = hf_files_field()
 
     def __post_init__(self):
         if not isinstance(self.t5, T5Config):

@@ -26,10 +26,19 @@ to the config's widths. :class:`Widen` on a row says how: a kept head goes to it
 position (``HeadLayout.ids``), its channels to the first of the head's width, the rest is zero.
 That is exact: a zero head's values (or outputs) are zero, so it adds nothing, and a zero hidden
 channel adds nothing.
+
+The source's configuration files: a family config records only what lowrank_jax computes with,
+while a ``config.json`` also holds training settings (``dropout_rate``, ``initializer_factor``,
+``use_cache``, labels, ...) and a ``generation_config.json`` the decoding defaults. A config
+class with a field ``hf_files: HFConfigFiles | None = hf_files_field()`` (every built-in
+family's) carries both files verbatim from ``load_pretrained`` through ``save_model`` /
+``load_model`` to ``save_pretrained``, which writes them back with only the fields changed that
+the config changed (:class:`HFConfigFiles`).
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from typing import Any, Callable, Mapping
 
@@ -164,6 +173,72 @@ class HFSpec:
 
 
 # ---------------------------------------------------------------------------------------------
+# The source's configuration files, carried by a config.
+
+#: The name of the config field that holds an :class:`HFConfigFiles`.
+HF_FILES_FIELD = "hf_files"
+
+
+@dataclasses.dataclass(frozen=True)
+class HFConfigFiles:
+    """The configuration files of the Hugging Face checkpoint a model was loaded from.
+
+    :func:`lowrank_jax.convert.load_pretrained` stores one in the config's ``hf_files`` field;
+    it travels with the config (``dataclasses.replace``, ``save_model`` / ``load_model``, whose
+    checkpoints hold it in their metadata) and :func:`lowrank_jax.convert.save_pretrained`
+    writes the files back: ``generation_config.json`` verbatim, ``config.json`` verbatim except
+    the fields in which ``config_to_hf`` of the exported config differs from ``config_to_hf``
+    of :attr:`loaded` (widths the user changed, ...), and ``dtype`` / ``torch_dtype``, set to
+    the exported tensors' ``float32``. Treat the dicts as read-only.
+
+    Attributes:
+      config: the parsed ``config.json``.
+      generation_config: the parsed ``generation_config.json``, or ``None`` (the checkpoint
+        has none).
+      loaded: the family config that ``config`` was translated to (its own ``hf_files`` is
+        ``None``): the reference for which fields an export changes.
+    """
+
+    config: dict
+    generation_config: dict | None = None
+    loaded: Any = None
+
+
+def hf_files_field() -> Any:
+    """The ``dataclasses.field`` of a config's ``hf_files``: default ``None``, left out of
+    ``==``, ``hash`` and ``repr`` (two configs that compute the same are equal whatever file
+    they came from, and a config stays a valid static argument of ``jax.jit``)."""
+    return dataclasses.field(default=None, compare=False, repr=False)
+
+
+def has_hf_files_field(cfg: Any) -> bool:
+    """Whether ``cfg`` is a dataclass instance with an ``hf_files`` field."""
+    return (dataclasses.is_dataclass(cfg) and not isinstance(cfg, type)
+            and any(f.name == HF_FILES_FIELD for f in dataclasses.fields(cfg)))
+
+
+def hf_files_of(cfg: Any) -> HFConfigFiles | None:
+    """The :class:`HFConfigFiles` a config carries, or ``None`` (none recorded, or a config
+    class without the field)."""
+    if not has_hf_files_field(cfg):
+        return None
+    files = getattr(cfg, HF_FILES_FIELD)
+    return files if isinstance(files, HFConfigFiles) else None
+
+
+def with_hf_files(cfg: Any, files: HFConfigFiles | None) -> Any:
+    """``cfg`` carrying ``files`` (a copy; ``cfg`` itself if its class has no ``hf_files``
+    field, since such a config cannot carry them)."""
+    if not has_hf_files_field(cfg):
+        return cfg
+    if files is not None:
+        files = HFConfigFiles(config=copy.deepcopy(files.config),
+                              generation_config=copy.deepcopy(files.generation_config),
+                              loaded=with_hf_files(files.loaded, None))
+    return dataclasses.replace(cfg, **{HF_FILES_FIELD: files})
+
+
+# ---------------------------------------------------------------------------------------------
 # Row builders shared by the families' tables.
 
 def linear_rows(key: str, path: str, d_in: int, d_out: int, *, bias: bool,
@@ -263,5 +338,6 @@ def mlp_rows(names: dict[str, str], path: str, *, d_model: int, d_ff: int,
     return rows
 
 
-__all__ = ["HFRow", "HFSpec", "KINDS", "WIDEN_BY", "Widen", "attention_rows", "linear_rows",
-           "mlp_rows", "norm_rows"]
+__all__ = ["HF_FILES_FIELD", "HFConfigFiles", "HFRow", "HFSpec", "KINDS", "WIDEN_BY", "Widen",
+           "attention_rows", "has_hf_files_field", "hf_files_field", "hf_files_of", "linear_rows",
+           "mlp_rows", "norm_rows", "with_hf_files"]

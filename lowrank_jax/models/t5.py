@@ -31,7 +31,16 @@ from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.leaves.masked_binary import kth_largest_key
 from lowrank_jax.models.common import check_inputs, check_token_ids, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
-from lowrank_jax.models.hf import HFRow, HFSpec, Widen, attention_rows, mlp_rows, norm_rows
+from lowrank_jax.models.hf import (
+    HFConfigFiles,
+    HFRow,
+    HFSpec,
+    Widen,
+    attention_rows,
+    hf_files_field,
+    mlp_rows,
+    norm_rows,
+)
 from lowrank_jax.nn import (
     AttentionConfig,
     DecoderConfig,
@@ -78,6 +87,9 @@ class T5Config:
         head. ``None`` (default) means "equal to ``tie_word_embeddings``", the classic rule
         (T5 v1.0 scales, v1.1 does not). transformers >= 5 stores it explicitly.
       num_decoder_layers: ``None`` means ``num_layers``.
+      hf_files: the Hugging Face configuration files the model was loaded from (set by
+        ``load_pretrained``; see :class:`~lowrank_jax.models.hf.HFConfigFiles`), written back
+        by an export; not compared, hashed or shown.
     """
 
     vocab_size: int = 32128
@@ -96,6 +108,7 @@ class T5Config:
     decoder_start_token_id: int = 0
     pad_token_id: int = 0
     eos_token_id: int = 1
+    hf_files: HFConfigFiles | None = hf_files_field()
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads",

@@ -33,7 +33,16 @@ from lowrank_jax.errors import ConfigError, DataError
 from lowrank_jax.leaves import init_dense, linear
 from lowrank_jax.models.common import check_inputs, layer_sizes
 from lowrank_jax.models.family import ModelFamily, register_family
-from lowrank_jax.models.hf import HFRow, HFSpec, attention_rows, linear_rows, mlp_rows, norm_rows
+from lowrank_jax.models.hf import (
+    HFConfigFiles,
+    HFRow,
+    HFSpec,
+    attention_rows,
+    hf_files_field,
+    linear_rows,
+    mlp_rows,
+    norm_rows,
+)
 from lowrank_jax.nn import (
     AttentionConfig,
     EncoderConfig,
@@ -137,6 +146,9 @@ class ViTConfig:
         token (``DeiTForImageClassification``).
       pooler: dense + tanh on the class token (``ViTModel(add_pooling_layer=True)``).
       pooler_output_size: width of the pooler output (HF default: ``hidden_size``).
+      hf_files: the Hugging Face configuration files the model was loaded from (set by
+        ``load_pretrained``; see :class:`~lowrank_jax.models.hf.HFConfigFiles`), written back
+        by an export; not compared, hashed or shown.
     """
 
     image_size: int = 224
@@ -154,6 +166,7 @@ class ViTConfig:
     distillation_head: bool = True
     pooler: bool = False
     pooler_output_size: int | None = None
+    hf_files: HFConfigFiles | None = hf_files_field()
 
     def __post_init__(self):
         for name in ("image_size", "patch_size", "num_channels", "hidden_size",

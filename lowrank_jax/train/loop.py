@@ -264,7 +264,9 @@ def fit(
       model_state: the model's initial state (BatchNorm running statistics; for a stateful
         family ``family.init_state(params, cfg)``); ``None`` for a stateless model. When
         given, the step is stateful (see ``loss_fn``).
-      optimizer: optax transformation (default: AdamW with warmup-cosine over ``steps``).
+      optimizer: optax transformation (default: AdamW with warmup-cosine over ``steps``, a
+        warmup of ``steps // 20`` steps, at least 1 and at most ``steps - 1``: a single step
+        runs at the peak learning rate).
       learning_rate: peak learning rate of the default optimizer.
       mesh, fsdp, axis_rules: placement, as :func:`~lowrank_jax.train.make_train_step`.
       checkpointer: optional :class:`~lowrank_jax.train.checkpoint.Checkpointer`; when it holds
@@ -309,9 +311,9 @@ def fit(
                           where="batch_fn", expected="a callable",
                           actual=type(batch_fn).__name__)
     stateful = model_state is not None
-    optimizer = optimizer or default_optimizer(
-        learning_rate=learning_rate, total_steps=steps, warmup_steps=max(1, steps // 20)
-    )
+    optimizer = optimizer or default_optimizer(  # one step: no warmup, the step at the peak
+        learning_rate=learning_rate, total_steps=steps,
+        warmup_steps=min(max(1, steps // 20), steps - 1))
     step_fn = make_train_step(loss_fn, optimizer, mesh=mesh, fsdp=fsdp, axis_rules=axis_rules,
                               stateful=stateful)
     state = init_train_state(params, optimizer, key=key, data_position=int(sampler.position),

@@ -9,12 +9,14 @@ import contextlib
 import io
 import json
 import math
+import os
 
 import jax
 import numpy as np
 import pytest
 
 import lowrank_jax.cli.demo as demo_mod
+from lowrank_jax.cli import outputs
 from lowrank_jax.cli.main import main
 from lowrank_jax.cli.pretrain_demo import (
     eval_windows,
@@ -29,7 +31,7 @@ from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.train import evaluate_forecaster
 from lowrank_jax.train.data import WindowConfig, WindowSampler
 
-STEPS = 3
+STEPS = 1  # the least --help allows: one optimizer step (no warmup) must work
 
 
 def strict_json(path):
@@ -41,14 +43,31 @@ def strict_json(path):
     return json.loads(path.read_text(), parse_constant=refuse)
 
 
+PLOTS = ["hidden_eps_rank.png", "hidden_spectra.png", "pretrained_eps_rank_per_layer.png",
+         "pretrained_singular_values.png", "theorem3.png", "time_accuracy_frontier.png"]
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory):
-    js = tmp_path_factory.mktemp("demo") / "demo.json"
+    pytest.importorskip("matplotlib")
+    root = tmp_path_factory.mktemp("demo")
+    js, plots = root / "demo.json", root / "plots"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = main(["demo", "--quick", "--steps", str(STEPS), "--no-progress", "--json", str(js)])
+        rc = main(["demo", "--quick", "--steps", str(STEPS), "--no-progress", "--json", str(js),
+                   "--plots", str(plots)])
     assert rc == 0, err.getvalue()
     return strict_json(js), out.getvalue(), err.getvalue()
+
+
+def test_plots_written_whole_with_a_marker(quick, tmp_path_factory):
+    res, out, _ = quick
+    plots = os.path.dirname(res["plots"][0])
+    assert sorted(os.path.basename(p) for p in res["plots"]) == PLOTS
+    assert sorted(os.listdir(plots)) == sorted(PLOTS + [outputs.MARKER])
+    assert outputs.read_marker(plots)["files"] == PLOTS
+    assert f"wrote {len(PLOTS)} plots to {plots}" in out
+    assert not [n for n in os.listdir(os.path.dirname(plots)) if n.startswith(".")]
 
 
 def test_appendix_j_theorem3_slope(quick):
@@ -151,6 +170,77 @@ def test_bad_arguments_exit_2_before_any_work(argv, name, actual, tmp_path, monk
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and name in err and actual in err and ">=" in err
     assert not js.exists()
+
+
+def test_user_files_in_plots_are_never_replaced(tmp_path, monkeypatch, capsys):
+    """`demo --plots DIR` over a directory holding the user's files (even with a plot's name)
+    is refused before any work, with and without --overwrite, and the files are untouched."""
+    pytest.importorskip("matplotlib")
+    ran = []
+    monkeypatch.setattr(demo_mod, "_run_demo", lambda *a, **kw: ran.append(1))
+    mine = tmp_path / "p"
+    mine.mkdir()
+    (mine / "theorem3.png").write_text("mine")
+    for extra in ([], ["--overwrite"]):
+        assert main(["demo", "--quick", "--no-progress", "--plots", str(mine), *extra]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and f"--plots {mine}" in err
+        assert "did not write" in err
+    assert ran == [] and os.listdir(mine) == ["theorem3.png"]
+    assert (mine / "theorem3.png").read_text() == "mine"
+
+
+def fake_demo(fail: bool = False):
+    """A stand-in for the demo's work that writes two plots where it is told to."""
+    def run(quick, plots_dir, status, steps, seed):
+        paths = []
+        for name in ("a.png", "b.png"):
+            with open(os.path.join(plots_dir, name), "w") as f:
+                f.write(name)
+            paths.append(os.path.join(plots_dir, name))
+        if fail:
+            raise KeyboardInterrupt
+        return {"plots": paths, "rows": []}
+    return run
+
+
+def test_plots_are_replaced_only_with_overwrite(tmp_path, monkeypatch, capsys):
+    pytest.importorskip("matplotlib")
+    plots, js = tmp_path / "plots", tmp_path / "demo.json"
+    monkeypatch.setattr(demo_mod, "_run_demo", fake_demo(fail=True))
+    assert main(["demo", "--no-progress", "--plots", str(plots)]) == 130
+    assert os.listdir(tmp_path) == []  # an interrupted demo leaves nothing
+    monkeypatch.setattr(demo_mod, "_run_demo", fake_demo())
+    assert main(["demo", "--no-progress", "--plots", str(plots), "--json", str(js)]) == 0
+    assert sorted(os.listdir(plots)) == ["a.png", "b.png", outputs.MARKER]
+    assert strict_json(js)["plots"] == [str(plots / "a.png"), str(plots / "b.png")]
+    capsys.readouterr()
+    assert main(["demo", "--no-progress", "--plots", str(plots)]) == 2  # its own: --overwrite
+    assert "pass --overwrite" in capsys.readouterr().err
+    assert main(["demo", "--no-progress", "--plots", str(plots), "--overwrite"]) == 0
+    assert sorted(os.listdir(plots)) == ["a.png", "b.png", outputs.MARKER]
+    assert sorted(os.listdir(tmp_path)) == ["demo.json", "plots"]
+    # the report may not go inside the plots directory (checked before any work)
+    ran = []
+    monkeypatch.setattr(demo_mod, "_run_demo", lambda *a, **kw: ran.append(1))
+    assert main(["demo", "--no-progress", "--plots", str(tmp_path / "new"),
+                 "--json", str(tmp_path / "new" / "r.json")]) == 2
+    assert "inside the output" in capsys.readouterr().err and ran == []
+
+
+def test_a_failure_of_the_work_is_not_blamed_on_plots(tmp_path, monkeypatch, capsys):
+    """The demo's work runs while its plots directory is being filled: an OS error of the work
+    keeps its own message (it is not a failure to write --plots), and nothing is written."""
+    pytest.importorskip("matplotlib")
+
+    def missing(*args, **kw):
+        raise FileNotFoundError("series file /data/x.csv not found")
+
+    monkeypatch.setattr(demo_mod, "_run_demo", missing)
+    assert main(["demo", "--no-progress", "--plots", str(tmp_path / "p")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "series file /data/x.csv not found" in err
+    assert "--plots" not in err and os.listdir(tmp_path) == []
 
 
 def test_plots_must_be_a_directory(tmp_path, monkeypatch, capsys):

@@ -248,7 +248,8 @@ def test_os_errors_are_one_line(ckpt, tmp_path, monkeypatch, capsys):
     def denied(src, dst):
         raise PermissionError(13, "Permission denied", str(src), None, str(dst))
 
-    monkeypatch.setattr(outputs.os, "replace", denied)
+    monkeypatch.setattr(outputs.os, "replace", denied)  # over a previous report
+    monkeypatch.setattr(outputs, "rename_noreplace", denied)  # to a new path
     rep = tmp_path / "r.json"
     assert main(["analyze", str(ckpt), "--no-progress", "--json", str(rep)]) == 2
     line = error_line(capsys.readouterr().err, "analyze")

@@ -1,5 +1,7 @@
 """compare_models and sample_inputs: numbers recomputed here with NumPy and plain Python."""
 
+import types
+
 import jax
 import numpy as np
 import pytest
@@ -63,3 +65,28 @@ def test_top_k_jaccard_plain():
     a, b = rng.normal(size=(3, 4, 20)), rng.normal(size=(3, 4, 20))
     assert top_k_jaccard(a, b, 5) == pytest.approx(_plain_jaccard(a, b, 5), abs=1e-12)
     assert top_k_jaccard(a, a, 5) == 1.0
+
+
+def test_time_ratio_spread_from_paired_runs(t5_small, monkeypatch):
+    """The timing loop reads the clock three times a round (before the original, between,
+    after the compressed call): with a fake clock the per-round ratios are known, and the
+    reported median ratio and quartiles are recomputed here from them."""
+    import lowrank_jax.compress.evaluate as evaluate
+
+    cfg, params, small = t5_small
+    inputs = sample_inputs(cfg, batch=2)
+    orig = [4.0, 5.0, 3.0, 8.0, 6.0]
+    comp = [2.0, 4.0, 3.0, 2.0, 9.0]
+    ticks, t = [], 0.0
+    for a, b in zip(orig, comp, strict=True):
+        ticks += [t, t + a, t + a + b]
+        t += a + b + 1.0
+    clock = iter(ticks)
+    monkeypatch.setattr(evaluate, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    ev = compare_models(cfg, params, small, inputs=inputs, time_runs=len(orig))
+    ratios = sorted(b / a for a, b in zip(orig, comp, strict=True))  # .25 .5 .8 1 1.5
+    # the 25th and 75th (linear) percentiles of 5 sorted values: the 2nd and the 4th
+    assert ev["time_ratio_quartiles"] == pytest.approx([ratios[1], ratios[3]], abs=1e-12)
+    assert ev["time_ratio"] == pytest.approx(3.0 / 5.0, abs=1e-12)  # median / median
+    assert ev["time_ms"] == pytest.approx({"original": 5e3, "compressed": 3e3})
+    assert ev["time_runs"] == len(orig)

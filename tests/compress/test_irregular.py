@@ -190,6 +190,51 @@ def test_irratt_full_rank_and_cp_against_numpy():
     assert sum(rep.row("attn/qk").details["head_ranks"]) == 10
 
 
+def np_btd_logits(qk: BTDQueryKey, xq: np.ndarray, xk: np.ndarray) -> np.ndarray:
+    """``sum_t C(h, t) (x_q A_t + a_t)(x_k B_t + b_t)^T`` from the factors, in NumPy:
+    ``[batch, heads, q_len, k_len]``."""
+    def coords(leaf, x):
+        out = x @ np.asarray(leaf.w, np.float64)
+        return out if leaf.b is None else out + np.asarray(leaf.b, np.float64)
+    q, k = coords(qk.q, xq), coords(qk.k, xk)
+    off = np.concatenate([[0], np.cumsum(qk.ranks)])
+    terms = np.stack([q[..., off[t]:off[t + 1]] @ np.swapaxes(k[..., off[t]:off[t + 1]], -1, -2)
+                      for t in range(len(qk.ranks))], 1)  # [b, T, q, k]
+    return np.einsum("ht,btqk->bhqk", np.asarray(qk.mix, np.float64), terms)
+
+
+@pytest.mark.parametrize("settings", [{"ranks": [0, 3, 6, 2]}, {"rank": 2}],
+                         ids=["ranks", "algorithm1"])
+def test_rank_zero_heads_attend_exactly_uniformly(settings):
+    """A head of rank 0 (asked for, or left empty by Algorithm 1) gets constant logits: softmax
+    is exactly uniform. ``rank0_uniform=False`` (Algorithm 3 as printed) lets the other terms
+    reach it, and the row then claims no uniform head."""
+    block = biased_block(6, d_model=32, heads=4)
+    x = np.random.default_rng(9).normal(size=(2, 7, 32))
+    new, rep = lj.apply_plan({"attn": block}, step("btd", **settings))
+    qk = new["attn"]["qk"]
+    uniform = rep.row("attn/qk").details["uniform_heads"]
+    assert uniform == [h for h, r in enumerate(qk.ranks) if r == 0] and uniform
+    want = np_btd_logits(qk, x, x)
+    got = np.asarray(lj.attention_logits(qk, jnp.asarray(x, jnp.float32),
+                                         jnp.asarray(x, jnp.float32)), np.float64)
+    np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max())
+    for h in uniform:
+        lg = want[:, h]
+        assert np.all(lg == lg[..., :1])  # constant along the keys for every query
+        p = np.exp(lg - lg.max(-1, keepdims=True))
+        np.testing.assert_array_equal(p / p.sum(-1, keepdims=True), np.full(lg.shape, 1 / 7))
+        assert np.all(got[:, h] == got[:, h, :, :1])  # and so are the library's
+    assert any(np.ptp(want[:, h], -1).max() > 0.1 for h in range(4) if h not in uniform)
+    # Algorithm 3 as printed: the rank-0 heads get logits; the report says so
+    free, rep = lj.apply_plan({"attn": block}, step("btd", rank0_uniform=False, **settings))
+    fqk = free["attn"]["qk"]
+    assert fqk.ranks == qk.ranks
+    assert rep.row("attn/qk").details["uniform_heads"] == []
+    spread = np_btd_logits(fqk, x, x)[:, uniform]
+    assert np.ptp(spread, -1).max() > 1e-2
+
+
 def test_truncatt_vo_against_numpy():
     block = biased_block(4)
     wv, wo = np.asarray(block["v"].w, np.float64), np.asarray(block["o"].w, np.float64)
@@ -221,6 +266,8 @@ def test_plan_errors_name_the_setting():
         lj.apply_plan(params, lj.Plan((lj.Step("truncatt_vo", ("attn/o$",), {"rank": 2}),)))
     with pytest.raises(PlanError, match="rank .the total rank R. must be an int >= 1"):
         lj.apply_plan(params, step("btd", rank=0))
+    with pytest.raises(PlanError, match="rank0_uniform must be a bool"):
+        lj.apply_plan(params, step("btd", rank=2, rank0_uniform="yes"))
 
 
 # ---------------------------------------------------------------------------------------------

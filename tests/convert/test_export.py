@@ -91,15 +91,26 @@ def _same_files(original_dir, exported_dir):
         assert got[k].dtype == np.float32
 
 
+def _json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
 def _hf_roundtrip(model, tmp_path, name):
-    """HF save -> load_pretrained -> our save_pretrained; returns (cfg, params, summary, out)."""
+    """HF save -> load_pretrained -> our save_pretrained; returns (cfg, params, summary, out).
+    The export holds the files HF wrote, with the same tensors and the same configuration
+    files (an unchanged model changes no field of config.json or generation_config.json)."""
     src = tmp_path / f"{name}_hf"
     model.save_pretrained(str(src))
     cfg, params = load_pretrained(src)
     out = tmp_path / f"{name}_export"
     summary = save_pretrained(cfg, params, out)
     assert summary["materialized"] == [] and summary["path"] == str(out)
-    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == sorted(os.listdir(src)) == sorted(summary["files"])
+    assert "config.json" in summary["files"] and summary["config_changed"] == []
+    for name in summary["files"]:
+        if name.endswith(".json"):
+            assert _json(out / name) == _json(src / name), name
     _same_files(src, out)
     return cfg, params, summary, out
 

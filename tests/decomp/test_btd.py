@@ -138,6 +138,70 @@ def test_rank_zero_term_is_zero_and_finite():
         assert float(jnp.abs(res.a[h][:, r:]).max(initial=0.0)) == 0.0
 
 
+def mixed_tensor(seed: int):
+    """A block-term tensor whose fusion matrix mixes the terms, plus noise: the terms of the
+    other slices would fit part of any slice."""
+    rng = np.random.default_rng(seed)
+    t, _, _ = planted_btd(seed, c=np.eye(4) + 0.3 * rng.normal(size=(4, 4)))
+    return t + 0.01 * rng.normal(size=t.shape)
+
+
+def test_rank_zero_slice_is_held_at_zero_and_printed_algorithm_leaks_into_it():
+    t = mixed_tensor(12)
+    ranks = (0, 3, 5, 6)
+    res = btd_ll1(jnp.asarray(t), init="slices", ranks=ranks, n_iter_max=20, tol=0.0)
+    c = np.asarray(res.c)
+    assert np.all(c[0] == 0.0)  # row 0 of C: exactly zero in every term
+    np.testing.assert_allclose(np.linalg.norm(c[:, 1:], axis=0), 1.0, rtol=1e-12)
+    rec = np.einsum("til,tjl,kt->ijk", *(np.asarray(x, np.float64) for x in (res.a, res.b, res.c)))
+    assert np.all(rec[:, :, 0] == 0.0)  # the model's slice 0 is exactly zero
+    errs = np.asarray(res.errors)
+    assert np.all(np.diff(errs) <= 1e-12)  # still monotone under the constraint
+    # Algorithm 3 as printed: the other terms fit part of slice 0
+    free = btd_ll1(jnp.asarray(t), init="slices", ranks=ranks, n_iter_max=20, tol=0.0,
+                   zero_empty=False)
+    assert np.abs(np.asarray(free.c)[0]).max() > 1e-2
+    assert float(free.errors[-1]) < errs[-1]
+
+
+def test_held_slice_is_the_same_problem_as_the_tensor_without_it():
+    """With slice 0 held at zero, the sweeps solve the BTD of the other slices: the same
+    factors as an unconstrained run on ``T[:, :, 1:]`` (three terms), and
+    ``err^2 ||T||^2 = err_sub^2 ||T_sub||^2 + ||T_0||^2``."""
+    t = mixed_tensor(13)
+    ranks = (0, 3, 5, 6)
+    res = btd_ll1(jnp.asarray(t), init="slices", ranks=ranks, n_iter_max=15, tol=0.0)
+    sub = btd_ll1(jnp.asarray(t[:, :, 1:]), init="slices", ranks=ranks[1:], n_iter_max=15,
+                  tol=0.0, zero_empty=False)
+    np.testing.assert_allclose(np.asarray(res.c)[1:, 1:], np.asarray(sub.c), atol=1e-10)
+    np.testing.assert_allclose(np.asarray(btd_to_tensor(res.a[1:], res.b[1:], res.c[1:, 1:])),
+                               np.asarray(btd_to_tensor(sub.a, sub.b, sub.c)), atol=1e-10)
+    n, n_sub, n0 = (np.linalg.norm(x) for x in (t, t[:, :, 1:], t[:, :, 0]))
+    np.testing.assert_allclose(np.asarray(res.errors) ** 2 * n ** 2,
+                               np.asarray(sub.errors) ** 2 * n_sub ** 2 + n0 ** 2, rtol=1e-10)
+
+
+def test_held_rows_from_algorithm1_and_a_general_start():
+    """Algorithm 1 at a total rank below the number of slices leaves terms empty: their slices
+    stay zero. A start whose C has weight in a held row loses it; a live term whose start lies
+    wholly in held rows restarts from its own slice (no zero c, no NaN)."""
+    t = mixed_tensor(14)
+    res = btd_ll1(jnp.asarray(t), 2, n_iter_max=10)
+    ranks = np.asarray(res.ranks)
+    assert int((ranks == 0).sum()) >= 2
+    c = np.asarray(res.c)
+    assert np.all(c[ranks == 0] == 0.0)
+    start = btd_ll1(jnp.asarray(t), init="slices", ranks=(0, 3, 5, 6), n_iter_max=1,
+                    zero_empty=False)
+    c0 = np.asarray(start.c).copy()
+    c0[:, 1] = np.eye(4)[0]  # term 1 starts wholly in the held row 0
+    start = start._replace(c=jnp.asarray(c0))
+    res = btd_ll1(jnp.asarray(t), init=start, n_iter_max=10, tol=0.0)
+    c = np.asarray(res.c)
+    assert np.all(np.isfinite(c)) and np.all(c[0] == 0.0)
+    assert np.linalg.norm(c[:, 1]) == pytest.approx(1.0)
+
+
 def test_vmap_over_a_batch_equals_single_runs():
     ts = jnp.asarray(np.stack([planted_btd(s)[0] + 0.1 * np.random.default_rng(s).normal(
         size=(SIZE, SIZE, 4)) for s in (10, 11)]))
@@ -158,3 +222,8 @@ def test_bad_inputs():
         btd_ll1(jnp.ones((4, 4, 2)), init="slices", ranks=(1,))
     with pytest.raises(ConfigError, match="rank must be an int >= 0"):
         fit_term(jnp.ones((4, 4, 2)), -1)
+    one = fit_term(jnp.ones((4, 4, 2)), 1)  # one term for two slices
+    with pytest.raises(ConfigError, match="zero_empty pairs term t with frontal slice t"):
+        btd_ll1(jnp.ones((4, 4, 2)), init=one)
+    with pytest.raises(ConfigError, match="zero_empty must be a bool"):
+        btd_ll1(jnp.ones((4, 4, 2)), init="slices", ranks=(1, 1), zero_empty=1)

@@ -361,3 +361,43 @@ def test_scanned_stack_compresses_every_layer(tmp_path, ref):
     with pytest.raises(ShapeError, match=r"params/encoderblock/\d/Dense_0.*select all of them"):
         ljl.compress(v, lj.Step("svd", (r"encoderblock/0/Dense_0/kernel$",), {"rank": 2}),
                      stacked=stack)
+
+
+class ReusedCompact(nn.Module):  # one nn.Dense called twice (compact)
+    @nn.compact
+    def __call__(self, x):
+        d = nn.Dense(8)
+        return d(nn.relu(nn.Dense(8)(nn.relu(d(x)))))
+
+
+class ReusedSetup(nn.Module):  # one submodule under two attribute names (setup)
+    def setup(self):
+        self.first = nn.Dense(8)
+        self.mid = nn.Dense(8)
+        self.last = self.first
+
+    def __call__(self, x):
+        return self.last(nn.relu(self.mid(nn.relu(self.first(x)))))
+
+
+@pytest.mark.parametrize("model,shared,other", [(ReusedCompact(), "Dense_0", "Dense_1"),
+                                                (ReusedSetup(), "first", "mid")],
+                         ids=["compact", "setup"])
+def test_reused_module_runs_the_leaf_at_every_call_and_is_counted_once(model, shared, other, ref):
+    """linen keeps one parameter entry for a reused module, so every call is intercepted on the
+    leaf; the counts (parameters and FLOPs per token) hold it once."""
+    x = jax.random.normal(jax.random.PRNGKey(1), (3, 8))
+    variables = model.init(jax.random.PRNGKey(0), x)
+    assert sorted(variables["params"]) == sorted([shared, other])
+    small, report = ljl.compress(variables, lj.Step("svd", (rf"{shared}/kernel$",), {"rank": 2}))
+    p = jax.tree_util.tree_map(lambda a: np.asarray(a, np.float64), variables)["params"]
+    w, b = ref.rank(p[shared]["kernel"], 2), p[shared]["bias"]
+    xn = np.asarray(x, np.float64)
+    h = np.maximum(np.maximum(xn @ w + b, 0) @ p[other]["kernel"] + p[other]["bias"], 0)
+    want = h @ w + b
+    np.testing.assert_allclose(jax.jit(lambda v, x: ljl.apply(model, v, x))(small, x), want,
+                               atol=1e-5, rtol=0)
+    row = report.rows[0]
+    assert row.params_before == 8 * 8 + 8 and row.params_after == 2 * 16 + 8
+    assert row.flops_before == 8 * 8 and row.flops_after == 2 * 16  # once, though called twice
+    assert report.tree["params_after"] == lj.param_count(small) < lj.param_count(variables)

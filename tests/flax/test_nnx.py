@@ -153,3 +153,132 @@ def test_per_head_svd_on_attention_kernels(ref):
         got = np.asarray(dense.blocks[blk].attn.out.kernel.get_value()).reshape(8, 8)
         np.testing.assert_allclose(got, ref.rank(k, 2), atol=1e-5)
     assert sorted({r.kind for r in report.rows}) == ["svd", "svd-per-head"]
+
+
+# -- tied layers ------------------------------------------------------------------------------
+
+
+class Tied(nnx.Module):
+    """One MLP applied twice (ALBERT-style sharing): ``up``/``down`` and ``up_again`` /
+    ``down_again`` are the same modules, and ``mid`` its own layer between the two calls."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.up = nnx.Linear(6, 12, rngs=rngs)
+        self.down = nnx.Linear(12, 6, rngs=rngs)
+        self.mid = nnx.Linear(6, 6, rngs=rngs)
+        self.up_again = self.up
+        self.down_again = self.down
+
+    def __call__(self, x):
+        h = x + self.down(nnx.relu(self.up(x)))
+        h = nnx.relu(self.mid(h))
+        return h + self.down_again(nnx.relu(self.up_again(h)))
+
+
+TIED = Tied(rngs=nnx.Rngs(4))
+XT = np.asarray(jax.random.normal(jax.random.PRNGKey(5), (3, 6)), np.float64)
+
+
+def np_tied(up, down, mid, x):
+    """The tied model in NumPy from ``(kernel, bias)`` pairs; both calls of the MLP read the
+    same ``up`` and ``down``."""
+    relu = lambda z: np.maximum(z, 0.0)  # noqa: E731
+    h = x + relu(x @ up[0] + up[1]) @ down[0] + down[1]
+    h = relu(h @ mid[0] + mid[1])
+    return h + relu(h @ up[0] + up[1]) @ down[0] + down[1]
+
+
+def dense_pairs(model):
+    return {n: (np.asarray(getattr(model, n).kernel.get_value(), np.float64),
+                np.asarray(getattr(model, n).bias.get_value(), np.float64))
+            for n in ("up", "down", "mid")}
+
+
+def test_tied_numpy_reference_is_the_model():
+    p = dense_pairs(TIED)
+    np.testing.assert_allclose(TIED(jnp.asarray(XT, jnp.float32)), np_tied(p["up"], p["down"],
+                                                                           p["mid"], XT),
+                               atol=1e-5, rtol=0)
+
+
+def test_tied_layer_is_compressed_under_both_names_and_counted_once(ref, tmp_path):
+    p = dense_pairs(TIED)
+    small, report = ljn.compress(TIED, lj.Step("svd", (r"^(up|down)/kernel$",), {"rank": 2}))
+    assert small.up is small.up_again and small.down is small.down_again  # still tied
+    assert isinstance(small.up_again, ljn.LeafLinear)
+    assert isinstance(small.down_again.kernel.get_value(), lj.LowRank)
+    # both call sites run the rank-2 truncation (NumPy SVD of the original kernels)
+    trunc = {n: (ref.rank(p[n][0], 2), p[n][1]) for n in ("up", "down")}
+    want = np_tied(trunc["up"], trunc["down"], p["mid"], XT)
+    y = nnx.jit(lambda m, x: m(x))(small, jnp.asarray(XT, jnp.float32))
+    np.testing.assert_allclose(y, want, atol=1e-5, rtol=0)
+    assert np.abs(want - np_tied(p["up"], p["down"], p["mid"], XT)).max() > 1e-2
+    # counted once: the state holds each layer once, the report agrees and is smaller
+    assert sorted(r.path for r in report.rows) == ["down/kernel", "up/kernel"]
+    n_before = 6 * 12 + 12 + 12 * 6 + 6 + 6 * 6 + 6
+    n_after = 2 * (6 + 12) + 12 + 2 * (12 + 6) + 6 + 6 * 6 + 6
+    assert report.tree["params_before"] == n_before
+    assert lj.param_count(ljn.param_tree(small)) == report.tree["params_after"] == n_after
+    assert n_after < n_before
+    # FLOPs per token of what is stored: each tied layer once (the model calls it twice)
+    row = {r.path: r for r in report.rows}
+    assert row["up/kernel"].flops_before == 6 * 12 and row["up/kernel"].flops_after == 2 * 18
+    assert lj.flops(ljn.param_tree(small), 1) == 2 * 18 + 2 * 18
+    # materialize keeps the tie and runs the same weights at both call sites
+    dense = ljn.materialize(small)
+    assert type(dense.up) is nnx.Linear and dense.up is dense.up_again
+    np.testing.assert_allclose(dense(jnp.asarray(XT, jnp.float32)), want, atol=1e-5, rtol=0)
+    # with_leaves from a saved tree: the same surgery, tied, every call site on the leaves
+    save_params(tmp_path / "ckpt", ljn.param_tree(small))
+    back = ljn.with_leaves(TIED, load_params(tmp_path / "ckpt"))
+    assert back.down is back.down_again and isinstance(back.down_again, ljn.LeafLinear)
+    np.testing.assert_allclose(back(jnp.asarray(XT, jnp.float32)), want, atol=1e-5, rtol=0)
+    assert lj.param_count(ljn.param_tree(back)) == n_after
+    assert isinstance(TIED.up_again, nnx.Linear)  # the input model is unchanged
+
+
+def test_tied_layer_is_pruned_under_both_names():
+    from lowrank_jax.interop import ChannelGroup
+
+    p = dense_pairs(TIED)
+    group = ChannelGroup("up", outputs=("up/kernel",), inputs=("down/kernel",))
+    small, report = ljn.prune(TIED, [group], target=0.5)
+    assert small.up is small.up_again and isinstance(small.up_again, ljn.LeafLinear)
+    assert small.down is small.down_again and isinstance(small.down_again, ljn.LeafLinear)
+    # NumPy: the 6 of 12 hidden channels with the largest RMS over up's column and down's row
+    rms = np.sqrt((np.concatenate([p["up"][0].T, p["down"][0]], 1) ** 2).mean(1))
+    keep = np.sort(np.argsort(-rms, kind="stable")[:6])
+    assert report.steps[0].info["groups"]["up"]["kept"] == 6
+    cut = {"up": (p["up"][0][:, keep], p["up"][1][keep]), "down": (p["down"][0][keep], p["down"][1]),
+           "mid": p["mid"]}
+    want = np_tied(cut["up"], cut["down"], cut["mid"], XT)
+    y = nnx.jit(lambda m, x: m(x))(small, jnp.asarray(XT, jnp.float32))
+    np.testing.assert_allclose(y, want, atol=1e-5, rtol=0)
+    assert np.abs(want - np_tied(p["up"], p["down"], p["mid"], XT)).max() > 1e-2
+    n_before = lj.param_count(ljn.param_tree(TIED))
+    assert lj.param_count(ljn.param_tree(small)) == report.tree["params_after"]
+    assert n_before - report.tree["params_after"] == 6 * (6 + 1) + 6 * 6  # once, not twice
+
+
+def test_tied_layer_named_by_its_second_name_or_sharing_a_variable_is_refused():
+    from lowrank_jax.interop import ChannelGroup
+
+    with pytest.raises(PlanError, match="up_again/kernel only, which is the layer up/kernel"):
+        ljn.compress(TIED, lj.Step("svd", (r"up_again/kernel$",), {"rank": 2}))
+    with pytest.raises(ConfigError, match="down_again/kernel is the layer down/kernel"):
+        ljn.prune(TIED, [ChannelGroup("u", outputs=("up/kernel",),
+                                      inputs=("down_again/kernel",))], target=0.5)
+
+    class SharedKernel(nnx.Module):
+        def __init__(self, *, rngs):
+            self.a = nnx.Linear(8, 8, rngs=rngs)
+            self.b = nnx.Linear(8, 8, rngs=rngs)
+            self.b.kernel = self.a.kernel  # one variable, two modules with their own biases
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model = SharedKernel(rngs=nnx.Rngs(0))
+    with pytest.raises(ConfigError, match=r"a/kernel: this layer shares its kernel or bias "
+                                          r"variable with \['b/kernel'\]"):
+        ljn.compress(model, lj.Step("svd", (r"^a/kernel$",), {"rank": 2}))
