@@ -537,8 +537,9 @@ def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch, 
 
 @pytest.mark.parametrize("kind", ["cp", "btd"])
 def test_factored_query_keys_chunk_from_their_own_threshold(monkeypatch, kind):
-    """CP-SlimAtt and BTD blocks chunk above the setting ``factored_attention_chunk_above_bytes`` while a
-    ``QueryKey`` of the same size runs whole; the chunked block equals the NumPy one built
+    """CP-SlimAtt and BTD blocks chunk above the setting
+    ``factored_attention_chunk_above_bytes`` while a ``QueryKey`` of the same size runs whole;
+    the chunked block equals the NumPy one built
     from the raw factors (logits of head h: sum_r mix[h, r] q_r k_r for CP, sum_t C[h, t]
     (x_q A_t)(x_k B_t)^T for BTD)."""
     from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
