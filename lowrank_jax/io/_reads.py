@@ -29,39 +29,50 @@ _DRAIN_TIMEOUT_S = 120.0
 _ORBAX_DIR = os.sep + "orbax" + os.sep
 
 
-class _OrbaxRecords(logging.Filter):
-    """Drops orbax's log records: a failed read is reported by the caller's error instead."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return _ORBAX_DIR not in (record.pathname or "")
-
-
 class _Quiet:
-    """The state behind :func:`quiet_reads`: active while at least one read is under way, in
-    any thread (the patch and the filter are process-wide, so they are installed once)."""
+    """The state behind :func:`quiet_reads`.
+
+    Only threads inside :func:`quiet_reads` are affected: their orbax log records are dropped
+    and the event loops they create (orbax makes one per call) are :func:`_finishing_close`
+    loops. The hooks themselves (a logging filter, a wrapper around the event-loop policy's
+    ``new_event_loop``) are process-wide, installed while any thread is inside, and removed
+    when the last one leaves.
+    """
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.depth = 0
+        self.threads: dict[int, int] = {}  # thread id -> nesting depth
         self.policy = None
-        self.filter = _OrbaxRecords()
+
+    def active(self) -> bool:
+        return threading.get_ident() in self.threads
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        """``False`` (drop) for an orbax record logged by a thread inside quiet_reads."""
+        return not (record.thread in self.threads and _ORBAX_DIR in (record.pathname or ""))
 
     def enter(self) -> None:
+        me = threading.get_ident()
         with self.lock:
-            self.depth += 1
-            if self.depth > 1:
+            self.threads[me] = self.threads.get(me, 0) + 1
+            if len(self.threads) > 1 or self.threads[me] > 1:
                 return
             logging.getLogger("absl").addFilter(self.filter)
             policy = _event_loop_policy()
             if policy is not None and "new_event_loop" not in vars(policy):
                 make = policy.new_event_loop
-                policy.new_event_loop = lambda: _finishing_close(make())
+                policy.new_event_loop = (
+                    lambda: _finishing_close(make()) if self.active() else make())
                 self.policy = policy
 
     def exit(self) -> None:
+        me = threading.get_ident()
         with self.lock:
-            self.depth -= 1
-            if self.depth:
+            self.threads[me] -= 1
+            if self.threads[me]:
+                return
+            del self.threads[me]
+            if self.threads:
                 return
             logging.getLogger("absl").removeFilter(self.filter)
             if self.policy is not None:
@@ -116,12 +127,27 @@ _ABANDONED = ("exception was never retrieved", "was destroyed but it is pending"
 
 
 def _unless_abandoned(loop: asyncio.AbstractEventLoop, context: dict) -> None:
-    # orbax awaits its per-array read tasks one after the other; once one fails, the failures
-    # of the others are never collected, and asyncio would log each of them (with the whole
-    # TensorStore spec) when the task is garbage-collected. The first failure is reported.
-    if any(m in str(context.get("message", "")) for m in _ABANDONED):
+    """The exception handler of a :func:`_finishing_close` loop: it drops what asyncio says
+    about an orbax read whose failure nobody collected; everything else is logged as usual.
+
+    orbax awaits its per-array read tasks one after the other; once one fails, the failures of
+    the others are never collected, and asyncio would log each of them (with the whole
+    TensorStore spec) when the task is garbage-collected. The caller reports the failure.
+    """
+    if any(m in str(context.get("message", "")) for m in _ABANDONED) and _orbax_read(context):
         return
     loop.default_exception_handler(context)
+
+
+def _orbax_read(context: dict) -> bool:
+    """Whether an asyncio error context is about an orbax task or a TensorStore read."""
+    fut = context.get("future") or context.get("task")
+    if isinstance(fut, asyncio.Task):
+        code = getattr(fut.get_coro(), "cr_code", None)
+        if code is not None and _ORBAX_DIR in code.co_filename:
+            return True
+    error = context.get("exception")
+    return error is not None and "tensorstore" in str(error).lower()
 
 
 def _finish_pending(loop: asyncio.AbstractEventLoop) -> None:
@@ -161,6 +187,8 @@ _STATUS = re.compile(r"\b([A-Z][A-Z_]+[A-Z]): (.*)", re.S)
 _OCDBT_PLACE = re.compile(r'Error (?:reading|decoding) "[^"]*" in OCDBT database at [^:]*"[^"]*": ')
 _LOCAL_FILE = re.compile(r'local file "([^"]*)"')
 _SPEC_DUMP = re.compile(r"\. See full TensorStore details:.*", re.S)
+_SPEC_TAIL = re.compile(r"\s*\[tensorstore_spec[^=]*=.*", re.S)
+_OPENING = re.compile(r'Error opening "\w+" driver: ')
 
 #: TensorStore status codes in plain words.
 _PLAIN = {
@@ -193,11 +221,12 @@ def describe(error: BaseException, *, root: str | None = None, limit: int = 240)
     while e is not None and id(e) not in seen:
         seen.add(id(e))
         chain.append(e)
-        e = e.__cause__ or e.__context__
+        e = e.__cause__  # not __context__: what was being handled when it was raised
     for e in reversed(chain):
         m = _STATUS.search(str(e))
         if m:
-            status, text = m.group(1), _OCDBT_PLACE.sub("", m.group(2))
+            text = _OPENING.sub("", _OCDBT_PLACE.sub("", _SPEC_TAIL.sub("", m.group(2))))
+            status = m.group(1)
             plain = _PLAIN.get(status, "unreadable")
             if "Truncated" in text or "truncated" in text:
                 plain = "data cut short or missing"
@@ -262,8 +291,9 @@ def index_damage(arrays_dir: str, *, expect_ocdbt: bool = True) -> str | None:
     except ImportError:  # pragma: no cover
         return None
     try:
+        # a context of its own: the default one caches what an earlier failed read saw
         store = ts.KvStore.open({"driver": "ocdbt", "base": "file://" + os.path.abspath(arrays_dir)
-                                 + "/"}).result()
+                                 + "/"}, context=ts.Context()).result()
         keys = store.list().result()
     except Exception as e:  # TensorStore reports a damaged index as ValueError
         return f"its OCDBT index is damaged: {describe(e, root=arrays_dir)}"
@@ -273,6 +303,45 @@ def index_damage(arrays_dir: str, *, expect_ocdbt: bool = True) -> str | None:
 
 
 
+
+
+#: Arrays named in a message; the rest are counted.
+MAX_LISTED = 8
+
+
+def list_damage(problems: dict[tuple[str, str], str], where: str) -> str:
+    """The damaged arrays of a checkpoint and what is wrong with each, for a one-line message.
+
+    Arrays with the same problem are grouped; at most :data:`MAX_LISTED` are named.
+
+    Args:
+      problems: ``{(array path, storage key): what is wrong}``, the text read after the array,
+        e.g. ``'cannot be read: data cut short (...)'``.
+      where: the directory holding the arrays (named once).
+
+    Returns:
+      ``"array 'a/w' (arr_000003 in DIR) cannot be read: ..."`` for one array,
+      ``"2 arrays (in DIR): 'a/w' (arr_000003), 'b' (arr_000007) cannot be read: ..."`` for
+      several.
+    """
+    items = sorted(problems.items(), key=lambda kv: kv[0][1])
+    if len(items) == 1:
+        (path, key), what = items[0]
+        return f"array '{path}' ({key} in {where}) {what}"
+    groups: dict[str, list[str]] = {}
+    for (path, key), what in items[:MAX_LISTED]:
+        groups.setdefault(what, []).append(f"'{path}' ({key})")
+    more = len(items) - MAX_LISTED
+    return (f"{len(items)} arrays (in {where}): "
+            + "; ".join(f"{', '.join(g)} {what}" for what, g in groups.items())
+            + (f"; and {more} more arrays" if more > 0 else ""))
+
+
+def list_names(paths: list[str]) -> str:
+    """``"'a', 'b', 'c'"``, with at most :data:`MAX_LISTED` names and a count of the rest."""
+    more = len(paths) - MAX_LISTED
+    return ", ".join(f"'{p}'" for p in paths[:MAX_LISTED]) + (f" and {more} more" if more > 0
+                                                                else "")
 
 
 def read_each(arrays_dir: str, restore_args: dict, *, partial: bool) -> tuple[dict, dict]:
@@ -305,4 +374,5 @@ def read_each(arrays_dir: str, restore_args: dict, *, partial: bool) -> tuple[di
     return arrays, problems
 
 
-__all__ = ["describe", "index_damage", "quiet_reads", "read_each"]
+__all__ = ["MAX_LISTED", "describe", "index_damage", "list_damage", "list_names", "quiet_reads",
+           "read_each"]

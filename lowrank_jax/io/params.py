@@ -25,7 +25,14 @@ from lowrank_jax.errors import (
     MissingFileError,
 )
 from lowrank_jax.io import files
-from lowrank_jax.io._reads import describe, index_damage, quiet_reads, read_each
+from lowrank_jax.io._reads import (
+    describe,
+    index_damage,
+    list_damage,
+    list_names,
+    quiet_reads,
+    read_each,
+)
 from lowrank_jax.io.legacy import find_v1_attention, skeleton_from_v1
 from lowrank_jax.io.skeleton import TreeEncoder, array_checksum, build_tree, collect_arrays
 
@@ -394,8 +401,6 @@ def _restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted:
     return arrays
 
 
-#: Listed by name in a message; the rest are counted.
-_MAX_LISTED = 8
 _RESTORE_HINT = ("The files changed after they were written (truncated, deleted or altered); "
                  "restore the checkpoint from a copy")
 
@@ -403,24 +408,13 @@ _RESTORE_HINT = ("The files changed after they were written (truncated, deleted 
 def _damaged(who: str, arrays_dir: str, specs: dict, problems: dict[str, str],
              expected: Any = None, actual: Any = None) -> CorruptCheckpointError:
     """One line naming the checkpoint, each damaged array (tree path and orbax key) and what
-    is wrong with it; arrays with the same problem are grouped."""
+    is wrong with it."""
     ckpt = os.path.dirname(arrays_dir)
-    keys = sorted(problems)
-    named = {k: specs[k][0] or "<root>" for k in keys}
-    if len(keys) == 1:
-        k = keys[0]
-        body = f"array '{named[k]}' ({k} in {arrays_dir}) {problems[k]}"
-    else:
-        groups: dict[str, list[str]] = {}
-        for k in keys[:_MAX_LISTED]:
-            groups.setdefault(problems[k], []).append(f"'{named[k]}' ({k})")
-        parts = [f"{', '.join(g)} {p}" for p, g in groups.items()]
-        more = len(keys) - _MAX_LISTED
-        body = (f"{len(keys)} arrays (in {arrays_dir}): " + "; ".join(parts)
-                + (f"; and {more} more arrays" if more > 0 else ""))
+    named = {k: specs[k][0] or "<root>" for k in problems}
+    body = list_damage({(named[k], k): p for k, p in problems.items()}, arrays_dir)
     return CorruptCheckpointError(
         f"{who}: checkpoint {ckpt} is damaged: {body}. {_RESTORE_HINT}", where=ckpt,
-        expected=expected, actual=actual, arrays={named[k]: problems[k] for k in keys})
+        expected=expected, actual=actual, arrays={named[k]: p for k, p in problems.items()})
 
 
 def _unreadable_index(who: str, arrays_dir: str, specs: dict, keys: list[str],
@@ -428,13 +422,10 @@ def _unreadable_index(who: str, arrays_dir: str, specs: dict, keys: list[str],
     """None of ``keys`` can be read because the files indexing them are damaged."""
     ckpt = os.path.dirname(arrays_dir)
     named = [specs[k][0] or "<root>" for k in keys]
-    listed = ", ".join(f"'{n}'" for n in named[:_MAX_LISTED])
-    more = len(named) - _MAX_LISTED
     return CorruptCheckpointError(
-        f"{who}: checkpoint {ckpt} is damaged: none of its {len(keys)} arrays ({listed}"
-        f"{f' and {more} more' if more > 0 else ''}) can be read, because {why} (in "
-        f"{arrays_dir}). {_RESTORE_HINT}", where=ckpt,
-        arrays={n: f"cannot be read: {why}" for n in named})
+        f"{who}: checkpoint {ckpt} is damaged: none of its {len(keys)} arrays "
+        f"({list_names(named)}) can be read, because {why} (in {arrays_dir}). {_RESTORE_HINT}",
+        where=ckpt, arrays={n: f"cannot be read: {why}" for n in named})
 
 
 __all__ = ["ARRAYS_DIR", "FORMAT", "READABLE_VERSIONS", "STATE_ROOT", "TREE_FILE", "VERSION",
