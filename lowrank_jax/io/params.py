@@ -283,9 +283,11 @@ def load_params(path: str | os.PathLike, *, verify: bool = True) -> Any:
 
     Raises:
       MissingFileError: ``path`` or its ``tree.json`` does not exist.
-      CheckpointError: ``tree.json`` is corrupt, names an unknown node type, the stored arrays
-        do not match it (missing, extra, or of another shape or dtype), or an array's bytes do
-        not match its checksum (the message names the array's path and the files).
+      CheckpointError: ``tree.json`` is corrupt, names an unknown node type, or the stored
+        arrays do not match it (missing, extra, or of another shape or dtype).
+      CorruptCheckpointError: files under ``arrays/`` are damaged (a ``CheckpointError``): one
+        line naming the checkpoint, every array that cannot be read or whose bytes do not match
+        its checksum, and what is wrong with each. Nothing else is printed.
     """
     stored = read_checkpoint(path, state=False, verify=verify, who="load_params")
     if stored.version == 1:
@@ -331,7 +333,8 @@ def _restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted:
             stored = ckptr.metadata(arrays_dir).item_metadata.tree
     except Exception as e:  # orbax raises several types for an unreadable checkpoint
         why = index_damage(arrays_dir) or describe(e, root=arrays_dir)
-        raise _unreadable_index(who, arrays_dir, specs, sorted(specs), why) from None
+        raise _unreadable_index(who, arrays_dir, specs, sorted(wanted) or sorted(specs),
+                                why) from None
     if not isinstance(stored, dict):
         raise _ckpt_error(arrays_dir, f"{who}: {arrays_dir} should hold a flat dict of arrays, "
                           f"found {type(stored).__name__}")

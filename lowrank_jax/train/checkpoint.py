@@ -31,9 +31,11 @@ Integrity: orbax writes a step into a temporary directory and renames it when co
 interrupted save never shows up as a step (``latest_step()`` ignores it), and the next
 :class:`Checkpointer` on the directory removes its temporary directory. On restore the CRC32
 of every array is checked against the one recorded at save time (``verify=True``), so a
-truncated, deleted or bit-flipped file gives :class:`CorruptCheckpointError` naming the step
-directory, and older steps remain restorable (``restore(step=...)``, or ``restore(
-fallback=True)`` to take the newest good step with a warning).
+truncated, deleted or bit-flipped file gives :class:`CorruptCheckpointError` (from
+:mod:`lowrank_jax.errors`): one line naming the step directory, every array path that cannot be
+read or fails its checksum, and what is wrong, with nothing else printed. Older steps remain
+restorable (``restore(step=...)``, or ``restore(fallback=True)`` to take the newest good step
+with a warning).
 
 Versions: this module writes format version 2 (``TrainState`` has a ``model_state`` field) and
 reads version 1 (the first release, whose ``TrainState`` had no ``model_state``) into a
