@@ -248,7 +248,7 @@ def _relative(path: str, base: str) -> str:
     return path[len(base):] or "." if path.startswith(base) else path
 
 
-def index_damage(arrays_dir: str, *, expect_ocdbt: bool = True) -> str | None:
+def index_damage(arrays_dir: str) -> str | None:
     """What is wrong with the files orbax reads before any array of ``arrays_dir``.
 
     Checks orbax's JSON files (``_METADATA``, ``_sharding``, ``array_metadatas/*``) and, for an
@@ -257,8 +257,6 @@ def index_damage(arrays_dir: str, *, expect_ocdbt: bool = True) -> str | None:
 
     Args:
       arrays_dir: an orbax PyTree checkpoint directory.
-      expect_ocdbt: the checkpoint was written with OCDBT (orbax's default), so a missing
-        ``manifest.ocdbt`` is damage.
 
     Returns:
       A short description naming the damaged file, or ``None`` when these files look intact.
@@ -283,9 +281,10 @@ def index_damage(arrays_dir: str, *, expect_ocdbt: bool = True) -> str | None:
             return f"its index file {name} is unreadable ({_squeeze(str(e), arrays_dir, 160)})"
     manifest = os.path.join(arrays_dir, "manifest.ocdbt")
     if not os.path.isfile(manifest):
-        has_parts = any(n.startswith("ocdbt.process_") for n in os.listdir(arrays_dir))
-        return ("its OCDBT manifest manifest.ocdbt is missing" if expect_ocdbt or has_parts
-                else None)
+        # OCDBT's data lies under d/ (ocdbt.process_*/d/ before the per-process parts are
+        # merged); without them this is not an OCDBT checkpoint (orbax's use_ocdbt=False)
+        ocdbt = any(n == "d" or n.startswith("ocdbt.process_") for n in os.listdir(arrays_dir))
+        return "its OCDBT manifest manifest.ocdbt is missing" if ocdbt else None
     try:
         import tensorstore as ts  # orbax's own dependency
     except ImportError:  # pragma: no cover
@@ -300,9 +299,6 @@ def index_damage(arrays_dir: str, *, expect_ocdbt: bool = True) -> str | None:
     if not keys:
         return "its OCDBT index lists no arrays"
     return None
-
-
-
 
 
 #: Arrays named in a message; the rest are counted.
