@@ -88,6 +88,25 @@ class CheckpointError(LowrankJaxError, ValueError):
         super().__init__("\n".join(lines), where=source, expected=expected, actual=actual)
 
 
+class CorruptCheckpointError(CheckpointError):
+    """Files of a checkpoint are missing, truncated or altered, so arrays cannot be read or do
+    not match their checksums.
+
+    Args:
+      message: the full message (one line naming the checkpoint, the arrays and what is
+        wrong).
+      where: the checkpoint (or step) directory.
+      expected, actual: the two values that differ, where there is one such pair.
+      arrays: ``{array path: what is wrong}`` for every damaged array found (empty when the
+        damage is not tied to arrays, such as an unreadable metadata file).
+    """
+
+    def __init__(self, message: str, *, where: str, expected: Any = None, actual: Any = None,
+                 arrays: dict | None = None):
+        super().__init__(where, message=message, expected=expected, actual=actual)
+        self.arrays = dict(arrays or {})
+
+
 class DataError(LowrankJaxError, ValueError):
     """Input data (series, token ids, images, CSV files) is unusable as given."""
 
@@ -118,6 +137,7 @@ def _shape(s) -> str:
 
 
 __all__ = [
-    "CheckpointError", "ConfigError", "DataError", "LeafTypeError", "LowrankJaxError",
-    "MissingFileError", "NotSupportedError", "OutputExistsError", "PlanError", "ShapeError",
+    "CheckpointError", "ConfigError", "CorruptCheckpointError", "DataError", "LeafTypeError",
+    "LowrankJaxError", "MissingFileError", "NotSupportedError", "OutputExistsError", "PlanError",
+    "ShapeError",
 ]

@@ -56,9 +56,17 @@ A ``NODE`` is one of::
   by the skeleton alone (orbax refuses them).
 * ``sha256`` is the hex digest of ``"<dtype>:<d0>,<d1>,...:"`` (UTF-8) followed by the array's
   bytes in C order (:func:`lowrank_jax.io.skeleton.array_checksum`). It is verified on load: an
-  array whose bytes changed raises :class:`~lowrank_jax.errors.CheckpointError` naming its tree
-  path, ``arrays/`` and ``tree.json``. It is ``null`` only for an array that was split over
-  several processes when it was saved.
+  array whose bytes changed raises :class:`~lowrank_jax.errors.CorruptCheckpointError` naming
+  its tree path, ``arrays/`` and ``tree.json``. It is ``null`` only for an array that was split
+  over several processes when it was saved.
+
+A damaged checkpoint raises one :class:`~lowrank_jax.errors.CorruptCheckpointError`, one line:
+the checkpoint, every array that cannot be read or fails its checksum (tree path and key, such
+as ``'enc/w' (arr_000003)``; OCDBT shares its data files among arrays under hashed names, so
+arrays are named, not files) and what is wrong with each (``data cut short``, ``its index file
+_METADATA is missing``, ...). Its ``arrays`` attribute maps each damaged array's path to that
+text. An array file changed in a way that still reads (bytes appended) loads, checked by the
+checksums.
 
 A model checkpoint stores ``metadata["config"] = {"__config__": "lowrank_jax.models.t5.T5Config",
 "fields": {...}}`` (nested configs encoded the same way), rebuilt from

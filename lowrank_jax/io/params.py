@@ -18,8 +18,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import CheckpointError, LeafTypeError, MissingFileError
+from lowrank_jax.errors import (
+    CheckpointError,
+    CorruptCheckpointError,
+    LeafTypeError,
+    MissingFileError,
+)
 from lowrank_jax.io import files
+from lowrank_jax.io._reads import (
+    describe,
+    index_damage,
+    list_damage,
+    list_names,
+    quiet_reads,
+    read_each,
+)
 from lowrank_jax.io.legacy import find_v1_attention, skeleton_from_v1
 from lowrank_jax.io.skeleton import TreeEncoder, array_checksum, build_tree, collect_arrays
 
@@ -270,9 +283,11 @@ def load_params(path: str | os.PathLike, *, verify: bool = True) -> Any:
 
     Raises:
       MissingFileError: ``path`` or its ``tree.json`` does not exist.
-      CheckpointError: ``tree.json`` is corrupt, names an unknown node type, the stored arrays
-        do not match it (missing, extra, or of another shape or dtype), or an array's bytes do
-        not match its checksum (the message names the array's path and the files).
+      CheckpointError: ``tree.json`` is corrupt, names an unknown node type, or the stored
+        arrays do not match it (missing, extra, or of another shape or dtype).
+      CorruptCheckpointError: files under ``arrays/`` are damaged (a ``CheckpointError``): one
+        line naming the checkpoint, every array that cannot be read or whose bytes do not match
+        its checksum, and what is wrong with each. Nothing else is printed.
     """
     stored = read_checkpoint(path, state=False, verify=verify, who="load_params")
     if stored.version == 1:
@@ -306,14 +321,20 @@ def _restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted:
     import orbax.checkpoint as ocp
 
     if not os.path.isdir(arrays_dir):
-        raise _ckpt_error(tree_file, f"{who}: {tree_file} lists {len(specs)} stored arrays but "
-                          f"{arrays_dir} does not exist", expected=ARRAYS_DIR, actual="missing")
+        ckpt = os.path.dirname(arrays_dir)
+        raise CorruptCheckpointError(
+            f"{who}: checkpoint {ckpt} is damaged: {tree_file} lists {len(specs)} stored arrays "
+            f"but {arrays_dir} does not exist. {_RESTORE_HINT}", where=ckpt, expected=ARRAYS_DIR,
+            actual="missing", arrays={p or "<root>": "cannot be read: arrays/ is missing"
+                                      for p, _ in specs.values()})
     ckptr = ocp.PyTreeCheckpointer()
     try:
-        stored = ckptr.metadata(arrays_dir).item_metadata.tree
+        with quiet_reads():
+            stored = ckptr.metadata(arrays_dir).item_metadata.tree
     except Exception as e:  # orbax raises several types for an unreadable checkpoint
-        raise _ckpt_error(arrays_dir, f"{who}: cannot read the orbax checkpoint {arrays_dir}: "
-                          f"{e}") from e
+        why = index_damage(arrays_dir) or describe(e, root=arrays_dir)
+        raise _unreadable_index(who, arrays_dir, specs, sorted(wanted) or sorted(specs),
+                                why) from None
     if not isinstance(stored, dict):
         raise _ckpt_error(arrays_dir, f"{who}: {arrays_dir} should hold a flat dict of arrays, "
                           f"found {type(stored).__name__}")
@@ -347,29 +368,67 @@ def _restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted:
             restore_args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
     if not restore_args:
         return {}
+    partial = len(restore_args) < len(stored)
+    problems: dict[str, str] = {}
     try:
-        arrays = ckptr.restore(arrays_dir, args=ocp.args.PyTreeRestore(
-            item={k: 0 for k in restore_args}, restore_args=restore_args,
-            partial_restore=len(restore_args) < len(stored)))
+        with quiet_reads():
+            arrays = ckptr.restore(arrays_dir, args=ocp.args.PyTreeRestore(
+                item={k: 0 for k in restore_args}, restore_args=restore_args,
+                partial_restore=partial))
     except Exception as e:
-        raise _ckpt_error(arrays_dir, f"{who}: cannot restore the arrays in {arrays_dir}: "
-                          f"{e}") from e
+        # Find every array that cannot be read: the index (all of them), or one at a time.
+        why = index_damage(arrays_dir)
+        if why is not None:
+            raise _unreadable_index(who, arrays_dir, specs, sorted(restore_args), why) from None
+        arrays, problems = read_each(arrays_dir, restore_args, partial=len(stored) > 1)
+        problems = {k: f"cannot be read: {p}" for k, p in problems.items()}
+        if not problems:  # each array reads alone: say what the whole read said
+            raise _ckpt_error(arrays_dir, f"{who}: cannot read the arrays of checkpoint "
+                              f"{os.path.dirname(arrays_dir)} (in {arrays_dir}) together: "
+                              f"{describe(e, root=arrays_dir)}") from None
+    expected_sum = actual_sum = None
     if verify:
         for key, x in arrays.items():
-            tree_path, spec = specs[key]
-            expected = spec.get("sha256")
+            expected = specs[key][1].get("sha256")
             if expected is None:  # saved from arrays split over processes: no host digest
                 continue
             actual = array_checksum(x)
             if actual != expected:
-                raise _ckpt_error(
-                    arrays_dir,
-                    f"{who}: array '{tree_path}' ({key} in {arrays_dir}) is corrupt: its bytes "
-                    f"do not match the sha256 checksum recorded in {tree_file} (expected "
-                    f"{expected[:16]}..., got {actual[:16]}...). The files changed after they "
-                    "were written; restore the checkpoint from a copy",
-                    expected=expected, actual=actual)
+                problems[key] = (f"is corrupt: its bytes do not match the sha256 checksum "
+                                 f"recorded in {tree_file} (expected {expected[:16]}..., got "
+                                 f"{actual[:16]}...)")
+                expected_sum, actual_sum = expected, actual
+    if problems:
+        raise _damaged(who, arrays_dir, specs, problems,
+                       *((expected_sum, actual_sum) if len(problems) == 1 else (None, None)))
     return arrays
+
+
+_RESTORE_HINT = ("The files changed after they were written (truncated, deleted or altered); "
+                 "restore the checkpoint from a copy")
+
+
+def _damaged(who: str, arrays_dir: str, specs: dict, problems: dict[str, str],
+             expected: Any = None, actual: Any = None) -> CorruptCheckpointError:
+    """One line naming the checkpoint, each damaged array (tree path and orbax key) and what
+    is wrong with it."""
+    ckpt = os.path.dirname(arrays_dir)
+    named = {k: specs[k][0] or "<root>" for k in problems}
+    body = list_damage({(named[k], k): p for k, p in problems.items()}, arrays_dir)
+    return CorruptCheckpointError(
+        f"{who}: checkpoint {ckpt} is damaged: {body}. {_RESTORE_HINT}", where=ckpt,
+        expected=expected, actual=actual, arrays={named[k]: p for k, p in problems.items()})
+
+
+def _unreadable_index(who: str, arrays_dir: str, specs: dict, keys: list[str],
+                      why: str) -> CorruptCheckpointError:
+    """None of ``keys`` can be read because the files indexing them are damaged."""
+    ckpt = os.path.dirname(arrays_dir)
+    named = [specs[k][0] or "<root>" for k in keys]
+    return CorruptCheckpointError(
+        f"{who}: checkpoint {ckpt} is damaged: none of its {len(keys)} arrays "
+        f"({list_names(named)}) can be read, because {why} (in {arrays_dir}). {_RESTORE_HINT}",
+        where=ckpt, arrays={n: f"cannot be read: {why}" for n in named})
 
 
 __all__ = ["ARRAYS_DIR", "FORMAT", "READABLE_VERSIONS", "STATE_ROOT", "TREE_FILE", "VERSION",

@@ -31,9 +31,11 @@ Integrity: orbax writes a step into a temporary directory and renames it when co
 interrupted save never shows up as a step (``latest_step()`` ignores it), and the next
 :class:`Checkpointer` on the directory removes its temporary directory. On restore the CRC32
 of every array is checked against the one recorded at save time (``verify=True``), so a
-truncated, deleted or bit-flipped file gives :class:`CorruptCheckpointError` naming the step
-directory, and older steps remain restorable (``restore(step=...)``, or ``restore(
-fallback=True)`` to take the newest good step with a warning).
+truncated, deleted or bit-flipped file gives :class:`CorruptCheckpointError` (from
+:mod:`lowrank_jax.errors`): one line naming the step directory, every array path that cannot be
+read or fails its checksum, and what is wrong, with nothing else printed. Older steps remain
+restorable (``restore(step=...)``, or ``restore(fallback=True)`` to take the newest good step
+with a warning).
 
 Versions: this module writes format version 2 (``TrainState`` has a ``model_state`` field) and
 reads version 1 (the first release, whose ``TrainState`` had no ``model_state``) into a
@@ -45,7 +47,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import logging
 import os
 import re
 import shutil
@@ -61,9 +62,18 @@ import numpy as np
 from lowrank_jax.errors import (
     CheckpointError,
     ConfigError,
+    CorruptCheckpointError,
     LeafTypeError,
     MissingFileError,
     OutputExistsError,
+)
+from lowrank_jax.io._reads import (
+    describe,
+    index_damage,
+    list_damage,
+    list_names,
+    quiet_reads,
+    read_each,
 )
 from lowrank_jax.leaves import path_str, with_kept_divisor
 from lowrank_jax.train.state import TrainState
@@ -74,46 +84,6 @@ FORMAT = "lowrank_jax.train_state"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 _STATE, _META = "state", "meta"
-
-
-class _AbandonedReadFilter(logging.Filter):
-    """Drops asyncio's "... exception was never retrieved" for orbax reads that failed.
-
-    When one array of a corrupt checkpoint cannot be read, orbax abandons the sibling read
-    tasks; asyncio logs each of them when it is garbage-collected (often at interpreter exit,
-    after everything else has printed). The failure itself is already reported as a
-    :class:`CorruptCheckpointError`, so these records are noise.
-    """
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        msg = record.getMessage()
-        # "Task exception was never retrieved" or "Future exception was never retrieved", for
-        # a tensorstore read of the checkpoint that failed.
-        return not ("exception was never retrieved" in msg
-                    and ("async_deserialize" in msg or "tensorstore_spec" in msg))
-
-
-_FILTER = _AbandonedReadFilter()
-
-
-def _quiet_abandoned_reads() -> None:
-    logger = logging.getLogger("asyncio")
-    if _FILTER not in logger.filters:
-        logger.addFilter(_FILTER)
-
-
-class CorruptCheckpointError(CheckpointError):
-    """Files of a checkpoint step are missing, truncated or altered.
-
-    Args:
-      message: the full message (it names the step directory).
-      where: the step directory.
-      expected, actual: what ``like`` has and what the checkpoint holds, where one value
-        differs.
-    """
-
-    def __init__(self, message: str, *, where: str, expected: Any = None, actual: Any = None):
-        super().__init__(where, message=message, expected=expected, actual=actual)
 
 
 class IncompatibleCheckpointError(CheckpointError):
@@ -386,14 +356,14 @@ class Checkpointer:
         ocp = _ocp()
         where = self.step_dir(step)
         try:
-            out = self._manager.restore(step, args=ocp.args.Composite(
-                **{_META: ocp.args.JsonRestore()}))
+            with quiet_reads():
+                out = self._manager.restore(step, args=ocp.args.Composite(
+                    **{_META: ocp.args.JsonRestore()}))
             meta = out[_META]
         except Exception as e:  # orbax raises many types for unreadable files
             raise CorruptCheckpointError(
-                f"Checkpointer: cannot read the metadata of checkpoint {where} "
-                f"({type(e).__name__}: {_short(e)}); restore an earlier step "
-                f"(restore(step=...) or restore(fallback=True))", where=where) from e
+                f"Checkpointer: checkpoint {where} is damaged: its metadata {where}/{_META} "
+                f"cannot be read ({describe(e, root=where)}); {_EARLIER}", where=where) from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CorruptCheckpointError(
                 f"Checkpointer: {where}/{_META} is not a lowrank_jax train-state checkpoint "
@@ -513,18 +483,33 @@ class Checkpointer:
                 else:
                     abstract[e["key"]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
 
-        arrays = {}
+        arrays, problems = {}, {}
         if abstract:
             try:
-                out = self._manager.restore(step, args=ocp.args.Composite(
-                    **{_STATE: ocp.args.StandardRestore(abstract)}))
+                with quiet_reads():
+                    out = self._manager.restore(step, args=ocp.args.Composite(
+                        **{_STATE: ocp.args.StandardRestore(abstract)}))
                 arrays = out[_STATE]
             except Exception as e:  # orbax/tensorstore raise many types for bad files
-                _quiet_abandoned_reads()
-                raise CorruptCheckpointError(
-                    f"Checkpointer: cannot read the arrays of checkpoint {where} "
-                    f"({type(e).__name__}: {_short(e)}); restore an earlier step "
-                    f"(restore(step=...) or restore(fallback=True))", where=where) from e
+                arrays, problems = _read_each(where, entries, abstract, e)
+        if not isinstance(arrays, dict):
+            arrays = {}
+        if self.verify:
+            for e in entries:
+                a = arrays.get(e["key"]) if e["key"] is not None else None
+                if a is None or e.get("crc32") is None:
+                    continue
+                crc = _crc(a)
+                if crc is not None and crc != e["crc32"]:
+                    problems[e["key"]] = (f"fails its checksum (crc32 {crc:#010x}, saved "
+                                          f"{e['crc32']:#010x})")
+        if problems:
+            paths = {e["key"]: e["path"] for e in entries if e["key"] is not None}
+            body = list_damage({(paths[k], k): p for k, p in problems.items()},
+                               os.path.join(where, _STATE))
+            raise CorruptCheckpointError(
+                f"Checkpointer: checkpoint {where} is damaged: {body}; {_EARLIER}", where=where,
+                arrays={paths[k]: p for k, p in problems.items()})
         leaves = []
         for e, sharding in zip(entries, targets, strict=True):
             shape, dtype = tuple(e["shape"]), np.dtype(e["dtype"])
@@ -532,19 +517,11 @@ class Checkpointer:
                 a = np.zeros(shape, dtype)
                 a = a if sharding is None else jax.device_put(a, sharding)
             else:
-                a = arrays.get(e["key"]) if isinstance(arrays, dict) else None
+                a = arrays.get(e["key"])
                 if a is None:
                     raise CorruptCheckpointError(
                         f"Checkpointer: checkpoint {where}: array '{e['path']}' ({e['key']}) is "
                         f"missing from {_STATE}/", where=where)
-                if self.verify and e.get("crc32") is not None:
-                    crc = _crc(a)
-                    if crc is not None and crc != e["crc32"]:
-                        raise CorruptCheckpointError(
-                            f"Checkpointer: checkpoint {where}: array '{e['path']}' fails its "
-                            f"checksum (crc32 {crc:#010x}, saved {e['crc32']:#010x}): the files "
-                            "are damaged; restore an earlier step (restore(step=...) or "
-                            "restore(fallback=True))", where=where)
             kind = e["kind"]
             if kind == "key":
                 a = jax.random.wrap_key_data(a, impl=e["impl"])
@@ -600,9 +577,36 @@ def _remove_temporaries(directory: str) -> list[str]:
     return removed
 
 
-def _short(e: BaseException, n: int = 300) -> str:
-    s = " ".join(str(e).split())
-    return s if len(s) <= n else s[:n] + " ..."
+_EARLIER = "restore an earlier step (restore(step=...) or restore(fallback=True))"
+
+
+def _read_each(where: str, entries: list[dict], abstract: dict,
+               error: BaseException) -> tuple[dict, dict]:
+    """After reading a step's arrays together failed: the arrays that can be read and, for
+    each other one, what is wrong (``{key: text}``), or :class:`CorruptCheckpointError` when
+    the files indexing them are damaged (then none can be read)."""
+    ocp = _ocp()
+    state_dir = os.path.join(where, _STATE)
+    why = index_damage(state_dir)
+    if why is not None:
+        paths = [e["path"] for e in entries if e["key"] is not None]
+        raise CorruptCheckpointError(
+            f"Checkpointer: checkpoint {where} is damaged: none of its {len(paths)} arrays "
+            f"({list_names(paths)}) can be read, because {why} (in {state_dir}); {_EARLIER}",
+            where=where, arrays={p: f"cannot be read: {why}" for p in paths})
+    args = {}
+    for key, x in abstract.items():
+        if isinstance(x, jax.ShapeDtypeStruct):
+            args[key] = ocp.ArrayRestoreArgs(sharding=x.sharding, global_shape=x.shape,
+                                             dtype=x.dtype)
+        else:
+            args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=x.dtype)
+    arrays, problems = read_each(state_dir, args, partial=len(args) > 1)
+    if not problems:  # each array reads alone: say what the whole read said
+        raise CorruptCheckpointError(
+            f"Checkpointer: checkpoint {where} is damaged: its arrays cannot be read together "
+            f"({describe(error, root=state_dir)}); {_EARLIER}", where=where)
+    return arrays, {k: f"cannot be read: {p}" for k, p in problems.items()}
 
 
 def _target_sharding(x: Any, mesh: Any, ndim: int, is_key: bool):
