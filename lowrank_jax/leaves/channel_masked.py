@@ -513,7 +513,8 @@ def _(leaf: Dense, rows, cols, n_tokens):
 @kept_counts.register
 def _(leaf: LowRank, rows, cols, n_tokens):
     r, c = int(np.count_nonzero(rows)), int(np.count_nonzero(cols))
-    return leaf.rank * (r + c) + _nb(leaf, cols), n_tokens * leaf.rank * (r + c)
+    rank = leaf.rank if r and c else 0  # LowRank.keep_inputs / keep_outputs of nothing
+    return rank * (r + c) + _nb(leaf, cols), n_tokens * rank * (r + c)
 
 
 @kept_counts.register
@@ -523,7 +524,7 @@ def _(leaf: HeadLowRank, rows, cols, n_tokens):
     if np.any(per_head.any(1) & ~per_head.all(1)):
         raise ShapeError("kept_counts: a HeadLowRank leaf can only lose whole heads",
                          expected="whole heads")
-    heads = np.flatnonzero(per_head.all(1))
+    heads = np.flatnonzero(per_head.all(1)) if r else np.zeros(0, np.int64)  # no input: rank 0
     params = sum(leaf.head_ranks[h] * (r + leaf.d_head) for h in heads)
     flops = n_tokens * len(heads) * leaf.max_rank * (r + leaf.d_head)
     return int(params) + _nb(leaf, cols), int(flops)
