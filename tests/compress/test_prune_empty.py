@@ -461,10 +461,12 @@ def with_leaf_kind(params, kind: str):
 
 
 @pytest.mark.parametrize("kind", [k for k in LEAF_KINDS if k not in ("channel_masked",
-                                                                     "channel_pruned")])
+                                                                     "channel_pruned",
+                                                                     "fixed_bias")])
 def test_emptied_layers_of_every_leaf_type(kind):
     """BERT (biases everywhere, post-norm) with ``kind`` weights. ChannelMasked and
-    ChannelPruned leaves are what pruning itself produces (covered by the family tests)."""
+    ChannelPruned leaves are what pruning itself produces (every family test), the binary SBT
+    has FixedBias leaves."""
     cfg = FAMILIES["bert"]
     fam = models.family_of(cfg)
     params = with_leaf_kind(fast_init(fam, cfg, seed=2), kind)
