@@ -19,6 +19,9 @@ dependencies between layers:
 * **MLP hidden channels**: channel ``j`` goes from the input projection(s) (``wi``, or both
   gates ``wi_0``, ``wi_1``) and from ``wo`` when any of their masks removes it (every
   activation maps 0 to 0).
+* **empty blocks**: a block may lose every head (it then adds its output projection's bias
+  alone) or every hidden channel (``wo``'s bias alone), and a layer both (only the residual
+  stream and the norms are left); the head layout keeps no id and the scale stays.
 * **residual-width channels** (the inputs of ``q``, ``k``, ``v``, ``wi``; the outputs of ``o``
   and ``wo``; both sides of any other selected weight): the model width and the norms stay, so
   a removed input is a row the leaf no longer reads (gathered away) and a removed output a
