@@ -182,12 +182,15 @@ class Leaf(abc.ABC):
         """A leaf computing ``x[..., idx] @ W[idx, :]``: the input channels ``idx`` kept.
 
         ``idx`` is a sorted 1-D integer NumPy array of distinct channels (static). Used by
-        structured pruning: the result is physically smaller.
+        structured pruning: the result is physically smaller. ``idx`` may be empty: a leaf
+        with no inputs computes its bias alone (zeros without one) and should store nothing
+        else that could only multiply zeros.
         """
 
     @abc.abstractmethod
     def keep_outputs(self, idx: np.ndarray) -> "Leaf":
-        """A leaf computing ``(x @ W + b)[..., idx]``: the output channels ``idx`` kept."""
+        """A leaf computing ``(x @ W + b)[..., idx]``: the output channels ``idx`` kept.
+        ``idx`` may be empty (a leaf with no outputs computes ``[..., 0]``)."""
 
     # -- placement --------------------------------------------------------------------------
 
@@ -292,6 +295,8 @@ def bias_of(w: Leaf | Array) -> Array | None:
 
 def _check_idx(idx, size: int, what: str, where: str) -> np.ndarray:
     idx = np.asarray(idx)
+    if idx.shape == (0,):  # nothing kept: ``[]`` is a float64 array to NumPy
+        return np.zeros(0, np.int64)
     if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
         raise ShapeError(f"{where}: {what} indices must be a 1-D integer array, got "
                          f"{idx.dtype}{list(idx.shape)}")

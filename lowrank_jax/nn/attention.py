@@ -303,7 +303,7 @@ def _select_heads(name: str, arr: Array, ids: tuple[int, ...]) -> Array:
             f"apply_attention: {name} has {n} heads on axis 1, but the block keeps original "
             f"heads {ids}; pass a per-head {name} over the model's original heads (or one "
             "shared by all heads)", where=name, expected=f"> {max(ids)}", actual=n)
-    return arr[:, np.asarray(ids)]
+    return arr[:, np.asarray(ids, np.int64)]  # int64 also when no head is kept
 
 
 def attention_params(params: dict, where: str = "attention") -> tuple[QK, object, object,
@@ -878,7 +878,9 @@ def keep_heads(params: dict, idx) -> dict:
 
     Args:
       params: ``{'qk', 'v', 'o', 'heads'}``.
-      idx: positions (in the current layout) of the heads to keep, sorted and distinct.
+      idx: positions (in the current layout) of the heads to keep, sorted and distinct. Empty
+        keeps no head: the block then adds the output projection's bias alone (zeros without
+        one), as the block with every value weight zeroed does.
     """
     qk, v, o, heads = attention_params(params, "keep_heads")
     idx = np.asarray(idx, np.int64)
