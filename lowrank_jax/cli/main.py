@@ -125,7 +125,10 @@ def _head_sweeps(args, params, status: Status) -> list[dict]:
     status.say(f"per-head rank sweep of {len(blocks)} attention blocks")
     for prefix, block in status.bar(blocks, desc="head sweeps", unit="block"):
         qk = block["qk"]
-        k = min(qk.d_q_in, max(qk.widths))
+        k = min(qk.d_q_in, max(qk.widths, default=0))
+        if k == 0:  # every head (or every query/key channel) pruned: nothing to truncate
+            out.append({"block": prefix, "ranks": [], "rel_error": []})
+            continue
         ranks = sorted({r for r in (args.sweep_ranks or []) if 0 <= r <= k}) or sorted(
             {min(2 ** i, k) for i in range(int(np.log2(k)) + 1)} | {k})
         x = rng.normal(size=(2, 32, qk.d_q_in)).astype(np.float32)
@@ -136,6 +139,9 @@ def _head_sweeps(args, params, status: Status) -> list[dict]:
     print(f"\nper-head rank sweep (q/k/v of one head truncated, synthetic N(0, 1) inputs, "
           f"relative output error; {len(out)} attention blocks)")
     for b in out:
+        if not b["ranks"]:
+            print(f"{b['block']}  no query/key channels left (pruned): nothing to truncate")
+            continue
         print(f"{b['block']}  ranks {b['ranks']}")
         for h, row in enumerate(b["rel_error"]):
             print(f"  head {h:>2}: " + " ".join(f"{e:.2e}" for e in row))

@@ -68,12 +68,12 @@ def _per_head(arr: Array | None, name: str, ids: tuple[int, ...]):
             f"got shape {tuple(arr.shape)}", where=name, expected="4-D", actual=tuple(arr.shape))
     if arr.shape[1] == 1:
         return None, arr
-    if max(ids) >= arr.shape[1]:
+    if max(ids, default=-1) >= arr.shape[1]:
         raise ShapeError(
             f"head_rank_sweep: {name} has {arr.shape[1]} heads on axis 1, but the block keeps "
             f"original heads {ids}; pass one column per original head (or one shared)",
             where=name, expected=f"> {max(ids)}", actual=arr.shape[1])
-    arr = arr[:, np.asarray(ids)]
+    arr = arr[:, np.asarray(ids, np.int64)]
     return jnp.moveaxis(arr, 1, 0)[:, :, None], None
 
 
@@ -172,7 +172,7 @@ def head_rank_sweep(attn_params: dict, x: Array, cfg: AttentionConfig | None,
       kv, mask, bias, layer_index: as in :func:`~lowrank_jax.nn.apply_attention`.
 
     Returns:
-      ``float32[num_heads, len(ranks)]``.
+      ``float32[num_heads, len(ranks)]`` (no rows for a block whose heads were all pruned).
 
     Raises:
       ConfigError: bad ``which`` or ``ranks``. ShapeError: a block without the four entries, a
@@ -204,6 +204,12 @@ def head_rank_sweep(attn_params: dict, x: Array, cfg: AttentionConfig | None,
     pads = {n: max(w, default=0) for n, w in widths.items()}
     x = jnp.asarray(x)
     h_num = layout.num_heads
+    if not h_num:  # every head pruned: nothing to truncate, no rows
+        ranks = list(ranks)
+        if not ranks or any(not is_int(r) or r < 0 for r in ranks):
+            raise ConfigError(f"head_rank_sweep: ranks must be a non-empty list of ints >= 0, "
+                              f"got {ranks!r}", where="ranks", expected="ints >= 0", actual=ranks)
+        return jnp.zeros((0, len(ranks)), jnp.float32)
 
     heads: dict[str, Any] = {}
     ks = {}

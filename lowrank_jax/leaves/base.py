@@ -229,13 +229,16 @@ class Leaf(abc.ABC):
         """A leaf computing ``x[..., idx] @ W[idx, :]``: the input channels ``idx`` kept.
 
         ``idx`` is a sorted 1-D integer NumPy array of distinct channels (static). Used by
-        structured pruning: the result is physically smaller. Default: not supported.
+        structured pruning: the result is physically smaller. ``idx`` may be empty: a leaf
+        with no inputs computes its bias alone (zeros without one) and should store nothing
+        else that could only multiply zeros. Default: not supported.
         """
         raise _not_supported(self, "keep_inputs", "structured pruning's channel removal")
 
     def keep_outputs(self, idx: np.ndarray) -> "Leaf":
         """A leaf computing ``(x @ W + b)[..., idx]``: the output channels ``idx`` kept.
-        Default: not supported."""
+        ``idx`` may be empty (a leaf with no outputs computes ``[..., 0]``). Default: not
+        supported."""
         raise _not_supported(self, "keep_outputs", "structured pruning's channel removal")
 
     # -- optional: fast paths ---------------------------------------------------------------
@@ -385,6 +388,8 @@ def matmul_flops(w: Leaf | Array, n_tokens: int) -> int:
 
 def _check_idx(idx, size: int, what: str, where: str) -> np.ndarray:
     idx = np.asarray(idx)
+    if idx.shape == (0,):  # nothing kept: ``[]`` is a float64 array to NumPy
+        return np.zeros(0, np.int64)
     if idx.ndim != 1 or not np.issubdtype(idx.dtype, np.integer):
         raise ShapeError(f"{where}: {what} indices must be a 1-D integer array, got "
                          f"{idx.dtype}{list(idx.shape)}")

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import LeafTypeError, ShapeError
+from lowrank_jax.leaves import head_lowrank
 from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
@@ -55,7 +56,7 @@ from lowrank_jax.leaves.base import (
 )
 from lowrank_jax.leaves.dense import Dense, LowRank
 from lowrank_jax.leaves.head_lowrank import HeadLowRank
-from lowrank_jax.leaves.masked_binary import FrozenBinary, MaskedBinary
+from lowrank_jax.leaves.masked_binary import FixedBias, FrozenBinary, MaskedBinary
 from lowrank_jax.leaves.partitioned import Partitioned
 from lowrank_jax.leaves.tree import map_with_path, named_leaves, partition
 
@@ -534,7 +535,8 @@ def _(leaf: Dense, rows, cols, n_tokens):
 @kept_counts.register
 def _(leaf: LowRank, rows, cols, n_tokens):
     r, c = int(np.count_nonzero(rows)), int(np.count_nonzero(cols))
-    return leaf.rank * (r + c) + _nb(leaf, cols), n_tokens * leaf.rank * (r + c)
+    rank = leaf.rank if r and c else 0  # LowRank.keep_inputs / keep_outputs of nothing
+    return rank * (r + c) + _nb(leaf, cols), n_tokens * rank * (r + c)
 
 
 @kept_counts.register
@@ -544,9 +546,14 @@ def _(leaf: HeadLowRank, rows, cols, n_tokens):
     if np.any(per_head.any(1) & ~per_head.all(1)):
         raise ShapeError("kept_counts: a HeadLowRank leaf can only lose whole heads",
                          expected="whole heads")
-    heads = np.flatnonzero(per_head.all(1))
-    params = sum(leaf.head_ranks[h] * (r + leaf.d_head) for h in heads)
-    flops = n_tokens * len(heads) * leaf.max_rank * (r + leaf.d_head)
+    heads = np.flatnonzero(per_head.all(1)) if r else np.zeros(0, np.int64)  # no input: rank 0
+    ranks = [leaf.head_ranks[h] for h in heads]
+    params = sum(k * (r + leaf.d_head) for k in ranks)
+    # executed as HeadLowRank.flops says: on the true ranks when they are irregular and sum to
+    # less than EXACT_BELOW of the padded ones, else padded to the widest
+    exact = (leaf.ranks is not None
+             and sum(ranks) < head_lowrank.EXACT_BELOW * len(ranks) * leaf.max_rank)
+    flops = n_tokens * (sum(ranks) if exact else len(ranks) * leaf.max_rank) * (r + leaf.d_head)
     return int(params) + _nb(leaf, cols), int(flops)
 
 
@@ -570,6 +577,12 @@ def _(leaf: MaskedBinary, rows, cols, n_tokens):
 
 
 @kept_counts.register
+def _(leaf: FixedBias, rows, cols, n_tokens):
+    params, flops = kept_counts(leaf.leaf, rows, cols, n_tokens)
+    return params + int(np.count_nonzero(cols)), flops
+
+
+@kept_counts.register
 def _(leaf: ChannelMasked, rows, cols, n_tokens):
     return kept_counts(leaf.base, rows, cols, n_tokens)
 
@@ -585,14 +598,21 @@ def _(leaf: ChannelPruned, rows, cols, n_tokens):
 def surgery_form(leaf: Any) -> Any:
     """The form a leaf takes under channel surgery, with all channels kept: the leaf itself,
     except a :class:`~lowrank_jax.MaskedBinary`, which surgery freezes first
-    (:class:`~lowrank_jax.FrozenBinary`, same outputs). :func:`kept_counts` on it is cheap to
-    evaluate many times."""
+    (:class:`~lowrank_jax.FrozenBinary`, same outputs), also inside a
+    :class:`~lowrank_jax.leaves.FixedBias`. :func:`kept_counts` on it is cheap to evaluate
+    many times."""
     return leaf
 
 
 @surgery_form.register
 def _(leaf: MaskedBinary) -> Any:
     return leaf.freeze()
+
+
+@surgery_form.register
+def _(leaf: FixedBias) -> Any:
+    inner = surgery_form(leaf.leaf)
+    return leaf if inner is leaf.leaf else FixedBias(inner, leaf.b)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -90,7 +90,8 @@ class LowRank(Leaf):
     ``v: [r, d_out]``, optional bias ``b: [d_out]``. The product is computed as
     ``(x @ u) @ v``: ``r (d_in + d_out)`` multiply-adds per token instead of ``d_in d_out``. In
     the paper's column orientation ``W_Q ~ W_1 W_2`` with ``W_2`` the sketch; here
-    ``u = W_2^T`` sketches the input and ``v = W_1^T`` lifts it.
+    ``u = W_2^T`` sketches the input and ``v = W_1^T`` lifts it. Surgery that keeps no input
+    or no output channel leaves rank 0 (the factors could only multiply zeros).
     """
 
     u: Array
@@ -142,9 +143,13 @@ class LowRank(Leaf):
         return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
+        if not len(idx):  # (x @ u) would be zeros: rank 0, the bias alone
+            return LowRank(u=self.u[:0, :0], v=self.v[:0], b=self.b)
         return LowRank(u=self.u[idx], v=self.v, b=self.b)
 
     def keep_outputs(self, idx):
+        if not len(idx):  # nothing to lift into: rank 0
+            return LowRank(u=self.u[:, :0], v=self.v[:0, :0], b=slice_bias(self.b, idx))
         return LowRank(u=self.u, v=self.v[:, idx], b=slice_bias(self.b, idx))
 
     def logical_axes(self):

@@ -67,7 +67,8 @@ class HeadLowRank(Leaf):
     than they run.
 
     Surgery: input channels are rows of ``u``; output channels can only be removed a whole head
-    at a time (:meth:`keep_outputs` raises otherwise).
+    at a time (:meth:`keep_outputs` raises otherwise). Keeping no input channel leaves rank 0
+    in every head (the bias alone).
     """
 
     u: Array
@@ -182,6 +183,8 @@ class HeadLowRank(Leaf):
         return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
+        if not len(idx):  # every head's sketch would be zeros: rank 0, the bias alone
+            return HeadLowRank(u=self.u[:0, :, :0], v=self.v[:, :0], b=self.b)
         return HeadLowRank(u=self.u[idx], v=self.v, b=self.b, ranks=self.ranks)
 
     def keep_outputs(self, idx):

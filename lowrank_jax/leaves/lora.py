@@ -112,9 +112,15 @@ class LoRA(Leaf):
         return dataclasses.replace(self, base=self.base.with_bias(b))
 
     def keep_inputs(self, idx):
+        if not len(idx):  # the update would multiply zeros: rank 0
+            return LoRA(base=keep_inputs(self.base, idx), a=self.a[:0, :0], b=self.b[:0],
+                        scale=self.scale)
         return LoRA(base=keep_inputs(self.base, idx), a=self.a[idx], b=self.b, scale=self.scale)
 
     def keep_outputs(self, idx):
+        if not len(idx):
+            return LoRA(base=keep_outputs(self.base, idx), a=self.a[:, :0], b=self.b[:0, :0],
+                        scale=self.scale)
         return LoRA(base=keep_outputs(self.base, idx), a=self.a, b=self.b[:, idx],
                     scale=self.scale)
 

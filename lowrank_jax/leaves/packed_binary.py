@@ -70,7 +70,7 @@ def pack_bits(bits) -> np.ndarray:
     pad = n_words(n) * WORD - n
     if pad:
         b = np.concatenate([b, np.zeros(b.shape[:-1] + (pad,), bool)], axis=-1)
-    b = b.reshape(b.shape[:-1] + (-1, WORD)).astype(np.uint64)
+    b = b.reshape(b.shape[:-1] + (n_words(n), WORD)).astype(np.uint64)  # also when empty
     words = np.sum(b << np.arange(WORD, dtype=np.uint64), axis=-1)
     return words.astype(np.uint32)
 
@@ -120,7 +120,7 @@ def unpacked_weight(sign_bits: Array, mask_bits: Array, alpha: Array, d_in: int)
     # (0 - keep) is all ones where kept, all zeros where pruned.
     bits = (a ^ (neg << jnp.uint32(31))) & (jnp.uint32(0) - keep)
     w = jax.lax.bitcast_convert_type(bits, jnp.float32)
-    return w.reshape(-1, w.shape[-1])[:d_in]
+    return w.reshape(w.shape[0] * WORD, w.shape[-1])[:d_in]
 
 
 class PackedBinary(Leaf):
@@ -153,9 +153,9 @@ class PackedBinary(Leaf):
     n_keep: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.d_in, (int, np.integer)) or self.d_in < 1:
-            raise ShapeError(f"PackedBinary: d_in must be a positive int, got {self.d_in!r}",
-                             where="d_in", expected=">= 1", actual=self.d_in)
+        if not isinstance(self.d_in, (int, np.integer)) or self.d_in < 0:
+            raise ShapeError(f"PackedBinary: d_in must be an int >= 0, got {self.d_in!r}",
+                             where="d_in", expected=">= 0", actual=self.d_in)
         for name in ("sign_bits", "mask_bits"):
             a = getattr(self, name)
             if isinstance(a, CONCRETE):
@@ -214,7 +214,7 @@ class PackedBinary(Leaf):
         return unpacked_weight(self.sign_bits, self.mask_bits, self.alpha, self.d_in)
 
     def apply(self, x: Array) -> Array:
-        if packed_kernels.use_kernel():
+        if packed_kernels.use_kernel() and self.d_in and self.d_out:  # no grid over nothing
             y = packed_kernels.packed_matmul(x, self.sign_bits, self.mask_bits, self.alpha,
                                              self.d_in)
         else:

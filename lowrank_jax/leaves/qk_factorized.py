@@ -38,7 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import ConfigError, ShapeError
-from lowrank_jax.leaves.base import CONCRETE, Leaf, keep_inputs, leaf_dataclass, linear, materialize
+from lowrank_jax.leaves.base import (
+    CONCRETE,
+    Leaf,
+    keep_inputs,
+    keep_outputs,
+    leaf_dataclass,
+    linear,
+    materialize,
+)
 from lowrank_jax.leaves.heads import as_int_tuple, split_heads
 from lowrank_jax.leaves.query_key import QK, attention_logits
 
@@ -146,6 +154,9 @@ class CPQueryKey(QK):
                           jnp.asarray(self.mix))
 
     def keep_heads(self, idx):
+        if not len(idx):  # no head reads the shared coordinates: rank 0
+            return CPQueryKey(q=keep_outputs(self.q, []), k=keep_outputs(self.k, []),
+                              mix=jnp.asarray(self.mix)[:0, :0])
         return CPQueryKey(q=self.q, k=self.k, mix=jnp.asarray(self.mix)[np.asarray(idx, np.int64)])
 
     def keep_inputs(self, idx, side):
@@ -266,6 +277,9 @@ class BTDQueryKey(QK):
         return CPQueryKey(q=self.q, k=self.k, mix=jnp.asarray(self.mix)[:, term])
 
     def keep_heads(self, idx):
+        if not len(idx):  # no head fuses the terms: no terms
+            return BTDQueryKey(q=keep_outputs(self.q, []), k=keep_outputs(self.k, []),
+                               mix=jnp.asarray(self.mix)[:0, :0], ranks=())
         return BTDQueryKey(q=self.q, k=self.k, mix=jnp.asarray(self.mix)[np.asarray(idx, np.int64)],
                            ranks=self.ranks)
 

@@ -155,7 +155,8 @@ class QK(abc.ABC):
 
     @abc.abstractmethod
     def keep_heads(self, idx: np.ndarray) -> "QK":
-        """The object restricted to the heads at positions ``idx`` (sorted, distinct)."""
+        """The object restricted to the heads at positions ``idx`` (sorted, distinct; empty
+        keeps no head, and nothing that only heads would read)."""
 
     @abc.abstractmethod
     def keep_inputs(self, idx: np.ndarray, side: str) -> "QK":

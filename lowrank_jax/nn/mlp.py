@@ -128,7 +128,8 @@ def keep_hidden(params: dict, idx) -> dict:
     """An MLP restricted to the hidden channels ``idx`` (sorted, distinct): the input
     projection(s) keep those outputs (both ``wi_0`` and ``wi_1`` when gated), ``wo`` keeps those
     inputs. Exactly the MLP with the other channels' weights zeroed, since every activation
-    here maps 0 to 0."""
+    here maps 0 to 0. An empty ``idx`` keeps no channel: the MLP then adds ``wo``'s bias alone
+    (zeros without one)."""
     out = dict(params)
     for name in ("wi", "wi_0", "wi_1"):
         if name in params:

@@ -60,7 +60,9 @@ def token_counts(config: Any, params: Any, *, seed: int = 0) -> dict[str, int]:
 
     fam = family_of(config)
     inputs = fam.sample_inputs(config, np.random.default_rng(seed), 1)
-    return count_rows(lambda p: fam.apply(p, inputs, config), params)
+    state = None if fam.init_state is None else fam.init_state(params, config)
+    kwargs = {} if state is None else {"state": state}  # a stateful family (BatchNorm)
+    return count_rows(lambda p: fam.apply(p, inputs, config, **kwargs), params)
 
 
 def remove_masked(params: Any, *, config: Any = None, tokens: dict | None = None,

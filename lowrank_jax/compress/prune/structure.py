@@ -19,6 +19,9 @@ dependencies between layers:
 * **MLP hidden channels**: channel ``j`` goes from the input projection(s) (``wi``, or both
   gates ``wi_0``, ``wi_1``) and from ``wo`` when any of their masks removes it (every
   activation maps 0 to 0).
+* **empty blocks**: a block may lose every head (it then adds its output projection's bias
+  alone) or every hidden channel (``wo``'s bias alone), and a layer both (only the residual
+  stream and the norms are left); the head layout keeps no id and the scale stays.
 * **residual-width channels** (the inputs of ``q``, ``k``, ``v``, ``wi``; the outputs of ``o``
   and ``wo``; both sides of any other selected weight): the model width and the norms stay, so
   a removed input is a row the leaf no longer reads (gathered away) and a removed output a
@@ -292,8 +295,10 @@ class Structure:
             for p in b.wi:
                 self.members[p].g_out = g
             self.members[b.wo].g_in = g
-        for m in self.members.values():
-            m.count_leaf = surgery_form(m.leaf)
+        for m, form in zip(self.members.values(), _surgery_forms([m.leaf for m in
+                                                                   self.members.values()]),
+                           strict=True):
+            m.count_leaf = form
 
     def granularity(self, path: str) -> tuple[int, int]:
         """``(input, output)`` channels per pruning unit of the weight at ``path``: 1, or a
@@ -412,15 +417,17 @@ class Structure:
             v_widths = tuple(int(removal.vo[a.path][off[h]:off[h + 1]].sum()) for h in hk)
             layout = HeadLayout(ids=tuple(a.heads.ids[h] for h in hk), v=v_widths,
                                 scale=a.heads.scale)
-            v = self._restrict(leaves[a.v], removal.rows[a.v], removal.cols[a.v], scatter=False)
-            o = self._restrict(leaves[a.o], removal.rows[a.o], removal.cols[a.o], gather=False)
+            v = self._restrict(leaves[a.v], removal.rows[a.v], removal.cols[a.v], scatter=False,
+                               path=a.v)
+            o = self._restrict(leaves[a.o], removal.rows[a.o], removal.cols[a.o], gather=False,
+                               path=a.o)
             if a.query_key:
                 qo = head_offsets(a.qk_widths)
                 widths = tuple(int(removal.qk[a.path][qo[h]:qo[h + 1]].sum()) for h in hk)
                 q = self._restrict(leaves[a.q], removal.rows[a.q], removal.cols[a.q],
-                                   scatter=False)
+                                   scatter=False, path=a.q)
                 k = self._restrict(leaves[a.k], removal.rows[a.k], removal.cols[a.k],
-                                   scatter=False)
+                                   scatter=False, path=a.k)
                 qk = QueryKey(q=q, k=k, widths=widths)
                 done.update((a.q, a.k))
             else:
@@ -436,14 +443,15 @@ class Structure:
         for b in self.mlp:
             for p in b.wi:
                 new[p] = self._restrict(leaves[p], removal.rows[p], removal.cols[p],
-                                        scatter=False)
+                                        scatter=False, path=p)
             new[b.wo] = self._restrict(leaves[b.wo], removal.rows[b.wo], removal.cols[b.wo],
-                                       gather=False)
+                                       gather=False, path=b.wo)
             done.update((*b.wi, b.wo))
         for p in self.members:
             if p not in done and not any(p.startswith(a.path + "/qk/") for a in self.attention
                                          if not a.query_key):
-                new[p] = self._restrict(leaves[p], removal.rows[p], removal.cols[p])
+                new[p] = self._restrict(leaves[p], removal.rows[p], removal.cols[p],
+                                        path=p)
         out = replace_paths(host, new)
         return jax.tree_util.tree_map(jnp.asarray, out)
 
@@ -458,15 +466,19 @@ class Structure:
                                             removal.cols[p])
         return replace_paths(qk, repl) if repl else qk
 
-    @staticmethod
-    def _restrict(leaf: Any, rows: np.ndarray, cols: np.ndarray, *, gather: bool = True,
-                  scatter: bool = True) -> Any:
+    def _restrict(self, leaf: Any, rows: np.ndarray, cols: np.ndarray, *, gather: bool = True,
+                  scatter: bool = True, path: str | None = None) -> Any:
         """``leaf`` on the kept channels. Kept rows are gathered from the full input width
         (``gather``) or the leaf's input simply shrinks (the previous layer shrank too); kept
-        columns are scattered into the full output width (``scatter``) or the output shrinks."""
+        columns are scattered into the full output width (``scatter``) or the output shrinks.
+        With the member ``path``, its surgery form (computed once, in :meth:`_granularities`)
+        is sliced instead of the leaf when channels go: the same result without computing the
+        form again. A leaf that keeps everything stays as it is."""
         d_in, d_out = leaf.shape
         r, c = np.flatnonzero(rows), np.flatnonzero(cols)
         base = leaf
+        if path is not None and (r.size != d_in or c.size != d_out):
+            base = jax.tree_util.tree_map(np.asarray, self.members[path].count_leaf)
         if r.size != d_in:
             base = keep_inputs(base, r)
         if c.size != d_out:
@@ -475,6 +487,23 @@ class Structure:
             return leaf
         return pruned_leaf(base, r if gather else None, c if scatter else None,
                            d_in if gather else base.d_in, d_out if scatter else base.d_out)
+
+
+_compiled_forms = jax.jit(lambda leaves: [surgery_form(leaf) for leaf in leaves])
+
+
+def _surgery_forms(leaves: list) -> list:
+    """:func:`~lowrank_jax.leaves.channel_masked.surgery_form` of every leaf; the leaves whose
+    form is computed (a MaskedBinary is frozen: a top-k selection) go through one compiled
+    program instead of one eager program per leaf (24 binary weights of a small SBT: seconds
+    instead of a minute)."""
+    plain = surgery_form.dispatch(object)
+    todo = [i for i, leaf in enumerate(leaves) if surgery_form.dispatch(type(leaf)) is not plain]
+    out = list(leaves)
+    if todo:
+        for i, form in zip(todo, _compiled_forms([leaves[i] for i in todo]), strict=True):
+            out[i] = form
+    return out
 
 
 def check_removal(struct: Structure, removal: Removal, pruned: Any) -> None:

@@ -249,7 +249,9 @@ def keep_heads(params: dict, idx) -> dict:
 
     Args:
       params: ``{'qk', 'v', 'o', 'heads'}``.
-      idx: positions (in the current layout) of the heads to keep, sorted and distinct.
+      idx: positions (in the current layout) of the heads to keep, sorted and distinct. Empty
+        keeps no head: the block then adds the output projection's bias alone (zeros without
+        one), as the block with every value weight zeroed does.
     """
     qk, v, o, heads = attention_params(params, "keep_heads")
     idx = np.asarray(idx, np.int64)

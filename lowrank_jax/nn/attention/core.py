@@ -52,7 +52,7 @@ def select_heads(name: str, arr: Array, ids: tuple[int, ...]) -> Array:
             f"apply_attention: {name} has {n} heads on axis 1, but the block keeps original "
             f"heads {ids}; pass a per-head {name} over the model's original heads (or one "
             "shared by all heads)", where=name, expected=f"> {max(ids)}", actual=n)
-    return arr[:, np.asarray(ids)]
+    return arr[:, np.asarray(ids, np.int64)]  # int64 also when no head is kept
 
 
 def attention_params(params: dict, where: str = "attention") -> tuple[QK, object, object,
