@@ -122,6 +122,14 @@ class NotSupportedError(LeafTypeError):
     and the operation, and says which method to implement."""
 
 
+class PathError(LowrankJaxError, KeyError):
+    """A parameter path (``'encoder/layers/3/attn/v'``) or a report row names nothing in the
+    tree or report it is looked up in."""
+
+    def __str__(self) -> str:  # the message, not KeyError's quoted repr of it
+        return str(self.args[0]) if self.args else ""
+
+
 class MissingFileError(LowrankJaxError, FileNotFoundError):
     """A file or directory the library needs does not exist."""
 
@@ -138,6 +146,6 @@ def _shape(s) -> str:
 
 __all__ = [
     "CheckpointError", "ConfigError", "CorruptCheckpointError", "DataError", "LeafTypeError",
-    "LowrankJaxError", "MissingFileError", "NotSupportedError", "OutputExistsError", "PlanError",
-    "ShapeError",
+    "LowrankJaxError", "MissingFileError", "NotSupportedError", "OutputExistsError", "PathError",
+    "PlanError", "ShapeError",
 ]

@@ -100,7 +100,7 @@ def leaf_dataclass(cls: type | None = None, *, meta: tuple[str, ...] = ()):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = set(meta) - set(names)
     if unknown:
-        raise TypeError(f"leaf_dataclass: {cls.__name__} has no fields {sorted(unknown)} (meta)")
+        raise LeafTypeError(f"leaf_dataclass: {cls.__name__} has no fields {sorted(unknown)} (meta)")
     data = tuple(n for n in names if n not in meta)
     static = tuple(meta)
 

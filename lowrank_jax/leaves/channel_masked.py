@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import LeafTypeError, ShapeError
+from lowrank_jax.errors import LeafTypeError, PathError, ShapeError
 from lowrank_jax.leaves import head_lowrank
 from lowrank_jax.leaves.base import (
     CONCRETE,
@@ -395,7 +395,7 @@ def with_channel_masks(tree: Any, masks: dict[str, tuple[Any, Any]]) -> Any:
         if path not in todo:
             return node
         if not isinstance(node, ChannelMasked):
-            raise KeyError(f"with_channel_masks: {path} is a {type(node).__name__}, not a "
+            raise PathError(f"with_channel_masks: {path} is a {type(node).__name__}, not a "
                            "ChannelMasked leaf")
         m_in, m_out = todo.pop(path)
         return ChannelMasked(base=node.base, m_in=jnp.asarray(m_in, node.m_in.dtype),
@@ -403,7 +403,7 @@ def with_channel_masks(tree: Any, masks: dict[str, tuple[Any, Any]]) -> Any:
 
     out = map_with_path(put, tree)
     if todo:
-        raise KeyError(f"with_channel_masks: no masked leaf at {sorted(todo)}")
+        raise PathError(f"with_channel_masks: no masked leaf at {sorted(todo)}")
     return out
 
 
