@@ -23,9 +23,13 @@ The table gives per condition and workload the median seconds of each setting an
 ``default s / one-thread s`` of each pair: median, smallest and largest (above 1: one thread is
 faster).
 
+Figures: ``benchmarks/README.md`` (one thread 1.5-15.6x faster in 17 of 18 pairs on a shared
+2-core machine, also for 2048 x 2048).
+
 Usage::
 
-    python benchmarks/blas_threads.py --json blas_threads.json   # 5 pairs per row, ~10 min
+    python benchmarks/blas_threads.py --json blas_threads.json   # 5 pairs per row
+    python benchmarks/blas_threads.py --runs 3                   # 35 min on a shared 2-core CPU
     python benchmarks/blas_threads.py --quick                    # 3 pairs, 16 SVDs, no 2048
 """
 
