@@ -263,3 +263,26 @@ def test_frontier_and_prune_run_on_one_blas_thread(monkeypatch, two_threads):
                           callback=lambda e: seen.append(_blas_counts()), **kw)
         assert seen == [expected] * 2, (kw, seen)
         assert _blas_counts() == [2]
+
+
+def test_every_command_runs_on_one_blas_thread(monkeypatch, two_threads, tmp_path):
+    # `analyze` calls no library function with blas_threads=: only the command's limit applies
+    import numpy as np
+
+    import lowrank_jax as lj
+    from lowrank_jax.cli.main import main
+    from lowrank_jax.io import save_params
+
+    w = np.random.default_rng(0).normal(size=(16, 12)).astype(np.float32)
+    save_params(tmp_path / "p", {"layer": {"w": lj.Dense(w)}})
+    seen = []
+    real = np.linalg.svd
+
+    def svd(*a, **k):
+        seen.append(_blas_counts())
+        return real(*a, **k)
+
+    monkeypatch.setattr(np.linalg, "svd", svd)
+    assert main(["analyze", str(tmp_path / "p"), "--no-progress"]) == 0
+    assert seen and all(s == [1] for s in seen), seen
+    assert _blas_counts() == [2]
