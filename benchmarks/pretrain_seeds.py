@@ -38,9 +38,9 @@ except ImportError:  # run from a checkout without `pip install -e .`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _machine import cpu_snapshot, other_load, write_json  # noqa: E402
 
-from lowrank_jax.cli.demo import one_blas_thread  # noqa: E402
 from lowrank_jax.cli.pretrain_demo import run_pretraining_demo  # noqa: E402
 from lowrank_jax.datasets import builtin_datasets  # noqa: E402
+from lowrank_jax.runtime import one_blas_thread  # noqa: E402
 
 METRICS = ("wql", "mase", "size_ratio", "time_ratio")
 

@@ -1,4 +1,4 @@
-"""Process-wide settings for speed on CPU: keep freed memory for reuse.
+"""Process-wide settings for speed on CPU: keep freed memory for reuse; host BLAS threads.
 
 XLA:CPU allocates every call's outputs and its temporaries afresh with ``malloc``. glibc's
 ``malloc`` serves blocks of 32 MB and more (and, before its threshold adapts, of 128 KB and
@@ -45,13 +45,37 @@ nothing and returns ``False`` (:func:`malloc_library` names the allocator in use
 
 Not from any paper: an execution setting, like ``XLA_FLAGS``. On GPU and TPU the device
 allocator already reuses memory; host ``malloc`` matters there only for host-side arrays.
+
+Host BLAS threads
+-----------------
+
+The decompositions of ``compress`` (and the host-side linear algebra of ``prune`` and
+``frontier``) run in NumPy's LAPACK, on OpenBLAS's thread pool: by default one thread per core,
+which spin while they wait for work. The matrices are small (a model's weights, a few hundred
+to a few thousand wide), so more threads buy little on an idle machine, and on a busy one the
+spinning threads wait for cores that other processes hold. :func:`blas_threads` limits them for
+the duration of a ``with`` block (with ``threadpoolctl``); ``apply_plan``, ``frontier`` and
+``progressive_prune`` take ``blas_threads=`` (default 1) and apply it themselves, and every
+``lowrank-jax`` command runs in :func:`one_blas_thread`. ``python benchmarks/blas_threads.py
+--runs 3`` (2-core x86-64, OpenBLAS 0.3.30 from NumPy 2, 3 interleaved pairs per row, on a
+machine shared with other jobs: load average 4-9, so no figure is from an idle machine),
+default (2) threads s / one thread s, median and range: 48 truncated SVDs of 512 x 512 14.6
+(10.8-15.6), and with one busy-looping process per core added 5.6 (5.5-8.5); ``apply_plan`` of
+an ``svd`` step on a Chronos-Bolt of d_model 512 (24 matrices) 3.6 (0.9-8.9) and 3.6 (1.6-5.2);
+2 SVDs of 2048 x 2048 3.0 (2.6-4.8) and 2.6 (2.5-3.6). One thread lost one pair of 18 (0.92,
+while the machine was momentarily quiet), and the default threads used 3.9-12.1x its CPU time.
+On an idle machine with many cores, large matrices may be faster on more threads: give
+``blas_threads=None`` (OpenBLAS's own setting) or a larger limit.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import numbers
 import os
 import sys
+from typing import Iterator
 
 #: ``mallopt`` parameters (glibc ``malloc.h``).
 M_TRIM_THRESHOLD = -1
@@ -172,5 +196,57 @@ def apply_env(default: bool = False) -> bool:
     return keep_freed_memory(True, one_arena=val == "one_arena")
 
 
-__all__ = ["ENV", "apply_env", "freed_memory_kept", "keep_freed_memory", "malloc_library",
-           "preloaded_malloc"]
+def check_blas_threads(limit) -> int | None:
+    """``limit`` as an int, or ``None``; a ``ConfigError`` naming ``blas_threads`` if it is not
+    an int >= 1 or None (for functions that take ``blas_threads=``, to check it before any
+    work)."""
+    if limit is None:
+        return None
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 1:
+        from lowrank_jax.errors import ConfigError
+
+        raise ConfigError(f"blas_threads: the limit must be an int >= 1 or None, got {limit!r}",
+                          where="blas_threads", expected="an int >= 1 or None", actual=limit)
+    return int(limit)
+
+
+@contextlib.contextmanager
+def blas_threads(limit: int | None = 1) -> Iterator[None]:
+    """Host BLAS and LAPACK (NumPy's and SciPy's OpenBLAS, MKL, BLIS) on at most ``limit``
+    threads inside the ``with`` block; the previous counts come back at its end.
+
+    Why and when (module docstring, "Host BLAS threads"): one thread is faster for the small
+    matrices of a model's weights on a busy machine and costs little on an idle one; a
+    decomposition of matrices of several thousand rows on an idle machine with many cores is
+    faster on more threads (``limit=None`` or a larger limit). Process-wide while the block
+    runs: other threads of the process that call BLAS meanwhile get the limit too. XLA's own
+    CPU threads are not BLAS threads and are not affected.
+
+    ``scipy.linalg`` is imported first, so that SciPy's copy of OpenBLAS is loaded and limited
+    too (a BLAS library first loaded inside the block would keep its default).
+
+    Args:
+      limit: the most threads, an int >= 1; ``None``: change nothing.
+
+    Raises:
+      ConfigError: ``limit`` not an int >= 1 or None (before anything changes).
+    """
+    limit = check_blas_threads(limit)
+    if limit is None:
+        yield
+        return
+    with contextlib.suppress(ImportError):
+        import scipy.linalg  # noqa: F401 (loads SciPy's BLAS, so that the limit reaches it)
+    from threadpoolctl import threadpool_limits
+
+    with threadpool_limits(limits=limit, user_api="blas"):
+        yield
+
+
+def one_blas_thread() -> contextlib.AbstractContextManager[None]:
+    """``blas_threads(1)``: host BLAS and LAPACK on one thread inside the ``with`` block."""
+    return blas_threads(1)
+
+
+__all__ = ["ENV", "apply_env", "blas_threads", "check_blas_threads", "freed_memory_kept", "keep_freed_memory",
+           "malloc_library", "one_blas_thread", "preloaded_malloc"]

@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from lowrank_jax._progress import progress_bar
 from lowrank_jax.analysis.rank import eps_rank_from_sv, singular_values, tokens_matrix
 from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves import head_offsets, is_leaf, layer_index, materialize_host, named_leaves
@@ -182,10 +183,7 @@ def weight_ranks(
     if pattern is not None:
         rx = re.compile(pattern)
         items = [(p, n) for p, n in items if rx.search(p)]
-    if progress:
-        from tqdm.auto import tqdm
-
-        items = tqdm(items, desc="spectra", unit="matrix")
+    items = progress_bar(items, desc="spectra", unit="matrix", enabled=progress, leave=True)
     rows = []
     for path, leaf in items:
         sv = singular_values(leaf, name=path)

@@ -15,7 +15,6 @@ with Theorem 3's data-aware projection far below what their own spectra allow. P
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 
@@ -37,6 +36,7 @@ from lowrank_jax.datasets import builtin_datasets, windows
 from lowrank_jax.leaves import Dense, bias_of, is_leaf, map_with_path, materialize, param_count
 from lowrank_jax.models import patch_encoder as pe
 from lowrank_jax.nn import apply_norm
+from lowrank_jax.runtime import one_blas_thread
 
 # App. J sizes: Theorem 3 (d, tokens), its width sweep (widths, tokens, seeds) and Theorem 4
 # (head counts). The paper's d = 512, N = 4096 takes minutes on 2 cores; the slope is the same
@@ -55,23 +55,6 @@ COMPRESSION_RANKS = (4, 8, 16, 32)
 def _rel(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(a))
-
-
-@contextlib.contextmanager
-def one_blas_thread():
-    """Host linear algebra (NumPy/LAPACK) on one thread, when threadpoolctl is installed.
-
-    The demo's host SVDs are of small matrices (at most a few thousand by 256). With OpenBLAS's
-    default of one thread per core, its threads compete with XLA's on a 2-core machine: we
-    measured a 128 x 128 SVD at 80-170 ms instead of 3 ms on one thread (machine under load).
-    """
-    try:
-        from threadpoolctl import threadpool_limits
-    except ImportError:  # pragma: no cover - threadpoolctl comes with scikit-learn / aeon
-        yield
-        return
-    with threadpool_limits(limits=1, user_api="blas"):
-        yield
 
 
 def _appendix_j(quick: bool, status: Status) -> dict:

@@ -709,7 +709,8 @@ def main(argv: list[str] | None = None) -> int:
         runtime.apply_env(default=True)
     try:
         _preflight(args)
-        return args.func(args)
+        with runtime.one_blas_thread():  # host LAPACK: faster on one thread (lowrank_jax.runtime)
+            return args.func(args)
     except _EXPECTED as e:
         if os.environ.get("LOWRANK_JAX_DEBUG"):
             raise

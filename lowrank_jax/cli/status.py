@@ -3,10 +3,14 @@
 Every phase that can take more than a few seconds (reading a checkpoint, converting a Hugging
 Face directory, decompositions, compiling and timing a model, sweeps, saving) is announced on
 stderr before it starts (``lowrank-jax compress: evaluating the model ...``) and reported with
-its duration when it ends. With progress on, a phase without a natural count shows a live line
-with the elapsed time (refreshed every half second); loops with a count get a tqdm bar with an
-estimate of the time left. ``--no-progress`` turns the live lines and bars off and keeps the
-status lines. stdout stays for the results (tables, summaries).
+its duration when it ends. With progress on and stderr a terminal, a phase without a natural
+count shows a live line with the elapsed time (refreshed every half second); loops with a count
+get a tqdm bar with an estimate of the time left. When stderr is not a terminal (a file, a pipe,
+a CI log) there are no live lines and no bars, whose carriage returns would fill the log: the
+status lines stay, and a loop that runs longer than half a minute prints a plain line with its
+count at most every 30 s (:mod:`lowrank_jax._progress`, the one decision for every progress
+display). ``--no-progress`` turns the live lines, bars and loop lines off and keeps the status
+lines, one per stage. stdout stays for the results (tables, summaries).
 """
 
 from __future__ import annotations
@@ -17,13 +21,16 @@ import threading
 import time
 from typing import Iterable, Iterator
 
+from lowrank_jax._progress import live, progress_bar
+
 
 class Status:
     """Status lines and progress bars of one command.
 
     Args:
       command: the subcommand's name (prefix of every line).
-      bars: show live bars (``False`` with ``--no-progress``).
+      bars: show progress: live lines and bars on a terminal, plain loop lines elsewhere
+        (``False`` with ``--no-progress``).
       live_after: seconds a phase runs before its live elapsed-time line appears.
     """
 
@@ -42,13 +49,13 @@ class Status:
 
     @contextlib.contextmanager
     def phase(self, message: str) -> Iterator[None]:
-        """Announce a phase, show the elapsed time while it runs (with bars on), and report its
-        duration when it ends without an error."""
+        """Announce a phase, show the elapsed time while it runs (with bars on and stderr a
+        terminal), and report its duration when it ends without an error."""
         self.say(f"{message} ...")
         t0 = time.perf_counter()
         stop = threading.Event()
         thread = None
-        if self.bars:
+        if self.bars and live(self.stream):
             thread = threading.Thread(target=self._tick, args=(message, t0, stop), daemon=True)
             thread.start()
         try:
@@ -75,11 +82,11 @@ class Status:
 
     def bar(self, iterable: Iterable, *, desc: str, total: int | None = None,
             unit: str = "it") -> Iterable:
-        """``iterable`` with a tqdm bar (time left estimated from the items done)."""
-        from tqdm.auto import tqdm
-
-        return tqdm(iterable, desc=desc, total=total, unit=unit, file=self.stream,
-                    disable=not self.bars, leave=False)
+        """``iterable`` with a tqdm bar (time left estimated from the items done) on a
+        terminal, plain lines every 30 s elsewhere (:func:`lowrank_jax._progress.progress_bar`),
+        nothing with bars off."""
+        return progress_bar(iterable, desc=desc, total=total, unit=unit, enabled=self.bars,
+                            stream=self.stream)
 
 
 __all__ = ["Status"]

@@ -596,6 +596,7 @@ def run_train(config_path: str, out_dir: str, *, progress: bool = True,
     import jax
     import numpy as np
 
+    from lowrank_jax.cli.status import Status
     from lowrank_jax.compress import factorize_init, reuse_weights
     from lowrank_jax.io import load_model, save_model
     from lowrank_jax.models import get_family
@@ -726,6 +727,9 @@ def run_train(config_path: str, out_dir: str, *, progress: bool = True,
 
             return multihost_utils.process_allgather(tree, tiled=True)
 
+        if primary:  # a line per stage, with or without progress (lowrank_jax.cli.status)
+            Status("train").say(f"training steps {(latest or 0) + 1}-{t['steps']} on {source} "
+                                f"(the first compiles the train step); log in {metrics_path}")
         try:
             state, _ = fit(
                 fam.loss(cfg), params, source_fn, steps=t["steps"],
@@ -746,6 +750,7 @@ def run_train(config_path: str, out_dir: str, *, progress: bool = True,
             return {}
         summary = _summary(read_metrics(metrics_path), t["steps"], source, fam.name, report)
         if n_proc == 1:
+            Status("train").say(f"saving the model to {model_path}")
             save_model(model_path, cfg, full_params(state),
                        metadata={"config_file": os.path.abspath(config_path), "data": source,
                                  "run": RUN_FILE}, overwrite=True)

@@ -53,8 +53,9 @@ from typing import Any, Callable, Mapping, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
+from lowrank_jax import runtime
+from lowrank_jax._progress import progress_bar
 from lowrank_jax.compress.plan import Plan, Step, apply_plan
 from lowrank_jax.compress.registry import registered_methods
 from lowrank_jax.compress.rules import ATTENTION_QK, ATTENTION_QKVO, select
@@ -764,8 +765,8 @@ class FrontierResult:
 def frontier(config: Any, params: Any, data: Any, *, candidates: Sequence[Candidate] | None = None,
              budget: float = 0.5, quick: bool = False, time_runs: int | None = None, key=None,
              progress: bool = False, methods: Sequence[str] | None = None,
-             prune_data: str = "builtin", on_row: Callable[[dict], None] | None = None
-             ) -> FrontierResult:
+             prune_data: str = "builtin", on_row: Callable[[dict], None] | None = None,
+             blas_threads: int | None = 1) -> FrontierResult:
     """Compress one model every applicable way and measure size, FLOPs, time and quality
     (module docstring). Zero-shot: nothing is fine-tuned.
 
@@ -779,23 +780,37 @@ def frontier(config: Any, params: Any, data: Any, *, candidates: Sequence[Candid
       quick: default candidates at one strength; 3 timing rounds.
       time_runs: interleaved timing rounds per candidate (default 9; quick 3).
       key: PRNG key of the plans (candidate ``i`` gets ``fold_in(key, i)``; default key 0).
-      progress: a tqdm bar over the candidates.
+      progress: a bar over the candidates (on a terminal; plain lines elsewhere:
+        :func:`lowrank_jax._progress.progress_bar`).
       methods: only these registered methods (default candidates only).
       prune_data: the batch source of ``prune`` candidates (default candidates only).
       on_row: called with every finished row (for logging).
+      blas_threads: the most threads of the host BLAS / LAPACK during the run (the candidates'
+        decompositions; :func:`lowrank_jax.runtime.blas_threads`, ``None``: leave them as they
+        are). One by default, as in :func:`~lowrank_jax.compress.apply_plan`.
 
     Returns:
       A :class:`FrontierResult`; a candidate that failed to apply or to run has a row with
       ``error`` and no measurements.
 
     Raises:
-      ConfigError: ``budget`` outside ``(0, 1]``, ``time_runs < 1``.
+      ConfigError: ``budget`` outside ``(0, 1]``, ``time_runs < 1``, ``blas_threads`` not an
+        int >= 1 or None.
     """
     budget = check_budget(budget)
     runs = time_runs if time_runs is not None else (3 if quick else 9)
     if isinstance(runs, bool) or not isinstance(runs, numbers.Integral) or runs < 1:
         raise ConfigError(f"frontier: time_runs must be an int >= 1, got {runs!r}",
                           where="time_runs", expected=">= 1", actual=runs)
+    runtime.check_blas_threads(blas_threads)
+    with runtime.blas_threads(blas_threads):
+        return _frontier(config, params, data, candidates, budget, quick, runs, key, progress,
+                         methods, prune_data, on_row)
+
+
+def _frontier(config, params, data, candidates, budget, quick, runs, key, progress, methods,
+              prune_data, on_row) -> FrontierResult:
+    """:func:`frontier` after its checks, under its BLAS thread limit."""
     skipped: dict = {}
     if candidates is None:
         candidates, skipped = default_candidates(params, config, quick=quick, methods=methods,
@@ -826,15 +841,16 @@ def frontier(config: Any, params: Any, data: Any, *, candidates: Sequence[Candid
     rows = [dense_row]
     if on_row is not None:
         on_row(dense_row)
-    bar = tqdm(list(enumerate(candidates)), desc="frontier", unit="candidate",
-               disable=not progress, leave=False)
+    bar = progress_bar(list(enumerate(candidates)), desc="frontier", unit="candidate",
+                       enabled=progress)
     for i, cand in bar:
         bar.set_postfix_str(cand.name, refresh=True)
         t0 = time.perf_counter()
         row = {"name": cand.name, "group": cand.group, "keep": cand.keep,
                "plan": cand.plan.to_dict(), "error": None}
         try:
-            new, _ = apply_plan(params, cand.plan, key=jax.random.fold_in(key, i), config=config)
+            new, _ = apply_plan(params, cand.plan, key=jax.random.fold_in(key, i), config=config,
+                                blas_threads=None)  # frontier's own setting holds
             row["apply_seconds"] = time.perf_counter() - t0
             fn = fwd.lower(new, x).compile()
             pred = data.predict(fn, new)

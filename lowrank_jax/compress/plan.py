@@ -26,8 +26,9 @@ import os
 from typing import Any, Mapping, Sequence
 
 import jax
-from tqdm.auto import tqdm
 
+from lowrank_jax import runtime
+from lowrank_jax._progress import progress_bar
 from lowrank_jax.compress.registry import Context, get_method
 from lowrank_jax.compress.report import Report, StepSummary, count_totals, counts
 from lowrank_jax.compress.rules import candidates, normalize_rules, select
@@ -241,7 +242,7 @@ def validate_plan(plan: Plan) -> None:
 
 def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = None,
                config: Any = None, progress: bool = False,
-               head_widths: Any = None) -> tuple[Any, Report]:
+               head_widths: Any = None, blas_threads: int | None = 1) -> tuple[Any, Report]:
     """Apply the steps of a plan in order to one parameter tree.
 
     Every step is validated before the first one runs. Step ``i`` selects nodes in the tree
@@ -256,10 +257,15 @@ def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = Non
         weights onto the leading subspace of their inputs). Every path must be a weight of
         ``params`` and be used by some step.
       config: the model config, passed to methods that need it.
-      progress: show progress bars.
+      progress: show progress (bars on a terminal, plain lines elsewhere:
+        :func:`lowrank_jax._progress.progress_bar`).
       head_widths: ``head_widths(tree, path) -> per-head output widths | None`` for trees that
         do not record heads in attention blocks (:mod:`lowrank_jax.interop`: Flax kernels over
         heads); ``svd``'s ``per_head`` asks it before the attention block.
+      blas_threads: the most threads of the host BLAS / LAPACK while the steps run
+        (:func:`lowrank_jax.runtime.blas_threads`; ``None``: leave them as they are). One by
+        default: the decompositions of a model's weights are faster on one thread on a busy
+        machine and about as fast on an idle one (figures in :mod:`lowrank_jax.runtime`).
 
     Returns:
       ``(new_params, report)``: the new tree and a :class:`~lowrank_jax.compress.Report` with
@@ -269,9 +275,11 @@ def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = Non
       PlanError: an unknown method, an unknown setting or override key, a bad setting value,
         a bad regular expression, a rule matching nothing (listing the available paths),
         ``inputs`` for a path that is no weight or that no step used.
+      ConfigError: ``blas_threads`` not an int >= 1 or None.
     """
     plan = as_plan(plan)
     validate_plan(plan)
+    runtime.check_blas_threads(blas_threads)
     inputs = dict(inputs or {})
     if inputs:
         weights = [p for p, _ in candidates(params, "weights")]
@@ -282,23 +290,25 @@ def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = Non
                                 expected="a weight path", actual=p)
     tree = params
     rows, summaries, used = [], [], set()
-    for i, step in enumerate(tqdm(plan.steps, desc="plan", disable=not progress or
-                                  len(plan.steps) < 2)):
-        m = get_method(step.method)
-        where = f"step {i} ({step.method})"
-        selection = select(tree, step.rules, kind=m.selects, accepts=m.accepts,
-                           allowed=m.overrides, where=where)
-        ctx = Context(step=i, method=step.method,
-                      key=None if key is None else jax.random.fold_in(key, i),
-                      inputs=inputs, config=config, progress=progress,
-                      head_widths=head_widths)
-        counts_in = counts(tree)
-        tree, step_rows = m.fn(tree, selection, dict(step.settings), ctx)
-        used |= ctx.used_inputs
-        rows.extend(dataclasses.replace(r, step=i, method=step.method) for r in step_rows)
-        summaries.append(StepSummary(index=i, method=step.method, rules=step.rules,
-                                     settings=step.settings, info=dict(ctx.info),
-                                     tree=count_totals(counts_in, counts(tree))))
+    steps = progress_bar(plan.steps, desc="plan", unit="step",
+                         enabled=progress and len(plan.steps) >= 2, leave=True)
+    with runtime.blas_threads(blas_threads):
+        for i, step in enumerate(steps):
+            m = get_method(step.method)
+            where = f"step {i} ({step.method})"
+            selection = select(tree, step.rules, kind=m.selects, accepts=m.accepts,
+                               allowed=m.overrides, where=where)
+            ctx = Context(step=i, method=step.method,
+                          key=None if key is None else jax.random.fold_in(key, i),
+                          inputs=inputs, config=config, progress=progress,
+                          head_widths=head_widths)
+            counts_in = counts(tree)
+            tree, step_rows = m.fn(tree, selection, dict(step.settings), ctx)
+            used |= ctx.used_inputs
+            rows.extend(dataclasses.replace(r, step=i, method=step.method) for r in step_rows)
+            summaries.append(StepSummary(index=i, method=step.method, rules=step.rules,
+                                         settings=step.settings, info=dict(ctx.info),
+                                         tree=count_totals(counts_in, counts(tree))))
     unused = sorted(set(inputs) - used)
     if unused:
         raise PlanError(f"apply_plan: inputs given for {unused}, which no step used (only "

@@ -64,8 +64,8 @@ from typing import Any, Mapping, Sequence
 
 import jax.numpy as jnp
 import numpy as np
-from tqdm.auto import tqdm
 
+from lowrank_jax._progress import progress_bar
 from lowrank_jax.analysis import output_head_widths
 from lowrank_jax.compress.budget import allocate_energy, allocate_eps
 from lowrank_jax.compress.plan import Plan, Step, apply_plan
@@ -430,8 +430,8 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
                     row.details["rank"], row.error, row.params_before, row.params_after)
 
     cands, free = [], []
-    for i, sel in enumerate(tqdm(selection, desc=f"step {ctx.step} svd",
-                                 disable=not ctx.progress)):
+    for i, sel in enumerate(progress_bar(selection, desc=f"step {ctx.step} svd", unit="matrix",
+                                         enabled=ctx.progress, leave=True)):
         # a pruned weight is factorized on its kept channels; its gather/scatter stays
         base, put_back[i], base_inputs = pruned_base(sel.node)
         x = ctx.input_for(sel.path)
@@ -475,7 +475,7 @@ def compress(params: Any, *, rules=ATTENTION_QKVO, eps: float | None = None,
              schedule: Sequence[int] | None = None, per_head: bool = False,
              allocation: str = "eps", inputs: Mapping | None = None,
              keep_dense_if_larger: bool = True, rank_multiple: int | None = None,
-             progress: bool = False) -> tuple[Any, Report]:
+             progress: bool = False, blas_threads: int | None = 1) -> tuple[Any, Report]:
     """Replace the weights chosen by ``rules`` with truncated factorizations: a one-step plan
     ``Step("svd", rules, settings)`` applied with :func:`~lowrank_jax.compress.apply_plan`.
 
@@ -508,6 +508,9 @@ def compress(params: Any, *, rules=ATTENTION_QKVO, eps: float | None = None,
       rank_multiple: round every decided rank up to a multiple of this (capped at the matrix's
         largest rank; module docstring): faster kernels, never a larger error.
       progress: show a progress bar over the decompositions.
+      blas_threads: the most threads of the host LAPACK during the decompositions (one by
+        default; ``None``: leave them as they are): see
+        :func:`~lowrank_jax.compress.apply_plan`.
 
     Returns:
       ``(new_params, Report)``; ``report.info()`` holds ``chosen_eps`` under ``ratio`` with
@@ -519,6 +522,7 @@ def compress(params: Any, *, rules=ATTENTION_QKVO, eps: float | None = None,
         too short, or a selected weight without a layer index under ``schedule``; a rule that
         matches nothing; an ``inputs`` path that is not selected; heads of unequal widths
         under ``per_head``.
+      ConfigError: ``blas_threads`` not an int >= 1 or None.
     """
     settings = {"eps": eps, "rank": rank, "ratio": ratio,
                 "schedule": None if schedule is None else list(schedule)}
@@ -529,7 +533,7 @@ def compress(params: Any, *, rules=ATTENTION_QKVO, eps: float | None = None,
         settings["rank_multiple"] = rank_multiple
     rules = rules if isinstance(rules, str) else tuple(rules)
     return apply_plan(params, Plan((Step("svd", rules, settings),)), inputs=inputs,
-                      progress=progress)
+                      progress=progress, blas_threads=blas_threads)
 
 
 __all__ = ["KINDS", "OVERRIDES", "SETTINGS", "Truncation", "check_rank_multiple",

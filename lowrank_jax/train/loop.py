@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax._progress import progress_bar
 from lowrank_jax.errors import ConfigError, LowrankJaxError
 from lowrank_jax.leaves import path_str
 from lowrank_jax.losses import mase, wql
@@ -346,11 +347,8 @@ def fit(
                           f"{start}; the records of the missing steps cannot be recreated",
                           stacklevel=2)
         log = open(log_path, "a", encoding="utf-8")
-    bar = None
-    if progress and primary:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, initial=start, desc=desc, unit="step", leave=False)
+    bar = progress_bar(total=steps, initial=start, desc=desc, unit="step",
+                       enabled=progress and primary)
     finite_paths, finite_flags = None, None
 
     def stop(step: int, what: str, actual: Any) -> NonFiniteError:

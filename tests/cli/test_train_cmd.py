@@ -184,8 +184,10 @@ def test_a_nan_loss_stops_with_status_2_and_keeps_the_last_good_checkpoint(tmp_p
     out = tmp_path / "run"
     assert main(["train", write(tmp_path, cfg), "--out", str(out), "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Traceback" not in err
-    assert "training stopped at step 3: the loss is nan" in err
+    # the stage line (printed with --no-progress too), then the one-line error
+    assert err.count("\n") == 2 and "Traceback" not in err
+    assert err.startswith("lowrank-jax train: training steps 1-6 on ")
+    assert "training stopped at step 3: the loss is nan" in err.splitlines()[-1]
     assert f"the last good checkpoint, step 2 in {out / 'checkpoints'}, is kept" in err
 
     def refuse(name):

@@ -27,6 +27,7 @@ batch ``B`` the target is reached exactly up to one unit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from typing import Any, Callable, Iterable
@@ -34,6 +35,8 @@ from typing import Any, Callable, Iterable
 import jax
 import numpy as np
 
+from lowrank_jax import runtime
+from lowrank_jax._progress import progress_bar
 from lowrank_jax.compress.prune.importance import make_scorer, mask_paths
 from lowrank_jax.compress.prune.structure import Removal, Structure
 from lowrank_jax.errors import ConfigError
@@ -142,7 +145,8 @@ def progressive_prune(params: Any, loss_fn: Callable, batches: Callable[[int], d
                       *, target: float, steps: int, by: str = "params", alpha: float = 0.5,
                       schedule: str = "cubic", tokens: dict | None = None, config: Any = None,
                       key=None, progress: bool = False,
-                      callback: Callable[[dict], None] | None = None) -> PruneResult:
+                      callback: Callable[[dict], None] | None = None,
+                      blas_threads: int | None = 1) -> PruneResult:
     """"Less is More", Algorithm 1 (pruning part): progressive global pruning of masked weights.
 
     Args:
@@ -164,13 +168,21 @@ def progressive_prune(params: Any, loss_fn: Callable, batches: Callable[[int], d
         sample) for FLOP counts.
       config: the model config (refuses fixed Q/K/V activation masks on attention).
       key: PRNG key passed to the loss (default ``PRNGKey(0)``).
-      progress: show a progress bar.
+      progress: show progress (a bar on a terminal, plain lines elsewhere).
       callback: called with each history entry.
+      blas_threads: the most threads of the host BLAS / LAPACK during the run
+        (:func:`lowrank_jax.runtime.blas_threads`; ``None``: leave them as they are). One by
+        default, as in :func:`~lowrank_jax.compress.apply_plan`.
 
     Returns:
       A :class:`PruneResult`.
+
+    Raises:
+      ConfigError: a bad ``target``, ``steps``, ``alpha``, ``by`` or ``blas_threads``;
+        ``by='flops'`` without ``tokens``; a non-finite loss.
     """
     _check(target, steps, alpha, by)
+    runtime.check_blas_threads(blas_threads)
     if by == "flops" and tokens is None:
         raise ConfigError("prune: by='flops' needs token counts (tokens=count_rows(...))",
                           where="tokens", expected="{path: rows}", actual=None)
@@ -194,11 +206,9 @@ def progressive_prune(params: Any, loss_fn: Callable, batches: Callable[[int], d
 
     it = None if callable(batches) else iter(batches)
     history = []
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, desc="prune", unit="batch", leave=False)
+    bar = progress_bar(total=steps, desc="prune", unit="batch", enabled=progress)
+    limit = contextlib.ExitStack()  # the BLAS thread limit, lifted in `finally`
+    limit.enter_context(runtime.blas_threads(blas_threads))
     try:
         for j in range(1, steps + 1):
             batch = batches(j - 1) if it is None else next(it)
@@ -245,6 +255,7 @@ def progressive_prune(params: Any, loss_fn: Callable, batches: Callable[[int], d
     finally:
         if bar is not None:
             bar.close()
+        limit.close()
     removal, fp, ff = fractions(alive)
     return PruneResult(params=params, structure=struct, removal=removal, params_fraction=fp,
                        flops_fraction=ff, history=history,

@@ -90,8 +90,8 @@ def remove_masked(params: Any, *, config: Any = None, tokens: dict | None = None
 def prune_model(params: Any, loss_fn: Callable, batches: Callable[[int], dict] | Iterable, *,
                 target: float, steps: int, rules: Sequence = DEFAULT_RULES, by: str = "params",
                 alpha: float = 0.5, schedule: str = "cubic", config: Any = None,
-                tokens: dict | None = None, key=None, progress: bool = False
-                ) -> tuple[Any, PruneResult]:
+                tokens: dict | None = None, key=None, progress: bool = False,
+                blas_threads: int | None = 1) -> tuple[Any, PruneResult]:
     """Masks, progressive global pruning and physical removal in one call ("Less is More",
     Algorithm 1 without the fine-tuning).
 
@@ -99,7 +99,7 @@ def prune_model(params: Any, loss_fn: Callable, batches: Callable[[int], dict] |
       params: the model's parameters.
       loss_fn: ``loss_fn(params, batch, key) -> (loss, aux)`` (mean of per-sample losses).
       batches: ``batches(j) -> batch`` or an iterable of batches.
-      target, steps, by, alpha, schedule, key, progress: see
+      target, steps, by, alpha, schedule, key, progress, blas_threads: see
         :func:`~lowrank_jax.compress.prune.progressive_prune`.
       rules: which weights get masks (default: every attention and MLP projection).
       config: the model config; with it and ``by='flops'`` the token counts are taken from
@@ -117,7 +117,7 @@ def prune_model(params: Any, loss_fn: Callable, batches: Callable[[int], dict] |
                           expected="config or tokens", actual=None)
     result = progressive_prune(masked, loss_fn, batches, target=target, steps=steps, by=by,
                                alpha=alpha, schedule=schedule, tokens=tokens, config=config,
-                               key=key, progress=progress)
+                               key=key, progress=progress, blas_threads=blas_threads)
     pruned = result.structure.remove(result.removal)
     check_removal(result.structure, result.removal, pruned)
     return pruned, result

@@ -187,7 +187,8 @@ def prune(params, selection, settings, ctx):
         result = progressive_prune(masked, fam.loss(config), batches,
                                    target=float(s["target"]), steps=int(s["steps"]),
                                    by=s["by"], alpha=float(s["alpha"]), schedule=s["schedule"],
-                                   tokens=tokens, config=config, progress=ctx.progress)
+                                   tokens=tokens, config=config, progress=ctx.progress,
+                                   blas_threads=None)  # apply_plan's setting holds
         struct, removal = result.structure, result.removal
         ctx.info.update({"params_fraction": result.params_fraction,
                          "flops_fraction": result.flops_fraction,
