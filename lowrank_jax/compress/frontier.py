@@ -182,7 +182,7 @@ def _require(params: Any, method: str, rules: Sequence) -> list:
 def _head_width(params: Any) -> tuple[int, int]:
     """``(heads, widest head)`` over the model's query-key objects (for per-head ranks)."""
     sel = _require(params, "truncatt", ATTENTION_QK)
-    widths = [tuple(s.node.widths) for s in sel]
+    widths = [tuple(s.node.projections().widths) for s in sel]
     return max(len(w) for w in widths), max(max(w) for w in widths)
 
 
