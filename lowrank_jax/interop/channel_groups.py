@@ -70,14 +70,12 @@ import numpy as np
 from flax import traverse_util
 
 from lowrank_jax.compress import Report, Step
-from lowrank_jax.compress.prune import (
+from lowrank_jax.compress.prune import PruneGroup, Span, UnitTable, ema, mask_scorer
+from lowrank_jax.compress.prune.groups import (
     SCOPES,
-    PruneGroup,
-    Span,
-    UnitTable,
     additive_fraction,
-    ema,
-    mask_scorer,
+    check_scope,
+    check_target,
     select_removed,
 )
 from lowrank_jax.errors import ConfigError, ShapeError
@@ -422,12 +420,8 @@ def select_units(tree: Any, groups: Iterable[ChannelGroup], scores: Mapping[str,
     Returns:
       ``{group name: bool [units]}`` (``True``: kept).
     """
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target < 1:
-        raise ConfigError(f"prune: target must be a fraction in [0, 1), got {target!r}",
-                          where="target", expected="[0, 1)", actual=target)
-    if scope not in SCOPES:
-        raise ConfigError(f"prune: scope must be one of {SCOPES}, got {scope!r}", where="scope",
-                          expected=SCOPES, actual=scope)
+    check_target(target)
+    check_scope(scope)
     _, resolved, _ = _resolve(tree, groups, in_dims)
     s = []
     for g in resolved:

@@ -21,7 +21,9 @@ to reach the scheduled fraction
   paper's fixed ratio per epoch).
 
 ``K_j`` is the smallest number of units that reaches ``f_j`` (found by bisection, since the
-measured fraction only grows with the units removed); it is recorded in the history. After
+measured fraction only grows with the units removed; the ranking is
+:func:`~lowrank_jax.compress.prune.select_removed`, shared with the Flax interop); it is
+recorded in the history. After
 batch ``B`` the target is reached exactly up to one unit.
 """
 
@@ -34,7 +36,7 @@ from typing import Any, Callable, Iterable
 import jax
 import numpy as np
 
-from lowrank_jax.compress.prune.groups import UnitTable, select_removed
+from lowrank_jax.compress.prune.groups import UnitTable, check_target, select_removed
 from lowrank_jax.compress.prune.importance import ema, make_scorer, mask_paths
 from lowrank_jax.compress.prune.structure import Removal, Structure
 from lowrank_jax.errors import ConfigError
@@ -92,9 +94,7 @@ class PruneResult:
 
 
 def _check(target, steps, alpha, by) -> None:
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target < 1:
-        raise ConfigError(f"prune: target must be a fraction in [0, 1), got {target!r}",
-                          where="target", expected="[0, 1)", actual=target)
+    check_target(target)
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ConfigError(f"prune: steps (pruning batches) must be an int >= 1, got {steps!r}",
                           where="steps", expected="int >= 1", actual=steps)

@@ -221,6 +221,20 @@ def additive_fraction(costs: np.ndarray) -> Callable[[np.ndarray], float]:
     return fraction
 
 
+def check_target(target) -> None:
+    """Refuse a removed fraction outside ``[0, 1)`` (``ConfigError`` naming ``target``)."""
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target < 1:
+        raise ConfigError(f"prune: target must be a fraction in [0, 1), got {target!r}",
+                          where="target", expected="[0, 1)", actual=target)
+
+
+def check_scope(scope) -> None:
+    """Refuse a ranking scope other than :data:`SCOPES` (``ConfigError`` naming ``scope``)."""
+    if scope not in SCOPES:
+        raise ConfigError(f"prune: scope must be one of {SCOPES}, got {scope!r}", where="scope",
+                          expected=SCOPES, actual=scope)
+
+
 def _protected(order: np.ndarray, unit_group: np.ndarray, keep: np.ndarray) -> np.ndarray:
     """``bool [len(order)]``: the last ``keep[g]`` units of every group ``g`` in ``order`` (its
     best-ranked alive units, which stay)."""
@@ -257,9 +271,7 @@ def select_removed(scores: np.ndarray, alive: np.ndarray, *, goal: float,
     Returns:
       ``int [K]`` indices of the units to remove, lowest score first.
     """
-    if scope not in SCOPES:
-        raise ConfigError(f"prune: scope must be one of {SCOPES}, got {scope!r}", where="scope",
-                          expected=SCOPES, actual=scope)
+    check_scope(scope)
     scores = np.asarray(scores, np.float64)
     alive = np.asarray(alive, bool)
     if scores.shape != alive.shape or scores.ndim != 1:
@@ -308,4 +320,4 @@ def select_removed(scores: np.ndarray, alive: np.ndarray, *, goal: float,
 
 
 __all__ = ["PruneGroup", "SCOPES", "SIDES", "Span", "TOLERANCE", "UnitTable",
-           "additive_fraction", "select_removed"]
+           "additive_fraction", "check_scope", "check_target", "select_removed"]
