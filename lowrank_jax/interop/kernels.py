@@ -428,7 +428,7 @@ def compress_tree(tree: Any, plan: Any, *, in_dims: Mapping[str, int] | None = N
             raise PlanError(f"step {i} (prune): a target on a Flax tree needs to know which "
                             "kernels share channels, which a Flax model does not declare: use "
                             "lowrank_jax.interop.linen.prune / nnx.prune with channel groups "
-                            "(interop.prune.ChannelGroup, infer_groups), or mask_tree and then a "
+                            "(interop.ChannelGroup, infer_groups), or mask_tree and then a "
                             "plan whose prune step has no target", where="target",
                             expected="interop.*.prune(tree, groups, target=...)",
                             actual=step.settings["target"])

@@ -4,7 +4,13 @@ lowrank_jax's own ``prune`` method reads which weights share channels from the s
 its trees (attention blocks with a :class:`~lowrank_jax.HeadLayout`, MLP blocks ``wi``/``wo``).
 A Flax model does not declare it: ``Dense_0``'s outputs feed ``Dense_1`` only because the
 module's ``__call__`` says so. Here the user states it as data, a :class:`ChannelGroup` per set
-of shared channels, or lets :func:`infer_groups` propose the common patterns:
+of shared channels, or lets :func:`infer_groups` propose the common patterns. Checked against
+the tree's kernels, each declaration becomes a
+:class:`~lowrank_jax.compress.prune.groups.PruneGroup`, the description of prunable structure
+the ``prune`` plan method builds for lowrank_jax trees, and the scores and the selection are
+the plan method's own (:func:`~lowrank_jax.compress.prune.mask_scorer`,
+:func:`~lowrank_jax.compress.prune.ema`, :func:`~lowrank_jax.compress.prune.select_removed`);
+this module only says where the kernels are and how a group's mask multiplies them:
 
 * an MLP: ``ChannelGroup('.../MlpBlock_0/Dense_0', outputs=('.../Dense_0/kernel',),
   inputs=('.../Dense_1/kernel',))``: hidden channel ``j`` is output ``j`` of the first layer
@@ -28,7 +34,7 @@ Scores, one per unit (a channel or a head) of each group:
 :func:`select_units` keeps the best units (``scope='group'``: each group loses the ``target``
 fraction of its units, as torch-pruning's default; ``scope='global'``: one ranking across all
 groups, as "Less is More" ranks, best with gradient scores, which estimate comparable loss
-changes) and :func:`prune_tree` removes the others.
+changes; every group keeps at least one unit) and :func:`prune_tree` removes the others.
 
 **How removed channels run in the unchanged model.** The kernels of a group become
 :class:`~lowrank_jax.leaves.ChannelPruned` leaves through the ``prune`` plan method: a kernel
@@ -64,7 +70,14 @@ import numpy as np
 from flax import traverse_util
 
 from lowrank_jax.compress import Report, Step
-from lowrank_jax.compress.prune import ema, importance
+from lowrank_jax.compress.prune import PruneGroup, Span, UnitTable, ema, mask_scorer
+from lowrank_jax.compress.prune.groups import (
+    SCOPES,
+    additive_fraction,
+    check_scope,
+    check_target,
+    select_removed,
+)
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.interop.kernels import (
     BIAS,
@@ -81,12 +94,13 @@ from lowrank_jax.leaves import is_leaf
 from lowrank_jax.leaves.channel_masked import mask_leaf
 
 UNITS = ("channel", "head")
-SCOPES = ("group", "global")
 
 
 @dataclasses.dataclass(frozen=True)
 class ChannelGroup:
-    """Channels that several Flax kernels share and that are removed together.
+    """Channels that several Flax kernels share and that are removed together: the user's
+    declaration by kernel paths, which :func:`resolve_groups` turns into a
+    :class:`~lowrank_jax.compress.prune.groups.PruneGroup` against the tree's shapes.
 
     Fields:
       name: the group's name (scores are keyed by it), e.g. the path of the module whose
@@ -123,34 +137,15 @@ class ChannelGroup:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Member:
-    path: str
-    key: tuple
-    side: str                # 'out' or 'in'
+class _Kernel:
+    key: tuple               # its key in the flat Flax dict
     shape: KernelShape
-    size: int                # channels per unit on this side
-    bias: bool
-
-    @property
-    def unit_params(self) -> int:
-        d_in, d_out = self.shape.matrix
-        return self.size * (d_in + int(self.bias)) if self.side == "out" else self.size * d_out
-
-
-@dataclasses.dataclass(frozen=True)
-class _Group:
-    group: ChannelGroup
-    members: tuple[_Member, ...]
-    units: int
-
-    @property
-    def unit_params(self) -> int:
-        return sum(m.unit_params for m in self.members)
+    bias: bool               # it has a bias (scaled and counted with its outputs)
 
 
 def _resolve(tree: Any, groups: Iterable[ChannelGroup], in_dims: Mapping[str, int] | None
-             ) -> tuple[dict, list[_Group]]:
-    """Check the groups against the tree; ``(flat tree, resolved groups)``.
+             ) -> tuple[dict, list[PruneGroup], dict[str, _Kernel]]:
+    """Check the groups against the tree; ``(flat tree, groups, {kernel path: _Kernel})``.
 
     Raises:
       ConfigError: a path that is no kernel, a kernel that is already a leaf, a kernel on the
@@ -161,6 +156,7 @@ def _resolve(tree: Any, groups: Iterable[ChannelGroup], in_dims: Mapping[str, in
     flat = flat_dict(tree)
     keys = {_join(k): k for k in flat}
     kernels = list(kernel_paths(tree))
+    found: dict[str, _Kernel] = {}
     seen: dict[tuple[str, str], str] = {}
     names: set[str] = set()
     out = []
@@ -172,7 +168,7 @@ def _resolve(tree: Any, groups: Iterable[ChannelGroup], in_dims: Mapping[str, in
             raise ConfigError(f"two channel groups are named {g.name!r}; names key the scores",
                               where=g.name, expected="unique names", actual=g.name)
         names.add(g.name)
-        members, units, first = [], None, None
+        spans, units, first = [], None, None
         for side, paths in (("out", g.outputs), ("in", g.inputs)):
             for path in paths:
                 key = keys.get(path)
@@ -216,14 +212,30 @@ def _resolve(tree: Any, groups: Iterable[ChannelGroup], in_dims: Mapping[str, in
                         f"group {g.name!r}: {path} has {n_units} {side}put {what} (kernel shape "
                         f"{tuple(np.shape(kernel))}) but {first} has {units}; the kernels of a "
                         f"group share their {what}", where=path, expected=units, actual=n_units)
-                members.append(_Member(path=path, key=key, side=side, shape=shape, size=size,
-                                       bias=bias is not None and side == "out"))
-        out.append(_Group(group=g, members=tuple(members), units=int(units)))
-    return flat, out
+                found[path] = _Kernel(key=key, shape=shape, bias=bias is not None)
+                d_in, d_out = shape.matrix
+                cost = size * (d_in + int(bias is not None)) if side == "out" else size * d_out
+                spans.append(Span(path, side, size, cost))
+        out.append(PruneGroup(g.name, tuple(spans), int(units),
+                              kind="heads" if g.unit == "head" else "channels", min_keep=1))
+    return flat, out, found
 
 
-def _matrix(flat: dict, m: _Member):
-    return jnp.reshape(flat[m.key], m.shape.matrix)
+def resolve_groups(tree: Any, groups: Iterable[ChannelGroup], *,
+                   in_dims: Mapping[str, int] | None = None) -> list[PruneGroup]:
+    """The declarations checked against the tree's kernels, as the
+    :class:`~lowrank_jax.compress.prune.groups.PruneGroup` s that scores and selection use:
+    one span per kernel (``size`` features per unit: 1, or a head's ``head_dim``; ``cost``
+    its parameters per unit, an output kernel's bias included), ``min_keep=1``.
+
+    Raises:
+      ConfigError, ShapeError: as :func:`prune_tree` (the path named).
+    """
+    return _resolve(tree, groups, in_dims)[1]
+
+
+def _matrix(flat: dict, k: _Kernel):
+    return jnp.reshape(flat[k.key], k.shape.matrix)
 
 
 def _natural(k) -> tuple:
@@ -306,33 +318,35 @@ def magnitude_scores(tree: Any, groups: Iterable[ChannelGroup], *,
     Returns:
       ``{group name: float64 [units]}``.
     """
-    flat, resolved = _resolve(tree, groups, in_dims)
+    flat, resolved, kernels = _resolve(tree, groups, in_dims)
     out = {}
     for g in resolved:
         sq = np.zeros(g.units)
         count = 0
-        for m in g.members:
-            w = np.asarray(_matrix(flat, m), np.float64)
-            w = w if m.side == "out" else w.T  # [other, units * size]
-            sq += (w.reshape(w.shape[0], g.units, m.size) ** 2).sum(axis=(0, 2))
-            count += w.shape[0] * m.size
-        out[g.group.name] = np.sqrt(sq / count)
+        for sp in g.spans:
+            w = np.asarray(_matrix(flat, kernels[sp.path]), np.float64)
+            w = w if sp.side == "out" else w.T  # [other, units * size]
+            sq += (w.reshape(w.shape[0], g.units, sp.size) ** 2).sum(axis=(0, 2))
+            count += w.shape[0] * sp.size
+        out[g.name] = np.sqrt(sq / count)
     return out
 
 
-def _scaled(flat: dict, resolved: list[_Group], masks: Mapping[str, jax.Array]) -> dict:
+def _scaled(flat: dict, resolved: list[PruneGroup], kernels: dict[str, _Kernel],
+            masks: list[jax.Array]) -> dict:
     """The Flax tree with every group's mask applied: output kernels' columns and biases, input
     kernels' rows multiplied by their unit's mask ("Less is More", eq. 4, on plain kernels)."""
     new = dict(flat)
-    for g in resolved:
-        for m in g.members:
-            mk = jnp.repeat(masks[g.group.name], m.size)
-            w = jnp.reshape(new[m.key], m.shape.matrix)
-            w = w * (mk[None, :] if m.side == "out" else mk[:, None])
-            new[m.key] = jnp.reshape(w, m.shape.in_shape + m.shape.out_shape).astype(
-                flat[m.key].dtype)
-            if m.bias:
-                bkey = m.key[:-1] + (BIAS,)
+    for g, mask in zip(resolved, masks, strict=True):
+        for sp in g.spans:
+            k = kernels[sp.path]
+            mk = jnp.repeat(mask, sp.size)
+            w = jnp.reshape(new[k.key], k.shape.matrix)
+            w = w * (mk[None, :] if sp.side == "out" else mk[:, None])
+            new[k.key] = jnp.reshape(w, k.shape.in_shape + k.shape.out_shape).astype(
+                flat[k.key].dtype)
+            if k.bias and sp.side == "out":
+                bkey = k.key[:-1] + (BIAS,)
                 new[bkey] = (jnp.reshape(new[bkey], (-1,)) * mk).reshape(
                     np.shape(flat[bkey])).astype(flat[bkey].dtype)
     return traverse_util.unflatten_dict(new)
@@ -347,7 +361,7 @@ def gradient_scores(loss_fn: Callable[[Any, Any], Any], tree: Any,
     For one shared mask ``m_u`` per unit (multiplying the columns and biases of the group's
     output kernels and the rows of its input kernels, eq. 4), the per-sample gradients
     ``g_n = dL_n/dm_u`` at the current masks give ``s_u = |-mean_n g_n + 1/2 mean_n g_n^2|``
-    (:func:`lowrank_jax.compress.prune.importance`); across batches
+    (:func:`lowrank_jax.compress.prune.mask_scorer`, the plan method's scorer); across batches
     ``s~ = alpha s + (1 - alpha) s~`` from zero (sec. 4.3).
 
     Args:
@@ -365,38 +379,34 @@ def gradient_scores(loss_fn: Callable[[Any, Any], Any], tree: Any,
     Returns:
       ``{group name: float64 [units]}`` (the EMA after the last batch).
     """
-    flat, resolved = _resolve(tree, groups, in_dims)
-    dtype = jnp.result_type(*[flat[m.key] for g in resolved for m in g.members])
-    masks = {g.group.name: jnp.ones((g.units,), dtype) if keep is None or g.group.name not in keep
-             else jnp.asarray(np.asarray(keep[g.group.name], bool), dtype) for g in resolved}
+    flat, resolved, kernels = _resolve(tree, groups, in_dims)
+    dtype = jnp.result_type(*[flat[kernels[sp.path].key] for g in resolved for sp in g.spans])
+    masks = [jnp.ones((g.units,), dtype) if keep is None or g.name not in keep
+             else jnp.asarray(np.asarray(keep[g.name], bool), dtype) for g in resolved]
 
-    def sample_loss(m, sample, flat):
-        one = jax.tree_util.tree_map(lambda a: a[None], sample)
-        out = loss_fn(_scaled(flat, resolved, m), one)
+    def loss_of(m, flat, one):
+        out = loss_fn(_scaled(flat, resolved, kernels, m), one)
         return out[0] if isinstance(out, tuple) else out
 
-    @jax.jit
-    def scorer(m, flat, batch):
-        grads = jax.vmap(jax.grad(sample_loss), in_axes=(None, 0, None))(m, batch, flat)
-        return {k: importance(g) for k, g in grads.items()}
-
-    avg = {k: np.zeros(v.shape, np.float64) for k, v in masks.items()}
+    scorer = mask_scorer(loss_of, UnitTable.of_groups(resolved).sizes)
+    avg = [np.zeros(g.units, np.float64) for g in resolved]
     n = 0
     for batch in batches:
-        s = scorer(masks, flat, batch)
-        avg = ema(avg, {k: np.asarray(v, np.float64) for k, v in s.items()}, alpha)
+        s, _ = scorer(masks, flat, batch)
+        avg = ema(avg, [np.asarray(v, np.float64) for v in s], alpha)
         n += 1
     if n == 0:
         raise ConfigError("gradient_scores: no batches", where="batches",
                           expected="at least one batch", actual=0)
-    return avg
+    return {g.name: a for g, a in zip(resolved, avg, strict=True)}
 
 
 def select_units(tree: Any, groups: Iterable[ChannelGroup], scores: Mapping[str, Any], *,
                  target: float, scope: str = "group",
                  in_dims: Mapping[str, int] | None = None) -> dict[str, np.ndarray]:
     """Which units to keep: the lowest-scoring go until ``target`` of the groups' parameters is
-    removed; every group keeps at least one unit.
+    removed; every group keeps at least one unit
+    (:func:`lowrank_jax.compress.prune.select_removed`, the plan method's ranking).
 
     Args:
       tree, groups: the Flax tree and the declarations.
@@ -404,46 +414,31 @@ def select_units(tree: Any, groups: Iterable[ChannelGroup], scores: Mapping[str,
       target: fraction of the grouped kernels' parameters (biases of output kernels included)
         to remove, in ``[0, 1)``.
       scope: ``'group'``: each group loses ``floor(target * units)`` units; ``'global'``: one
-        ranking over all groups' units, removed in order of score until the removed parameters
-        reach ``target`` of the total.
+        ranking over all groups' units (ties by group, then unit), removed in order of score
+        until the removed parameters reach ``target`` of the total.
 
     Returns:
       ``{group name: bool [units]}`` (``True``: kept).
     """
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target < 1:
-        raise ConfigError(f"prune: target must be a fraction in [0, 1), got {target!r}",
-                          where="target", expected="[0, 1)", actual=target)
-    if scope not in SCOPES:
-        raise ConfigError(f"prune: scope must be one of {SCOPES}, got {scope!r}", where="scope",
-                          expected=SCOPES, actual=scope)
-    _, resolved = _resolve(tree, groups, in_dims)
-    s = {}
+    check_target(target)
+    check_scope(scope)
+    _, resolved, _ = _resolve(tree, groups, in_dims)
+    s = []
     for g in resolved:
-        name = g.group.name
-        v = None if name not in scores else np.asarray(scores[name], np.float64)
+        v = None if g.name not in scores else np.asarray(scores[g.name], np.float64)
         if v is None or v.shape != (g.units,) or not np.all(np.isfinite(v)):
-            raise ConfigError(f"prune: scores of group {name!r} must be {g.units} finite numbers, "
-                              f"got {None if v is None else v.shape}", where=name,
+            raise ConfigError(f"prune: scores of group {g.name!r} must be {g.units} finite "
+                              f"numbers, got {None if v is None else v.shape}", where=g.name,
                               expected=(g.units,), actual=None if v is None else v.shape)
-        s[name] = v
-    keep = {g.group.name: np.ones(g.units, bool) for g in resolved}
-    if scope == "group":
-        for g in resolved:
-            k = min(g.units - 1, int(math.floor(target * g.units + 1e-9)))
-            keep[g.group.name][np.argsort(s[g.group.name], kind="stable")[:k]] = False
-        return keep
-    units = [(s[g.group.name][u], i, u) for i, g in enumerate(resolved) for u in range(g.units)]
-    total = sum(g.units * g.unit_params for g in resolved)
-    removed, left = 0, {g.group.name: g.units for g in resolved}
-    for _, i, u in sorted(units, key=lambda t: (t[0], t[1], t[2])):
-        if removed >= target * total - 1e-9:
-            break
-        g = resolved[i]
-        if left[g.group.name] > 1:
-            keep[g.group.name][u] = False
-            left[g.group.name] -= 1
-            removed += g.unit_params
-    return keep
+        s.append(v)
+    table = UnitTable.of_groups(resolved)
+    alive = np.ones(table.total, bool)
+    costs = np.repeat([g.cost for g in resolved], table.counts)
+    gone = select_removed(np.concatenate(s) if s else np.zeros(0), alive, goal=float(target),
+                          fraction=additive_fraction(costs), unit_group=table.unit_group,
+                          min_keep=[g.min_keep for g in resolved], scope=scope)
+    alive[gone] = False
+    return {g.name: a.copy() for g, a in zip(resolved, table.split(alive), strict=True)}
 
 
 def mask_tree(tree: Any, groups: Iterable[ChannelGroup], keep: Mapping[str, Any], *,
@@ -453,21 +448,22 @@ def mask_tree(tree: Any, groups: Iterable[ChannelGroup], keep: Mapping[str, Any]
     ``keep`` keeps: the input of the ``prune`` plan method (which removes masked channels
     physically) and of a plan that prunes, then compresses.
     """
-    _, resolved = _resolve(tree, groups, in_dims)
-    paths = sorted({m.path for g in resolved for m in g.members})
-    flat = flat_dict(to_leaves(tree, paths, in_dims=in_dims))
-    masks: dict[tuple, list] = {}
+    _, resolved, kernels = _resolve(tree, groups, in_dims)
+    flat = flat_dict(to_leaves(tree, sorted(kernels), in_dims=in_dims))
+    alive = []
     for g in resolved:
-        k = np.asarray(keep[g.group.name], bool)
+        k = np.asarray(keep[g.name], bool)
         if k.shape != (g.units,):
-            raise ShapeError(f"prune: keep of group {g.group.name!r} must be bool [{g.units}], "
-                             f"got shape {k.shape}", where=g.group.name, expected=(g.units,),
+            raise ShapeError(f"prune: keep of group {g.name!r} must be bool [{g.units}], "
+                             f"got shape {k.shape}", where=g.name, expected=(g.units,),
                              actual=k.shape)
-        for m in g.members:
-            pair = masks.setdefault(m.key, [None, None])
-            pair[0 if m.side == "in" else 1] = np.repeat(k, m.size).astype(np.float32)
-    for key, (m_in, m_out) in masks.items():
-        flat[key] = mask_leaf(flat[key], m_in, m_out)
+        alive.append(k)
+    kept = UnitTable.of_groups(resolved).channel_keep(
+        np.concatenate(alive) if alive else np.zeros(0, bool))
+    for path, (m_in, m_out) in kept.items():
+        key = kernels[path].key
+        flat[key] = mask_leaf(flat[key], *(None if m is None else m.astype(np.float32)
+                                           for m in (m_in, m_out)))
     return traverse_util.unflatten_dict(flat)
 
 
@@ -511,4 +507,4 @@ def prune_tree(tree: Any, groups: Iterable[ChannelGroup], *, target: float,
 
 
 __all__ = ["ChannelGroup", "SCOPES", "UNITS", "gradient_scores", "infer_groups",
-           "magnitude_scores", "mask_tree", "prune_tree", "select_units"]
+           "magnitude_scores", "mask_tree", "prune_tree", "resolve_groups", "select_units"]
