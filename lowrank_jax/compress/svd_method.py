@@ -355,6 +355,8 @@ def prepare_truncation(tree: Any, sel: Selection, *, per_head: bool = False,
     if ph:
         widths = head_widths(tree, path) if head_widths is not None else None
         widths = output_head_widths(tree, path) if widths is None else widths
+        if widths is not None and len(widths) == 0:
+            widths = None  # a block without heads: its weight has no outputs, one empty matrix
     if inputs is not None:
         if widths is not None:
             raise PlanError(

@@ -843,3 +843,31 @@ def test_methods_pass_a_pruned_leaf_with_no_kept_channels(side):
         assert row.kind == "empty" and not row.changed, step.method
         assert new["a"]["w"] is leaf
         assert report.row("b/w").kind != "empty" and report.row("b/w").changed, step.method
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_eps_sweep_of_an_emptied_model_is_what_svd_gives(emptied_models, per_head):
+    """The one-compile eps sweep takes an emptied model (per head too: a block without heads
+    is one empty matrix) and counts what the ``svd`` method does."""
+    from lowrank_jax.compress import eps_sweep
+
+    (cfg, fam, pruned), _ = emptied_models["bert"]
+    rows = eps_sweep(cfg, pruned, None, [0.3, 0.7], per_head=per_head)
+    for r in rows:
+        _, report = lj.compress.compress(pruned, eps=r["eps"], per_head=per_head)
+        assert r["size_ratio"] == pytest.approx(report.ratio, abs=1e-12)
+        assert r["params_after"] == report.params_after
+    assert rows[1]["size_ratio"] < 1.0
+
+
+def test_frontier_candidates_of_an_emptied_model(emptied_models):
+    """The frontier's candidates for the query-key methods read the widest head over the
+    model's blocks; blocks without heads do not stop them."""
+    from lowrank_jax.compress.frontier import default_candidates
+
+    (cfg, _, pruned), _ = emptied_models["bert"]
+    cands, skipped = default_candidates(pruned, cfg, quick=True, combinations=False,
+                                        methods=["truncatt", "cp", "btd", "truncatt_vo"])
+    assert not skipped
+    assert {c.plan.steps[0].method for c in cands} == {"truncatt", "cp", "btd", "truncatt_vo"}
+    assert "truncatt rank=2/head" in {c.name for c in cands}  # 0.5 of the widest head, 4
