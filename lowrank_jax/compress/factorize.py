@@ -120,14 +120,14 @@ def factorize(params: Any, selection: list[Selection], settings: dict, ctx: Cont
     check_settings(settings)
     plans = []
     for sel in selection:
-        if is_empty(sel.node):  # a weight of an emptied block: no factor to draw
-            plans.append((sel, None, None))
-            continue
         path, ov = sel.path, sel.overrides
         ph = ov.get("per_head", settings.get("per_head", False))
         if not isinstance(ph, bool):
             raise PlanError(f"factorize: {path}: per_head must be a bool, got {ph!r}",
                             where=path, expected="bool", actual=ph)
+        if is_empty(sel.node):  # a weight of an emptied block: no factor to draw
+            plans.append((sel, None, None))
+            continue
         r = _rank_for(path, ov, settings)
         d_in, d_out = sel.node.shape
         widths = output_head_widths(params, path) if ph else None

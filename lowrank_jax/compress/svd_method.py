@@ -355,8 +355,8 @@ def prepare_truncation(tree: Any, sel: Selection, *, per_head: bool = False,
     if ph:
         widths = head_widths(tree, path) if head_widths is not None else None
         widths = output_head_widths(tree, path) if widths is None else widths
-        if widths is not None and len(widths) == 0:
-            widths = None  # a block without heads: its weight has no outputs, one empty matrix
+        if widths is not None and sum(widths) == 0:
+            widths = None  # no heads (or only empty ones): the weight is one empty matrix
     if inputs is not None:
         if widths is not None:
             raise PlanError(
@@ -445,16 +445,16 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
                                  disable=not ctx.progress)):
         # a pruned weight is factorized on its kept channels; its gather/scatter stays
         base, put_back[i], base_inputs = pruned_base(sel.node)
-        if is_empty(base):  # a weight of an emptied block: passed through, its inputs used
-            ctx.input_for(sel.path)
+        x = ctx.input_for(sel.path)
+        empty = is_empty(base)  # a weight of an emptied block: its inputs count as used
+        t = prepare_truncation(params, sel._replace(node=base), per_head=per_head,
+                               inputs=None if x is None or empty else base_inputs(x),
+                               head_widths=ctx.head_widths,
+                               rank_multiple=settings.get("rank_multiple"))
+        if empty:  # overrides checked above; no rank applies to it: passed through
             rows[i] = empty_row(sel)
             empty_before += rows[i].params_before
             continue
-        x = ctx.input_for(sel.path)
-        t = prepare_truncation(params, sel._replace(node=base), per_head=per_head,
-                               inputs=None if x is None else base_inputs(x),
-                               head_widths=ctx.head_widths,
-                               rank_multiple=settings.get("rank_multiple"))
         ranks = decide_ranks(t, mode, settings)
         cands.append(t)
         if ranks is None:

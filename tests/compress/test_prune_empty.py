@@ -603,15 +603,18 @@ def in_blocks(path: str, blocks) -> bool:
 @functools.lru_cache(maxsize=None)
 def runner(cfg):
     """The family's primary output on two sample inputs, compiled once per config (and tree
-    structure)."""
+    structure; a family with state gets the state of the tree it runs)."""
     fam = models.family_of(cfg)
     inputs = fam.sample_inputs(cfg, np.random.default_rng(0), 2)
-    return jax.jit(lambda p: model_output(fam, cfg, p, inputs, None))
+    if fam.init_state is None:
+        return jax.jit(lambda p: model_output(fam, cfg, p, inputs, None))
+    run = jax.jit(lambda p, state: model_output(fam, cfg, p, inputs, state))
+    return lambda p: run(p, fam.init_state(p, cfg))
 
 
 def check_method_on_emptied(name, step, *, exact, original, emptied, inputs=None, key_seed=0):
-    """Apply ``step`` to the emptied model and to ``original`` (the same weights before
-    pruning) and check what this section's comment says. Returns ``(new, report)``."""
+    """Apply ``step`` (or a plan) to the emptied model and to ``original`` (the same weights
+    before pruning) and check what this section's comment says. Returns ``(new, report)``."""
     cfg, fam, pruned = emptied
     blocks = emptied_blocks(add_channel_masks(pruned))
     kw = dict(key=jax.random.PRNGKey(key_seed), config=cfg)
@@ -653,6 +656,25 @@ def test_method_on_an_emptied_model(emptied_models, family, method):
     step, exact = METHOD_STEPS[method]
     emptied, original = emptied_models[family]
     check_method_on_emptied(method, step, exact=exact, original=original, emptied=emptied)
+
+
+#: families with other blocks than T5's and BERT's (Chronos-Bolt is T5's, and ``prune`` runs
+#: on it below): one plan over several methods, attention truncated, then its value-output
+#: side per head, the MLP binarized
+_OTHER_FAMILIES = ["vit", "patch_encoder", "sbt_dense_classification"]
+
+
+@pytest.mark.parametrize("family", _OTHER_FAMILIES)
+def test_a_plan_on_emptied_models_of_other_families(family):
+    cfg, fam, _, pruned = _emptied(family)
+    plan = lj.Plan((lj.Step("svd", (QKVO,), {"rank": 1}),
+                    lj.Step("truncatt_vo", (r"attn/v$",), {"rank": 1}),
+                    lj.Step("binarize", (MLP_W,), {"keep": 0.5})))
+    new, report = check_method_on_emptied(family, plan, exact=False,
+                                          original=fast_init(fam, cfg, seed=3),
+                                          emptied=(cfg, fam, pruned))
+    assert {r.method for r in report.rows if r.kind == "empty"} == {
+        "svd", "truncatt_vo", "binarize"}
 
 
 def test_svd_rank_on_an_emptied_model_is_the_truncated_svd(emptied_models):
