@@ -182,8 +182,9 @@ def _require(params: Any, method: str, rules: Sequence) -> list:
 def _head_width(params: Any) -> tuple[int, int]:
     """``(heads, widest head)`` over the model's query-key objects (for per-head ranks)."""
     sel = _require(params, "truncatt", ATTENTION_QK)
-    widths = [tuple(s.node.projections().widths) for s in sel]
-    return max(len(w) for w in widths), max(max(w) for w in widths)
+    # a block without heads has no widths; a factored query-key object no per-head projections
+    widths = [w for s in sel if (p := s.node.projections()) is not None for w in p.widths]
+    return max(s.node.num_heads for s in sel), max(widths, default=0)
 
 
 def _svd(s: CandidateSetting) -> list[Candidate]:

@@ -49,6 +49,12 @@ after and their ratio (with ``n_tokens``), the executed MACs after (zero-padded 
 count as executed), and for ``btd`` the fitting history. :func:`head_ranks` collects them from a
 report (for the layer x head heat map, :func:`lowrank_jax.analysis.plots_heads.plot_head_ranks`).
 
+A block without heads (every head pruned, :mod:`lowrank_jax.compress.empty`) has no slice to
+factorize: its query-key object (and, for ``truncatt_vo``, its value and output projections) is
+passed through unchanged with a row of kind ``'empty'``, before any per-head setting is read
+(a list of ranks has one entry per head of the blocks that have heads). The other blocks are
+compressed as without it.
+
 What the paper leaves open is decided in :mod:`lowrank_jax.decomp.btd` (rank-0 terms, warm
 starts, stopping rule, CPD-EPC) and here: ``btd`` caps each head's rank at the numerical rank
 of its slice (at most ``d_head``; Algorithm 1 may give more, which a slice cannot use) and gives
@@ -69,6 +75,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.compress.empty import empty_row, is_empty
 from lowrank_jax.compress.registry import register_method
 from lowrank_jax.compress.report import Row
 from lowrank_jax.decomp import btd_ll1, cp_als, cp_epc, cp_to_tensor
@@ -500,6 +507,9 @@ def truncatt(params, selection, settings, ctx):
         s = {**settings, **sel.overrides}
         _check_settings("truncatt", s)
         qk = sel.node
+        if is_empty(qk):  # the query-key object of a block without heads
+            rows.append(empty_row(sel))
+            continue
         y = _augmented(qk, s)
         qb, kb = _bias_rows(y)
         core = _core(y, qb, kb)
@@ -549,6 +559,9 @@ def cp(params, selection, settings, ctx):
         s = {**settings, **sel.overrides}
         _check_settings("cp", s)
         qk = sel.node
+        if is_empty(qk):  # the query-key object of a block without heads
+            rows.append(empty_row(sel))
+            continue
         y = _augmented(qk, s)
         qb, kb = _bias_rows(y)
         core = _core(y, qb, kb)
@@ -631,6 +644,9 @@ def btd(params, selection, settings, ctx):
         s = {**settings, **sel.overrides}
         _check_settings("btd", s)
         qk = sel.node
+        if is_empty(qk):  # the query-key object of a block without heads
+            rows.append(empty_row(sel))
+            continue
         h = qk.num_heads
         y = _augmented(qk, s)
         qb, kb = _bias_rows(y)
@@ -702,6 +718,9 @@ def truncatt_vo(params, selection, settings, ctx):
                             "block; select '.../attn/v' paths (for example rules=['attn/v$'])",
                             where=sel.path, expected=".../attn/v", actual=sel.path)
         _, v, o, heads = attention_params(block, parent)
+        if is_empty(v):  # a block without heads (or value channels): nothing to truncate
+            rows += [empty_row(sel), empty_row(sel, path=f"{parent}/o", node=o)]
+            continue
         wv, wo = materialize_host(v), materialize_host(o)
         bv, bo = bias_of(v), bias_of(o)
         ranks_in = _per_head(s["rank"], heads.num_heads, f"{sel.path}: rank")

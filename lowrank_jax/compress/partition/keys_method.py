@@ -17,6 +17,10 @@ override ``keys`` and ``basis``. Row ``error``: ``||L - L^||_F / ||L||_F`` of th
 calibration pairs; ``details``: ``keys``, ``basis``, ``bound`` (eq. 134 per head),
 ``mean_rel_error`` (Fig. 8's measure, over the calibration pairs), ``bytes_per_key`` (all
 heads, float32).
+
+A block without heads (every head pruned, :mod:`lowrank_jax.compress.empty`) sends no keys: its
+query-key object is passed through unchanged with a row of kind ``'empty'``, and calibration
+inputs given for it count as used (it needs none).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.compress.empty import empty_row, is_empty
 from lowrank_jax.compress.partition.keys import METHODS, PAIRS, key_basis
 from lowrank_jax.compress.registry import Context, register_method
 from lowrank_jax.compress.report import Row
@@ -85,6 +90,11 @@ def compress_keys(params: Any, selection: list[Selection], settings: dict,
         if s.get("keys") is None:
             raise PlanError(f"compress_keys: {sel.path}: no keys= (numbers sent per key and "
                             "head)", where=sel.path, expected="keys=K", actual=None)
+        if is_empty(sel.node):  # a block without heads: no key to send
+            ctx.input_for(f"{sel.path}/q")
+            ctx.input_for(f"{sel.path}/k")
+            rows.append(empty_row(sel))
+            continue
         widths = head_widths(params, f"{sel.path}/q")
         if widths is None or len(set(widths)) != 1:
             raise PlanError(f"compress_keys: {sel.path}: needs a QueryKey with equal head "

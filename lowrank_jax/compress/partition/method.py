@@ -32,6 +32,12 @@ with ``max_m' sigma_{m', r+1} <= eps / sqrt(M)``, which guarantees ``||Delta|| <
 ``relative=True`` scales ``eps`` by ``||W||_2``), ``assignment`` (default ``'greedy'``),
 ``mesh_axis`` (default ``'model'``). Rules may override ``rank``, ``eps`` and ``assignment``.
 
+A weight with no inputs or no outputs (of an emptied attention block or MLP,
+:mod:`lowrank_jax.compress.empty`) is passed through unchanged with a row of kind ``'empty'``
+(nothing for a machine to hold or send; its head and divisibility checks do not apply). An
+emptied MLP's weights are both empty, so its hidden units have no order to choose; the other
+weights are partitioned as without it.
+
 Row ``error``: ``||W - W^||_2 / ||W||_2`` in float64 (``W`` with its outputs in machine order).
 ``details``: ``machines``, ``rank``, ``max_rank`` (``d*``, eq. 75), ``assignment`` (the method),
 ``outputs_of_machine`` (original output indices per machine), ``objective`` (eq. 108),
@@ -48,6 +54,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.compress.empty import empty_row, is_empty
 from lowrank_jax.compress.partition.assign import ASSIGNMENTS, assign, block_energy, machine_order
 from lowrank_jax.compress.partition.counts import executed
 from lowrank_jax.compress.partition.factor import Decomposition, decompose
@@ -61,7 +68,7 @@ from lowrank_jax.nn import head_widths
 
 SETTINGS = ("machines", "rank", "eps", "relative", "assignment", "mesh_axis")
 OVERRIDES = ("rank", "eps", "assignment")
-KINDS = ("partitioned", "permuted-inputs")
+KINDS = ("partitioned", "permuted-inputs", "empty")
 _MLP_IN = ("wi", "wi_0", "wi_1")
 
 
@@ -270,6 +277,10 @@ def partition_weights(params: Any, selection: list[Selection], settings: dict,
     mlps: dict[str, dict[str, Selection]] = {}
     singles = []
     for sel in selection:
+        if is_empty(sel.node):  # a weight of an emptied block: nothing to send or split
+            run.opts(sel)
+            run.rows.append(empty_row(sel))
+            continue
         block = _mlp_block(params, sel.path)
         if block is None:
             singles.append(sel)

@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping
 
 import numpy as np
 
+from lowrank_jax.compress.empty import empty_row, is_empty
 from lowrank_jax.compress.prune.algorithm import MEASURES, SCHEDULES, progressive_prune
 from lowrank_jax.compress.prune.api import layer_table, token_counts
 from lowrank_jax.compress.prune.structure import Structure, check_removal
@@ -157,9 +158,10 @@ def prune(params, selection, settings, ctx):
 
     Returns:
       ``(new_params, rows)``: one row per selected weight (``kind='pruned'``, details
-      ``in_kept``, ``out_kept``, ``d_in``, ``d_out``); the step info holds the removed
-      fractions, the per-batch history (``k``, loss) and the per-block kept heads and
-      channels.
+      ``in_kept``, ``out_kept``, ``d_in``, ``d_out``; ``kind='empty'`` for a weight that had
+      no inputs or outputs before the step, :mod:`lowrank_jax.compress.empty`: nothing left
+      to remove, only its masks are dropped); the step info holds the removed fractions, the
+      per-batch history (``k``, loss) and the per-block kept heads and channels.
     """
     s = {**DEFAULTS, **settings}
     _check_settings(s)
@@ -215,6 +217,9 @@ def prune(params, selection, settings, ctx):
         details = {"d_in": int(d_in), "d_out": int(d_out),
                    "in_kept": int(d_in if r is None else r.sum()),
                    "out_kept": int(d_out if c is None else c.sum())}
+        if is_empty(sel.node):  # emptied before this step: only its masks go
+            rows.append(empty_row(sel, after=after, details=details))
+            continue
         rows.append(Row.compare(sel.path, sel.node, after, rule=sel.rule, kind="pruned",
                                 details=details))
     return pruned, rows
@@ -235,6 +240,11 @@ def lora(params, selection, settings, ctx):
       params, selection, settings, ctx: the method signature (needs ``key=`` in
         ``apply_plan``).
 
+    A weight with no inputs or no outputs (of an emptied block,
+    :mod:`lowrank_jax.compress.empty`) gets no update (its product is zero whatever the
+    factors): it is passed through with a row of kind ``'empty'``. The other weights draw the
+    keys of their positions in the selection, as without it.
+
     Returns:
       ``(new_params, rows)`` with ``kind='lora'`` and the rank in the details.
     """
@@ -248,6 +258,9 @@ def lora(params, selection, settings, ctx):
     keys = jax.random.split(key, max(len(selection), 1))
     new, rows = {}, []
     for sel, k in zip(selection, keys, strict=False):
+        if is_empty(sel.node):  # an emptied block's weight: an update would add only zeros
+            rows.append(empty_row(sel))
+            continue
         leaf = add_lora(k, sel.node, int(rank), alpha=settings.get("alpha"))
         new[sel.path] = leaf
         rows.append(Row.compare(sel.path, sel.node, leaf, rule=sel.rule, kind="lora",
