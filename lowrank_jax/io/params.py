@@ -128,20 +128,23 @@ def save_params(path: str | os.PathLike, params: Any, *, metadata: dict | None =
         write_contents(tmp, text, enc.arrays)
 
 
-def write_contents(directory: str, document: str, arrays: dict[str, Any]) -> None:
+def write_contents(directory: str, document: str, arrays: dict[str, Any], *,
+                   write_document: bool = True) -> None:
     """Write a checkpoint's files into the (temporary) directory ``directory``.
 
     Args:
       directory: an existing directory, renamed into place by the caller.
       document: the text of ``tree.json``.
       arrays: ``{key: array}`` of the stored arrays (written to ``arrays/`` by orbax; with
-        several processes every process calls this with its part of the global arrays).
+        several processes writing one directory, every process calls this with its part of
+        the global arrays).
+      write_document: write ``tree.json`` (with several processes, only one of them does).
     """
     import orbax.checkpoint as ocp  # slow import, only needed here
 
     if arrays:
         ocp.PyTreeCheckpointer().save(os.path.join(directory, ARRAYS_DIR), arrays)
-    if jax.process_index() == 0:
+    if write_document:
         files.write_text(os.path.join(directory, TREE_FILE), document)
 
 

@@ -606,10 +606,14 @@ def flat_arrays(spec: dict, root: str = "") -> Iterator[tuple[str, dict]]:
             yield from flat_arrays(v, join(root, n))
 
 
+_CLASS_NODES = {"namedtuple": "NamedTuple", "pytree": "pytree node", "node": "node"}
+
+
 def _kind_of(spec: dict) -> str:
     t = spec["type"]
-    return {"namedtuple": f"NamedTuple {spec['class']}", "pytree": f"pytree node {spec['class']}",
-            "node": f"node {spec['class']}", "array": "an array"}.get(t, t)
+    if t in _CLASS_NODES:
+        return f"{_CLASS_NODES[t]} {spec['class']}"
+    return "an array" if t == "array" else t
 
 
 def structure_diff(a: dict, b: dict, path: str = "") -> str | None:

@@ -703,7 +703,7 @@ def _write_step_together(target: str, text: str, arrays: dict) -> None:
         files.clean_stale(target)
         os.makedirs(tmp)
     multihost_utils.sync_global_devices(f"lowrank_jax Checkpointer start {target}")
-    write_contents(tmp, text, arrays)
+    write_contents(tmp, text, arrays, write_document=primary)
     multihost_utils.sync_global_devices(f"lowrank_jax Checkpointer written {target}")
     if primary:
         try:
