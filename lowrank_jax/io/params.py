@@ -348,7 +348,7 @@ def load_state(path: str | os.PathLike, *, verify: bool = True) -> Any:
 
 def restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted: set[str],
                    tree_file: str, verify: bool, who: str, *, shardings: dict | None = None,
-                   hint: str | None = None) -> dict:
+                   hint: str | None = None, check_stored: bool = True) -> dict:
     """Restore the arrays ``wanted`` of a checkpoint's ``arrays/`` and check their checksums.
 
     Args:
@@ -362,6 +362,11 @@ def restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted: 
       shardings: ``{key: jax.sharding.Sharding}`` for arrays restored as ``jax.Array`` (default:
         the default device).
       hint: what the user can do about a damaged checkpoint, ending its message.
+      check_stored: before reading, compare the keys, shapes and dtypes orbax lists in
+        ``arrays/`` with ``specs`` (a :class:`~lowrank_jax.errors.CheckpointError` naming the
+        first difference). It costs a metadata read per array; without it a difference shows
+        as an array that cannot be read (orbax checks shapes) or, with ``verify``, fails its
+        checksum (which covers dtype, shape and bytes).
 
     Returns:
       ``{key: array}``.
@@ -384,6 +389,67 @@ def restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted: 
             actual="missing", arrays={p or "<root>": "cannot be read: arrays/ is missing"
                                       for p, _ in specs.values()})
     ckptr = ocp.PyTreeCheckpointer()
+    stored = None
+    if check_stored:
+        stored = _stored_metadata(ckptr, arrays_dir, specs, wanted, tree_file, who, hint)
+    device = jax.devices()[0]
+    restore_args = {}
+    for key in sorted(wanted):
+        spec = specs[key][1]
+        shape, dtype = tuple(spec["shape"]), jnp.dtype(spec["dtype"])
+        if spec["kind"] in ("jax", "key"):
+            sharding = shardings.get(key) or jax.sharding.SingleDeviceSharding(device)
+            restore_args[key] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape,
+                                                     dtype=dtype)
+        else:
+            restore_args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+    if not restore_args:
+        return {}
+    partial = len(restore_args) < (len(stored) if stored is not None else len(specs))
+    problems: dict[str, str] = {}
+    try:
+        with quiet_reads():
+            arrays = ckptr.restore(arrays_dir, args=ocp.args.PyTreeRestore(
+                item={k: 0 for k in restore_args}, restore_args=restore_args,
+                partial_restore=partial))
+    except Exception as e:
+        # Find every array that cannot be read: the index (all of them), or one at a time.
+        why = index_damage(arrays_dir)
+        if why is not None:
+            raise _unreadable_index(who, arrays_dir, specs, sorted(restore_args), why,
+                                    hint) from None
+        arrays, problems = read_each(arrays_dir, restore_args,
+                                     partial=stored is None or len(stored) > 1)
+        problems = {k: f"cannot be read: {p}" for k, p in problems.items()}
+        if not problems:  # each array reads alone: say what the whole read said
+            ckpt = os.path.dirname(arrays_dir)
+            raise CorruptCheckpointError(
+                f"{who}: checkpoint {ckpt} is damaged: its arrays cannot be read together "
+                f"({describe(e, root=arrays_dir)}; in {arrays_dir}). {hint}",
+                where=ckpt) from None
+    expected_sum = actual_sum = None
+    if verify:
+        for key, x in arrays.items():
+            expected = specs[key][1].get("sha256")
+            actual = checksum_if_readable(x) if expected is not None else None
+            if actual is None:  # split over processes when saved, or now: no host digest
+                continue
+            if actual != expected:
+                problems[key] = (f"is corrupt: it fails its checksum (its bytes do not match the "
+                                 f"sha256 checksum recorded in {tree_file}: expected "
+                                 f"{expected[:16]}..., got {actual[:16]}...)")
+                expected_sum, actual_sum = expected, actual
+    if problems:
+        raise _damaged(who, arrays_dir, specs, problems,
+                       *((expected_sum, actual_sum) if len(problems) == 1 else (None, None)),
+                       hint=hint)
+    return arrays
+
+
+def _stored_metadata(ckptr: Any, arrays_dir: str, specs: dict[str, tuple[str, dict]],
+                     wanted: set[str], tree_file: str, who: str, hint: str) -> dict:
+    """What orbax lists in ``arrays_dir``, checked against ``specs`` (keys, and the shapes and
+    dtypes of the arrays ``wanted``)."""
     try:
         with quiet_reads():
             stored = ckptr.metadata(arrays_dir).item_metadata.tree
@@ -402,8 +468,6 @@ def restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted: 
             arrays_dir, f"{who}: arrays in {arrays_dir} do not match {tree_file}: missing "
             f"{listed}{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
             f"{' ...' if len(extra) > 5 else ''}", expected=sorted(specs), actual=sorted(stored))
-    device = jax.devices()[0]
-    restore_args = {}
     for key in sorted(wanted):
         tree_path, spec = specs[key]
         shape, dtype = tuple(spec["shape"]), jnp.dtype(spec["dtype"])
@@ -416,50 +480,7 @@ def restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted: 
                 arrays_dir, f"{who}: array '{tree_path}' ({key} in {arrays_dir}) does not match "
                 f"{tree_file}: expected {dtype.name}{list(shape)}, found {found}",
                 expected=f"{dtype.name}{list(shape)}", actual=found)
-        if spec["kind"] in ("jax", "key"):
-            sharding = shardings.get(key) or jax.sharding.SingleDeviceSharding(device)
-            restore_args[key] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape,
-                                                     dtype=dtype)
-        else:
-            restore_args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
-    if not restore_args:
-        return {}
-    partial = len(restore_args) < len(stored)
-    problems: dict[str, str] = {}
-    try:
-        with quiet_reads():
-            arrays = ckptr.restore(arrays_dir, args=ocp.args.PyTreeRestore(
-                item={k: 0 for k in restore_args}, restore_args=restore_args,
-                partial_restore=partial))
-    except Exception as e:
-        # Find every array that cannot be read: the index (all of them), or one at a time.
-        why = index_damage(arrays_dir)
-        if why is not None:
-            raise _unreadable_index(who, arrays_dir, specs, sorted(restore_args), why,
-                                    hint) from None
-        arrays, problems = read_each(arrays_dir, restore_args, partial=len(stored) > 1)
-        problems = {k: f"cannot be read: {p}" for k, p in problems.items()}
-        if not problems:  # each array reads alone: say what the whole read said
-            raise _ckpt_error(arrays_dir, f"{who}: cannot read the arrays of checkpoint "
-                              f"{os.path.dirname(arrays_dir)} (in {arrays_dir}) together: "
-                              f"{describe(e, root=arrays_dir)}") from None
-    expected_sum = actual_sum = None
-    if verify:
-        for key, x in arrays.items():
-            expected = specs[key][1].get("sha256")
-            actual = checksum_if_readable(x) if expected is not None else None
-            if actual is None:  # split over processes when saved, or now: no host digest
-                continue
-            if actual != expected:
-                problems[key] = (f"is corrupt: it fails its checksum (its bytes do not match the "
-                                 f"sha256 checksum recorded in {tree_file}: expected "
-                                 f"{expected[:16]}..., got {actual[:16]}...)")
-                expected_sum, actual_sum = expected, actual
-    if problems:
-        raise _damaged(who, arrays_dir, specs, problems,
-                       *((expected_sum, actual_sum) if len(problems) == 1 else (None, None)),
-                       hint=hint)
-    return arrays
+    return stored
 
 
 _RESTORE_HINT = ("The files changed after they were written (truncated, deleted or altered); "

@@ -25,7 +25,9 @@ For a ``TrainState``, ``tree.json`` holds:
   Optimizer states are ``NamedTuple`` nodes, typed PRNG keys ``"kind": "key"`` arrays;
 * ``"metadata"``: the caller's metadata.
 
-Any other pytree is saved whole as ``"tree"`` (``"layout": "tree"``, no ``"trees"``).
+Any other pytree (and a ``TrainState`` whose ``params`` and ``frozen`` are not the two sides of
+one split, as :func:`~lowrank_jax.train.init_train_state` makes them) is saved whole as
+``"tree"`` (``"layout": "tree"``, no ``"trees"``).
 :func:`load_train_state` reads a step without ``like`` (optimizer states come back as
 namedtuples of the same names and fields).
 
@@ -206,7 +208,7 @@ class Checkpointer:
         self.max_to_keep = max_to_keep
         self.verify = verify
         self.async_save = async_save
-        self._pending: tuple[int, threading.Thread, list] | None = None
+        self._pending: tuple[threading.Thread, list] | None = None  # an asynchronous save
         if clean and jax.process_index() == 0:
             self.removed_temporaries = _remove_temporaries(self.directory)
         else:
@@ -245,7 +247,7 @@ class Checkpointer:
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        _, thread, failure = pending
+        thread, failure = pending
         thread.join()
         if failure:
             raise failure[0]
@@ -316,7 +318,7 @@ class Checkpointer:
                     failure.append(e)
 
             thread = threading.Thread(target=write, name=f"Checkpointer.save({step})")
-            self._pending = (step, thread, failure)
+            self._pending = (thread, failure)
             thread.start()
             return step
         with _interrupts_deferred():
@@ -469,9 +471,11 @@ class Checkpointer:
                 if "key" in spec:
                     shardings[spec["key"]] = sharding
             targets.append((path, spec, sharding))
+        # with checksums verified, orbax's metadata need not be read first: a checksum covers
+        # an array's dtype, shape and bytes
         arrays = restore_arrays(os.path.join(where, ARRAYS_DIR), specs, set(specs), tree_file,
                                 self.verify, "Checkpointer", shardings=shardings,
-                                hint=_EARLIER) if specs else {}
+                                hint=_EARLIER, check_stored=not self.verify) if specs else {}
         leaves = [array_value(spec, arrays, sharding, source=tree_file, path=path)
                   for path, spec, sharding in targets]
         return jax.tree_util.tree_unflatten(treedef, leaves)
@@ -516,7 +520,7 @@ def load_train_state(path: str | os.PathLike, *, verify: bool = True) -> Any:
     saved = _saved_skeleton(doc, tree_file, where)
     specs = collect_arrays(saved, tree_file)
     arrays = restore_arrays(os.path.join(where, ARRAYS_DIR), specs, set(specs), tree_file,
-                            verify, "load_train_state") if specs else {}
+                            verify, "load_train_state", check_stored=not verify) if specs else {}
     tree = build_tree(saved, arrays, tree_file)
     return TrainState(*tree) if saved["type"] == "namedtuple" and saved["class"] == \
         _TRAIN_STATE_CLASS else tree
@@ -652,8 +656,9 @@ def _saved_skeleton(doc: dict, tree_file: str, where: str) -> dict:
 
 
 def _check_paths(where: str, stored: list[str], wanted: list[str]) -> None:
-    missing = [p or "<root>" for p in wanted if p not in set(stored)]
-    extra = [p or "<root>" for p in stored if p not in set(wanted)]
+    have, want = set(stored), set(wanted)
+    missing = [p or "<root>" for p in wanted if p not in have]
+    extra = [p or "<root>" for p in stored if p not in want]
     if missing or extra:
         raise IncompatibleCheckpointError(
             f"Checkpointer: checkpoint {where} does not match `like`: it holds "
