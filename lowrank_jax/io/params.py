@@ -4,7 +4,9 @@ A checkpoint is a directory holding ``tree.json`` (the skeleton, see
 :mod:`lowrank_jax.io.skeleton`, and the metadata) and ``arrays/`` (an orbax PyTree checkpoint
 of the non-empty arrays). Every stored array carries a sha256 checksum in the skeleton, verified
 when it is read. Checkpoints of format version 1 (lowrank_jax 0.1) are read through
-:mod:`lowrank_jax.io.legacy`.
+:mod:`lowrank_jax.io.legacy`. The step directories of :class:`lowrank_jax.train.Checkpointer`
+are checkpoints of this format with a ``train`` section, which the parameter readers skip
+(:func:`restore_arrays` and :func:`write_contents` are shared with it).
 """
 
 from __future__ import annotations

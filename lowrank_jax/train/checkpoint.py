@@ -55,7 +55,7 @@ step directory, every array path that cannot be read or fails its checksum, and 
 with nothing else printed. Older steps remain restorable (``restore(step=...)``, or
 ``restore(fallback=True)`` to take the newest good step with a warning).
 
-Older formats: step directories written by earlier releases (an orbax ``CheckpointManager``
+Older formats: step directories written by earlier versions (an orbax ``CheckpointManager``
 step with ``state/`` and ``meta/`` items, CRC32 checksums and a treedef string, format
 ``lowrank_jax.train_state`` version 2, and version 1 of lowrank_jax 0.1, whose ``TrainState``
 had no ``model_state``) are still restored, bit for bit, into the same ``like``; a directory
@@ -126,7 +126,7 @@ TRAIN_STATE, TREE = "train_state", "tree"
 #: The fields of a ``TrainState`` stored in ``train.trees`` (parameters and model state are the
 #: checkpoint's ``tree`` and ``state``).
 TRAIN_TREES = ("step", "opt_state", "rng", "data_position")
-#: The format written by earlier releases (orbax ``CheckpointManager`` steps, CRC32); read only.
+#: The format written by earlier versions (orbax ``CheckpointManager`` steps, CRC32); read only.
 LEGACY_FORMAT = "lowrank_jax.train_state"
 #: Versions of :data:`LEGACY_FORMAT` read: 1 (lowrank_jax 0.1, a ``TrainState`` without
 #: ``model_state``) and 2.
@@ -573,11 +573,11 @@ def _document(state: Any, step: int, metadata: dict | None,
     doc[TRAIN_KEY] = train
     doc["metadata"] = metadata or {}
     try:
-        text = json.dumps(doc, allow_nan=False)  # NaN is not JSON
+        json.dumps([doc["metadata"], train["config"]], allow_nan=False)  # NaN is not JSON
     except (TypeError, ValueError) as e:
         raise ConfigError(f"Checkpointer.save: metadata or config is not JSON-serializable: "
                           f"{e}", where="metadata") from e
-    return text, enc.arrays
+    return json.dumps(doc, allow_nan=True), enc.arrays  # (static fields as save_params)
 
 
 def _read_step_document(where: str, who: str) -> tuple[dict, str]:

@@ -259,8 +259,8 @@ def fit(
         :class:`~lowrank_jax.train.Checkpointer` (read with
         :func:`lowrank_jax.io.load_params`). Only the parameters are taken: the optimizer
         starts fresh and the step at 0 (to continue a run, give its ``checkpointer``). A
-        model state stored there is read with :func:`lowrank_jax.io.load_state` and passed
-        as ``model_state``.
+        model state stored there is not taken: pass
+        ``model_state=lowrank_jax.io.load_state(path)``.
       sampler: a deterministic batch source (:class:`BatchSource`, e.g. a
         :class:`~lowrank_jax.train.data.WindowSampler`).
       steps: total number of steps (a resumed run continues up to it).
