@@ -14,7 +14,9 @@ Public API:
 * :class:`WindowConfig`, :class:`WindowSampler`, :func:`load_ett_csv`, :func:`default_series`,
   :func:`prefetch_to_device` -- data windows; :class:`ProcessPart` -- a process's part of each
   batch (multi-process data parallelism).
-* :class:`Checkpointer` -- orbax train-state checkpoints with exact resume.
+* :class:`Checkpointer` -- train-state checkpoints with exact resume, keep-N and fallback; each
+  step is a :mod:`lowrank_jax.io` checkpoint (``io.load_params(step_dir)`` gives its
+  parameters); :func:`load_train_state` reads a whole step without ``like``.
 * :func:`fit`, :func:`evaluate_forecaster` -- a small training loop (durable JSON-lines log cut
   back on resume, :class:`NonFiniteError` on a NaN loss) and forecast evaluation.
 * The losses and metrics of :mod:`lowrank_jax.losses` (re-exported).
@@ -33,6 +35,7 @@ from lowrank_jax.train.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    load_train_state,
 )
 from lowrank_jax.train.data import (
     ProcessPart,
@@ -75,6 +78,7 @@ __all__ = [
     "WindowSampler",
     "check_optimizer", "default_optimizer", "default_series", "evaluate_forecaster", "fit",
     "full_params", "geometric_mean_relative", "init_train_state", "load_ett_csv",
+    "load_train_state",
     "make_pmap_train_step", "make_train_step", "mase", "mse", "prefetch_to_device",
     "quantile_loss", "replicate", "replicate_for_pmap", "shard_batch", "split_bounds",
     "split_params", "token_cross_entropy", "truncate_log", "unreplicate", "window_batch", "wql",
