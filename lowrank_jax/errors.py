@@ -107,6 +107,27 @@ class CorruptCheckpointError(CheckpointError):
         self.arrays = dict(arrays or {})
 
 
+class IncompatibleCheckpointError(CheckpointError):
+    """A checkpoint is intact but does not match ``like`` (paths, shapes, dtypes, structure).
+
+    Args:
+      message: the full message (it names the step directory).
+      where: the step directory.
+      expected, actual: what ``like`` has and what the checkpoint holds, where one value
+        differs.
+    """
+
+    def __init__(self, message: str, *, where: str, expected: Any = None, actual: Any = None):
+        super().__init__(where, message=message, expected=expected, actual=actual)
+
+
+class NonFiniteError(LowrankJaxError, ValueError):
+    """Training produced a NaN or infinite loss, gradient or state; nothing non-finite was saved.
+
+    ``where`` is ``'step N'``, ``actual`` the offending value or parameter path.
+    """
+
+
 class DataError(LowrankJaxError, ValueError):
     """Input data (series, token ids, images, CSV files) is unusable as given."""
 
@@ -130,6 +151,11 @@ class PathError(LowrankJaxError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
+class MissingDependencyError(LowrankJaxError, ImportError):
+    """An optional dependency a feature needs is not installed (the message says which extra
+    to install)."""
+
+
 class MissingFileError(LowrankJaxError, FileNotFoundError):
     """A file or directory the library needs does not exist."""
 
@@ -145,7 +171,8 @@ def _shape(s) -> str:
 
 
 __all__ = [
-    "CheckpointError", "ConfigError", "CorruptCheckpointError", "DataError", "LeafTypeError",
-    "LowrankJaxError", "MissingFileError", "NotSupportedError", "OutputExistsError", "PathError",
+    "CheckpointError", "ConfigError", "CorruptCheckpointError", "DataError",
+    "IncompatibleCheckpointError", "LeafTypeError", "LowrankJaxError", "MissingDependencyError",
+    "MissingFileError", "NonFiniteError", "NotSupportedError", "OutputExistsError", "PathError",
     "PlanError", "ShapeError",
 ]

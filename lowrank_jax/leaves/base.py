@@ -455,3 +455,11 @@ def check_bias(name: str, b, d_out: int) -> None:
 def slice_bias(b, idx: np.ndarray):
     """``b[idx]`` for an optional bias."""
     return None if b is None else b[idx]
+
+
+__all__ = [
+    "CONCRETE", "Factors", "Leaf", "array_bits", "array_size", "bias_of", "check_bias",
+    "data_fields", "factors", "is_leaf", "keep_inputs", "keep_outputs", "leaf_dataclass",
+    "leaf_dtype", "linear", "materialize", "materialize_host", "matmul_flops", "meta_fields",
+    "node_fields", "node_types", "qualified_name", "require_leaf", "slice_bias", "weight_shape",
+]

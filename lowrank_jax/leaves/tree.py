@@ -177,3 +177,10 @@ def combine(*trees: Any) -> Any:
         return None
 
     return jax.tree_util.tree_map(pick, *trees, is_leaf=lambda x: x is None)
+
+
+__all__ = [
+    "check_tokens", "combine", "flops", "get_path", "layer_index", "map_with_path",
+    "named_leaves", "param_count", "partition", "path_str", "replace_paths", "storage_bits",
+    "trainable_mask",
+]

@@ -182,3 +182,7 @@ def qkv_activation_masks(seed: int, seq_len: int, d_head: int,
         )
     masks = _qkv_masks_np(int(seed), int(seq_len), int(d_head), float(keep))
     return dict(zip("qkv", masks, strict=True))
+
+
+__all__ = ["activation_keep_count", "causal_mask", "combine_masks", "padding_mask",
+           "qkv_activation_masks", "step_t_mask"]

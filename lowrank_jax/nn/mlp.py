@@ -136,3 +136,6 @@ def keep_hidden(params: dict, idx) -> dict:
             out[name] = keep_outputs(params[name], idx)
     out["wo"] = keep_inputs(params["wo"], idx)
     return out
+
+
+__all__ = ["ACTIVATIONS", "MLPConfig", "apply_mlp", "init_mlp", "keep_hidden"]

@@ -85,6 +85,7 @@ from lowrank_jax.errors import (
     CheckpointError,
     ConfigError,
     CorruptCheckpointError,
+    IncompatibleCheckpointError,
     MissingFileError,
     OutputExistsError,
 )
@@ -134,20 +135,6 @@ LEGACY_VERSIONS = (1, 2)
 _STATE, _META = "state", "meta"
 _TRAIN_STATE_CLASS = qualified_name(TrainState)
 _EARLIER = "restore an earlier step (restore(step=...) or restore(fallback=True))"
-
-
-class IncompatibleCheckpointError(CheckpointError):
-    """A checkpoint is intact but does not match ``like`` (paths, shapes, dtypes, structure).
-
-    Args:
-      message: the full message (it names the step directory).
-      where: the step directory.
-      expected, actual: what ``like`` has and what the checkpoint holds, where one value
-        differs.
-    """
-
-    def __init__(self, message: str, *, where: str, expected: Any = None, actual: Any = None):
-        super().__init__(where, message=message, expected=expected, actual=actual)
 
 
 def _ocp():
@@ -1021,5 +1008,4 @@ def _kept_divisor_v1(like: Any, treedef: Any) -> Any:
     return jax.tree_util.tree_structure(with_kept_divisor(like))
 
 
-__all__ = ["CheckpointError", "Checkpointer", "CorruptCheckpointError",
-           "IncompatibleCheckpointError", "load_train_state"]
+__all__ = ["Checkpointer", "load_train_state"]

@@ -30,19 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax._progress import progress_bar
-from lowrank_jax.errors import ConfigError, LowrankJaxError
+from lowrank_jax.errors import ConfigError, NonFiniteError
 from lowrank_jax.leaves import path_str
 from lowrank_jax.losses import mase, wql
 from lowrank_jax.models import family_of
 from lowrank_jax.train.state import TrainState, full_params, init_train_state
 from lowrank_jax.train.step import default_optimizer, make_train_step
-
-
-class NonFiniteError(LowrankJaxError, ValueError):
-    """Training produced a NaN or infinite loss, gradient or state; nothing non-finite was saved.
-
-    ``where`` is ``'step N'``, ``actual`` the offending value or parameter path.
-    """
 
 
 class BatchSource(Protocol):
@@ -415,5 +408,4 @@ def fit(
     return state, history
 
 
-__all__ = ["BatchSource", "NonFiniteError", "evaluate_forecaster", "fit", "truncate_log",
-           "window_batch"]
+__all__ = ["BatchSource", "evaluate_forecaster", "fit", "truncate_log", "window_batch"]
