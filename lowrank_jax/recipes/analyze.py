@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from lowrank_jax.errors import LeafTypeError
 from lowrank_jax.recipes.outcome import Outcome
 from lowrank_jax.recipes.progress import Progress, lines
 
@@ -88,7 +89,14 @@ def _head_sweeps(params, sweep_ranks: Sequence[int] | None, status: Progress,
     status.say(f"per-head rank sweep of {len(blocks)} attention blocks")
     for prefix, block in status.bar(blocks, desc="head sweeps", unit="block"):
         qk = block["qk"]
-        k = min(qk.d_q_in, max(qk.widths, default=0))
+        proj = qk.projections()  # the per-head form (QueryKey); None for a joint tensor
+        if proj is None:
+            raise LeafTypeError(
+                f"--sweep-heads: the attention block {prefix} has no per-head query and key "
+                f"projections (its query-key object is a {type(qk).__name__}); the per-head "
+                "rank sweep truncates q, k and v of one head", where=prefix,
+                expected="a QueryKey", actual=type(qk).__name__)
+        k = min(qk.d_q_in, max(proj.widths, default=0))
         if k == 0:  # every head (or every query/key channel) pruned: nothing to truncate
             out.append({"block": prefix, "ranks": [], "rel_error": []})
             continue

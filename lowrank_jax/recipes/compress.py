@@ -157,7 +157,7 @@ def run_compress(model: str, *, plan: Any = None, eps: float | None = None,
         model is read); or ``None`` for one ``svd`` step from the arguments below.
       eps, rank, ratio, schedule: the ``svd`` step's truncation without a plan (``schedule``:
         ``'power:D0:ALPHA'`` or ``'interp:R1:RD:ALPHA'``; the first of schedule, eps, rank,
-        ratio that is given).
+        ratio that is given). Give a plan or at least one of them, not both.
       rules: path regexes of the ``svd`` step (first match wins; ``'!regex'`` skips); default:
         attention q/k/v/o.
       per_head, allocation, rank_multiple: the ``svd`` step's settings.
@@ -191,6 +191,14 @@ def run_compress(model: str, *, plan: Any = None, eps: float | None = None,
     from lowrank_jax.recipes import sources
     from lowrank_jax.recipes.suggest import check_change
 
+    given = [n for n, v in (("eps", eps), ("rank", rank), ("ratio", ratio),
+                            ("schedule", schedule)) if v is not None]
+    if (plan is None) == (not given):
+        raise ConfigError(f"run_compress: give a plan or one of eps, rank, ratio, schedule (got "
+                          f"{'a plan and ' if plan is not None else ''}"
+                          f"{', '.join(given) or 'none of them'})", where="plan",
+                          expected="a plan or one of eps/rank/ratio/schedule",
+                          actual=given or None)
     status = lines(status, "compress")
     plan_file = os.fspath(plan) if isinstance(plan, (str, os.PathLike)) else None
     if plan_file is not None:
