@@ -302,3 +302,6 @@ def _plots(plots_dir: str, report, appj: dict) -> list[str]:
             title="Theorem 3 (App. J.1)",
         ),
     ]
+
+
+__all__ = ["APPENDIX_J_SIZES", "COMPRESSION_RANKS", "run_demo"]

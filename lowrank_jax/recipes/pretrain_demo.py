@@ -467,3 +467,8 @@ def _plots(plots_dir: str, ranks: dict, rows: list[dict]) -> list[str]:
     plt.close(fig)
     paths.append(path)
     return paths
+
+
+__all__ = ["DEFAULT_STEPS", "EVAL_BATCH", "QUANTILES", "SVD_EPS", "EvalWindows", "check_seed",
+           "check_steps", "demo_config", "eval_windows", "forecast_scores", "make_forward",
+           "run_pretraining_demo"]
