@@ -49,14 +49,7 @@ quality), :mod:`.measure` (counts and time), :mod:`.run` (:func:`frontier`), :mo
 
 import warnings
 
-from lowrank_jax.compress.candidates import (
-    ATTENTION,
-    MLP,
-    QUICK_STRENGTHS,
-    STRENGTHS,
-    VALUES,
-    Combination,
-)
+from lowrank_jax.compress.candidates import ATTENTION, MLP, QUICK_STRENGTHS, STRENGTHS, VALUES
 from lowrank_jax.compress.frontier.data import (
     ClassificationData,
     ForecastData,
@@ -71,7 +64,7 @@ from lowrank_jax.compress.frontier.pareto import (
     pareto_front,
     recommend,
 )
-from lowrank_jax.compress.frontier.plans import COMBINATIONS, default_candidates
+from lowrank_jax.compress.frontier.plans import COMBINATIONS, Combination, default_candidates
 from lowrank_jax.compress.frontier.plots import plot_frontier
 from lowrank_jax.compress.frontier.run import CANDIDATE_ERRORS, frontier
 from lowrank_jax.compress.registry import (

@@ -164,6 +164,22 @@ def _augmented(qk, s) -> np.ndarray:
     return y
 
 
+def _decomposed(method: str, selection, settings: Mapping, rows: list):
+    """The selected query-key objects a method decomposes: ``(selection, its settings,
+    augmented tensor, query-bias row used, key-bias column used, the tensor without the unused
+    ones)``. A query-key object of a block without heads gets its ``'empty'`` row in ``rows``
+    and is skipped."""
+    for sel in selection:
+        s = {**settings, **sel.overrides}
+        check_settings(method, s)
+        if is_empty(sel.node):  # the query-key object of a block without heads
+            rows.append(empty_row(sel))
+            continue
+        y = _augmented(sel.node, s)
+        qb, kb = bias_rows(y)
+        yield sel, s, y, qb, kb, core_of(y, qb, kb)
+
+
 def _finish_info(info: dict, method: str, rank, qk_before, qk_after, block, sel_path,
                  heads_n: int) -> dict:
     n = info.get("n_tokens")
@@ -194,16 +210,8 @@ def truncatt(params, selection, settings, ctx):
       ``(new_params, rows)``.
     """
     new, rows = {}, []
-    for sel in selection:
-        s = {**settings, **sel.overrides}
-        check_settings("truncatt", s)
+    for sel, s, y, _, _, core in _decomposed("truncatt", selection, settings, rows):
         qk = sel.node
-        if is_empty(qk):  # the query-key object of a block without heads
-            rows.append(empty_row(sel))
-            continue
-        y = _augmented(qk, s)
-        qb, kb = bias_rows(y)
-        core = core_of(y, qb, kb)
         svds = slice_svds(core)
         caps = numerical_ranks(core, svds=svds)
         rank, info = _target("truncatt", sel, params, s, max(caps, default=0))
@@ -246,16 +254,8 @@ def cp(params, selection, settings, ctx):
       ``(new_params, rows)``.
     """
     new, rows = {}, []
-    for sel in selection:
-        s = {**settings, **sel.overrides}
-        check_settings("cp", s)
+    for sel, s, _, qb, kb, core in _decomposed("cp", selection, settings, rows):
         qk = sel.node
-        if is_empty(qk):  # the query-key object of a block without heads
-            rows.append(empty_row(sel))
-            continue
-        y = _augmented(qk, s)
-        qb, kb = bias_rows(y)
-        core = core_of(y, qb, kb)
         rank, info = _target("cp", sel, params, s, min(core.shape[:2]))
         with jax.enable_x64(_x64(s)):
             t = jnp.asarray(core, jnp.float64 if _x64(s) else jnp.float32)
@@ -331,17 +331,9 @@ def btd(params, selection, settings, ctx):
       ``(new_params, rows)``.
     """
     new, rows = {}, []
-    for sel in selection:
-        s = {**settings, **sel.overrides}
-        check_settings("btd", s)
+    for sel, s, _, qb, kb, core in _decomposed("btd", selection, settings, rows):
         qk = sel.node
-        if is_empty(qk):  # the query-key object of a block without heads
-            rows.append(empty_row(sel))
-            continue
         h = qk.num_heads
-        y = _augmented(qk, s)
-        qb, kb = bias_rows(y)
-        core = core_of(y, qb, kb)
         rank, info = _target("btd", sel, params, s, min(core.shape[:2]))
         caps = numerical_ranks(core)
         with jax.enable_x64(_x64(s)):
