@@ -75,9 +75,9 @@ registers it); one defined elsewhere works in plans with no library change.
 # Importing a method's module registers the method; the frontier lists the methods' candidates
 # in the order they are registered here.
 # isort: off
-from lowrank_jax.compress import svd_method  # svd
+from lowrank_jax.compress import svd_method as svd_method  # svd
 from lowrank_jax.compress import prune as prune  # prune, lora
-from lowrank_jax.compress import irregular  # truncatt, cp, btd, truncatt_vo
+from lowrank_jax.compress import irregular as irregular  # truncatt, cp, btd, truncatt_vo
 from lowrank_jax.compress.binarize import binarize_leaf  # binarize
 from lowrank_jax.compress.factorize import factorize_init, reuse_weights  # factorize
 from lowrank_jax.compress import partitioning  # partition, compress_keys
@@ -133,10 +133,10 @@ __all__ = [
     "Report", "Row", "Selection", "Step", "StepSummary", "apply_plan", "as_plan",
     "attention_blocks", "binarize_leaf", "compare_models", "compare_truncations", "compress",
     "eps_sweep", "factorize_init", "get_method", "head_rank_sweep", "head_truncated_svd",
-    "interpolation_schedule", "irregular", "materialize_leaves", "normalize_rules",
+    "interpolation_schedule", "materialize_leaves", "normalize_rules",
     "partitioning", "power_schedule", "project_inputs",
     "prune", "register_candidates", "register_method", "registered_methods", "reuse_weights",
-    "sample_inputs", "select", "svd_method", "top_k_jaccard", "truncated_svd", "uniform_schedule",
+    "sample_inputs", "select", "top_k_jaccard", "truncated_svd", "uniform_schedule",
     "validate_plan",
 ]
 

@@ -32,7 +32,9 @@ Adding a method is a module with the function and one :func:`register_method` ca
     register_method("round", round_weights, settings=("decimals",))
 
 after which ``Step("round", ["mlp/"], {"decimals": 1})`` works in any plan and in JSON. (Dense
-drops the bias here; a real method keeps it with :func:`lowrank_jax.bias_of`.)
+drops the bias here; a real method keeps it with :func:`lowrank_jax.leaves.bias_of`.) The record
+also carries the method's frontier candidates (``candidates=``, a :class:`Candidates` or a
+function; :mod:`lowrank_jax.compress.candidates`), or why it has none (``no_candidates=``).
 """
 
 from __future__ import annotations
@@ -89,41 +91,6 @@ class Context:
                             f"numbers; pass key= to apply_plan", where=path or f"step {self.step}",
                             expected="a PRNG key", actual=None)
         return self.key
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-    """A registered method.
-
-    Fields:
-      name: the name plans use.
-      fn: ``fn(params, selection, settings, ctx) -> (new_params, rows)``.
-      selects: ``'weights'`` (weight leaves) or ``'qk'`` (query-key objects).
-      settings: the setting names the method understands (``None``: any).
-      overrides: the setting names a rule may override (``None``: any of ``settings``).
-      accepts: predicate on a node: which nodes of ``selects`` the method can take; rules are
-        matched against those only (``None``: all).
-      validate: ``validate(settings) -> None``, raising
-        :class:`~lowrank_jax.errors.PlanError` on bad values; run for every step before any
-        step runs, so a bad setting in the last step fails before the first one works.
-      candidates: the method's frontier candidates (:func:`lowrank_jax.compress.frontier.
-        default_candidates`): a declared :class:`Candidates`, or a function
-        ``fn(setting: CandidateSetting) -> [Candidate]`` raising
-        :class:`~lowrank_jax.errors.NotApplicableError` when the method does not apply to the
-        model; ``None``: none.
-      no_candidates: why the method has no candidates by design (listed among the frontier's
-        skipped methods), or ``None``.
-    """
-
-    name: str
-    fn: Callable
-    selects: str = "weights"
-    settings: frozenset | None = None
-    overrides: frozenset | None = None
-    accepts: Callable[[Any], bool] | None = None
-    validate: Callable[[dict], None] | None = None
-    candidates: Candidates | Callable[[CandidateSetting], list[Candidate]] | None = None
-    no_candidates: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,6 +158,41 @@ class Candidates:
     label: str
     check: Callable[[CandidateSetting], None] | None = None
     none: str = "no node this method accepts matches its rules"
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+    """A registered method.
+
+    Fields:
+      name: the name plans use.
+      fn: ``fn(params, selection, settings, ctx) -> (new_params, rows)``.
+      selects: ``'weights'`` (weight leaves) or ``'qk'`` (query-key objects).
+      settings: the setting names the method understands (``None``: any).
+      overrides: the setting names a rule may override (``None``: any of ``settings``).
+      accepts: predicate on a node: which nodes of ``selects`` the method can take; rules are
+        matched against those only (``None``: all).
+      validate: ``validate(settings) -> None``, raising
+        :class:`~lowrank_jax.errors.PlanError` on bad values; run for every step before any
+        step runs, so a bad setting in the last step fails before the first one works.
+      candidates: the method's frontier candidates (:func:`lowrank_jax.compress.frontier.
+        default_candidates`): a declared :class:`Candidates`, or a function
+        ``fn(setting: CandidateSetting) -> [Candidate]`` raising
+        :class:`~lowrank_jax.errors.NotApplicableError` when the method does not apply to the
+        model; ``None``: none.
+      no_candidates: why the method has no candidates by design (listed among the frontier's
+        skipped methods), or ``None``.
+    """
+
+    name: str
+    fn: Callable
+    selects: str = "weights"
+    settings: frozenset | None = None
+    overrides: frozenset | None = None
+    accepts: Callable[[Any], bool] | None = None
+    validate: Callable[[dict], None] | None = None
+    candidates: Candidates | Callable[[CandidateSetting], list[Candidate]] | None = None
+    no_candidates: str | None = None
 
 
 _METHODS: dict[str, Method] = {}
