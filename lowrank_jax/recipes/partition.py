@@ -1,6 +1,6 @@
 """The ``partition`` workflow: split a model's MLPs and attention projections over machines
 with the method of "Partitioning Transformer Networks with Low Intercommunication" (Thill &
-Divsalar; the ``partition`` plan method, :mod:`lowrank_jax.compress.partition`).
+Divsalar; the ``partition`` plan method, :mod:`lowrank_jax.compress.partitioning`).
 
 Per weight: the assignment of its outputs to machines (Algorithm 1 or the LP), the rank
 (numbers each machine broadcasts per token), the bytes per token, storage and FLOPs per
@@ -33,7 +33,7 @@ def curves(dec, machines: int, samples: int, seed: int = 0) -> dict:
     full SVD), on ``samples`` standard normal inputs; the bound of eq. 94 (mean over inputs).
 
     Args:
-      dec: the weight's :class:`~lowrank_jax.compress.partition.Decomposition`.
+      dec: the weight's :class:`~lowrank_jax.compress.partitioning.Decomposition`.
       machines: ``M``.
       samples: number of inputs.
       seed: of the inputs.
@@ -41,7 +41,7 @@ def curves(dec, machines: int, samples: int, seed: int = 0) -> dict:
     Returns:
       ``{'rank', 'new', 'svd', 'full_svd', 'bound_new', 'bound_svd'}`` lists.
     """
-    from lowrank_jax.compress.partition import (
+    from lowrank_jax.compress.partitioning import (
         error_terms,
         full_svd_matrix,
         relative_output_errors,
@@ -145,7 +145,7 @@ def run_partition(model: str, *, machines: int = 8, eps: float | None = None,
       ``values``: ``params`` (the partitioned tree) and ``config``.
     """
     from lowrank_jax.compress import select
-    from lowrank_jax.compress.partition import partition_weights
+    from lowrank_jax.compress.partitioning import partition_weights
     from lowrank_jax.compress.report import Report
     from lowrank_jax.recipes import outputs, sources
 

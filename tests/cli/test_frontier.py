@@ -199,7 +199,7 @@ def test_demo_model_comes_from_the_cache(tmp_path, monkeypatch):
 def test_csv_data_and_prune_batches(tmp_path):
     """--data CSV: test windows per column (last 20 %), capped evenly; prune candidates draw
     train windows (first 70 %) of the same file through a registered batch source."""
-    from lowrank_jax.compress.prune.method import _SOURCES
+    from lowrank_jax.compress.prune.method import batch_source
 
     rng = np.random.default_rng(0)
     t = np.arange(400)
@@ -221,5 +221,5 @@ def test_csv_data_and_prune_batches(tmp_path):
     np.testing.assert_allclose(tgt, a[start:start + 8] / np.mean(np.abs(a[start - 32:start])),
                                atol=1e-5)
     name = frontier_mod.register_csv_batches(cfg, str(csv), wcfg, seed=0)
-    batch = _SOURCES[name](cfg, batch_size=4)(0)
+    batch = batch_source(name)(cfg, batch_size=4)(0)
     assert batch["context"].shape == (4, 32) and batch["target"].shape == (4, 8)
