@@ -71,12 +71,8 @@ def _check(args) -> None:
         raise ConfigError(f"--eps must be a number > 0, got {args.eps}", where="--eps",
                           expected="> 0", actual=args.eps)
     inputs = {"MODEL": args.params}
-    if args.out:
-        outputs.check_checkpoint_out(args.out, inputs, overwrite=args.overwrite)
-    if args.plots:
-        outputs.check_plots_out(args.plots, inputs, overwrite=args.overwrite)
-    if args.json:
-        outputs.check_report_path(args.json, inputs, (args.out, args.plots))
+    outputs.check_outputs(inputs, out=args.out, plots=args.plots, json_path=args.json,
+                          overwrite=args.overwrite)
 
 
 def run(args) -> int:

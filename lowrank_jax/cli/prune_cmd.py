@@ -97,12 +97,8 @@ def _check(args) -> None:
     inputs = {"MODEL": args.params}
     if args.data != "builtin":
         inputs["--data"] = args.data
-    if args.out:
-        outputs.check_checkpoint_out(args.out, inputs, overwrite=args.overwrite)
-    if args.plots:
-        outputs.check_plots_out(args.plots, inputs, overwrite=args.overwrite)
-    if args.json:
-        outputs.check_report_path(args.json, inputs, (args.out, args.plots))
+    outputs.check_outputs(inputs, out=args.out, plots=args.plots, json_path=args.json,
+                          overwrite=args.overwrite)
 
 
 def run(args) -> int:

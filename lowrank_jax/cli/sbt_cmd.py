@@ -70,12 +70,9 @@ def _check(args) -> None:
         raise ConfigError(f"--heads {args.heads} must divide --d-model {args.d_model}",
                           where="--heads", expected=f"a divisor of {args.d_model}",
                           actual=args.heads)
-    if args.out:  # the data come from the installed aeon package: no input path to keep apart
-        outputs.check_checkpoint_out(args.out, {}, overwrite=args.overwrite)
-    if args.plots:
-        outputs.check_plots_out(args.plots, {}, overwrite=args.overwrite)
-    if args.json:
-        outputs.check_report_path(args.json, {}, (args.out, args.plots))
+    # the data come from the installed aeon package: no input path to keep apart
+    outputs.check_outputs({}, out=args.out, plots=args.plots, json_path=args.json,
+                          overwrite=args.overwrite)
 
 
 def run(args) -> int:
