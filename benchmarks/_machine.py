@@ -104,21 +104,18 @@ def write_json(path: str, obj, *, indent: int = 1, allow_nan: bool = True) -> No
     print(f"wrote {path}")
 
 
-def compile_with(fn, args, module, name: str, value):
-    """``fn`` compiled for ``args`` while ``module.<name>`` is ``value`` (restored after).
-
-    For execution choices read when a function is traced (``nn.attention.CHUNK_ABOVE_BYTES``,
-    ``nn.mlp.cpu_chunks``, ...): the benchmarks compile one program per setting and time them
-    in one loop. ``fn`` is wrapped anew each time: ``jax.jit(fn)`` would reuse the first trace.
-    """
+def compile_with(fn, args, **settings):
+    """``fn`` compiled for ``args`` under the execution settings ``settings``
+    (:func:`lowrank_jax.execution.settings`, for example ``fold_keys=False`` or
+    ``attention_chunk_above_bytes=None``): the benchmarks compile one program per setting and
+    time them in one loop. The settings are part of ``jax.jit``'s cache key, so one jitted
+    function serves every setting."""
     import jax
 
-    saved = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        return jax.jit(lambda *a: fn(*a)).lower(*args).compile()
-    finally:
-        setattr(module, name, saved)
+    from lowrank_jax import execution
+
+    with execution.settings(**settings):
+        return jax.jit(fn).lower(*args).compile()
 
 
 def chunked_speedup_goal(name: str, rows: list[dict], chunk_key: str) -> dict:

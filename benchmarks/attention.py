@@ -12,7 +12,8 @@ times both executions in one interleaved loop:
 * **ViT**: a 4-layer ViT-Base-width encoder (``models.vit``, random weights, 224 x 224 images,
   197 tokens) on a batch of 32 images, chunked and whole.
 
-The whole-batch execution is obtained by tracing with ``attention.CHUNK_ABOVE_BYTES = None``.
+The whole-batch execution is obtained by tracing with the execution setting
+``attention_chunk_above_bytes=None``.
 Each figure is the median of ``--runs`` interleaved calls (order reversed every other run);
 ``speed-up = whole ms / chunked ms``; ``max |diff|`` compares the two outputs.
 
@@ -47,10 +48,10 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowrank_jax as lj
-from lowrank_jax import nn
+from lowrank_jax import execution, nn
 from lowrank_jax.leaves.qk_factorized import CPQueryKey
 from lowrank_jax.models import vit
-from lowrank_jax.nn import attention as attn
+from lowrank_jax.nn import execution as strategy
 
 D, HEADS = 768, 12
 
@@ -71,8 +72,8 @@ def block_params(kind: str, key) -> dict:
 
 def compile_both(fn, args):
     """``fn`` compiled for ``args`` with batch chunking on (the default) and off."""
-    return {"chunked": compile_with(fn, args, attn, "CHUNK_ABOVE_BYTES", attn.CHUNK_ABOVE_BYTES),
-            "whole": compile_with(fn, args, attn, "CHUNK_ABOVE_BYTES", None)}
+    return {"chunked": compile_with(fn, args),
+            "whole": compile_with(fn, args, attention_chunk_above_bytes=None)}
 
 
 def bench_blocks(seq: int, tokens: int, runs: int) -> list[dict]:
@@ -82,7 +83,8 @@ def bench_blocks(seq: int, tokens: int, runs: int) -> list[dict]:
     rows, calls, names, outs, chunks = [], [], [], {}, {}
     for kind in ("dense", "truncatt r16", "cp R74"):
         p = block_params(kind, jax.random.key(2))
-        chunks[kind] = attn.batch_chunk(batch, HEADS, seq, seq, qk=p["qk"])
+        chunks[kind] = strategy.batch_chunk(batch, HEADS, seq, seq,
+                                            factored=p["qk"].projections() is None)
         comp = compile_both(lambda p, x: nn.apply_attention(p, x, cfg), (p, x))
         for mode, c in comp.items():
             names.append((kind, mode))
@@ -119,7 +121,7 @@ def bench_vit(runs: int, batch: int = 32, layers: int = 4) -> dict:
                                - np.asarray(comp["chunked"](params, px)))))
     n = (224 // 16) ** 2 + 1
     return {"what": f"ViT-Base width, {layers} layers", "seq": n, "batch": batch,
-            "tokens": batch * n, "chunk": attn.batch_chunk(batch, HEADS, n, n),
+            "tokens": batch * n, "chunk": strategy.batch_chunk(batch, HEADS, n, n),
             "logits_mb": 4 * batch * HEADS * n * n / 1e6, "whole_ms": med["whole"] * 1e3,
             "chunked_ms": med["chunked"] * 1e3, "speedup": med["whole"] / med["chunked"],
             "max_abs_diff": diff, "other_load": load}
@@ -150,11 +152,13 @@ def main(argv: list[str] | None = None) -> dict:
     runs = args.runs if args.runs is not None else (5 if args.quick else 15)
     setup = {"jax": jax.__version__, "backend": jax.default_backend(),
              "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-             "runs": runs, "chunk_above_bytes": attn.CHUNK_ABOVE_BYTES,
-             "chunk_bytes": attn.CHUNK_BYTES, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+             "runs": runs, "chunk_above_bytes": execution.current().attention_chunk_above_bytes,
+             "chunk_bytes": execution.current().attention_chunk_bytes,
+             "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs); median of "
           f"{runs} interleaved runs; chunks when the logits exceed "
-          f"{attn.CHUNK_ABOVE_BYTES} bytes, of at most {attn.CHUNK_BYTES} bytes")
+          f"{execution.current().attention_chunk_above_bytes} bytes, of at most "
+          f"{execution.current().attention_chunk_bytes} bytes")
     print(HEADER)
     rows = []
     for seq in args.seq:

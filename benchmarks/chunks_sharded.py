@@ -35,17 +35,14 @@ try:
     import lowrank_jax  # noqa: F401
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lowrank_jax.nn.attention as attn_mod  # noqa: E402
-import lowrank_jax.nn.mlp as mlp_mod  # noqa: E402
 from lowrank_jax import nn  # noqa: E402
 
 
-def row(what: str, fn, args, module, runs: int) -> dict:
+def row(what: str, fn, args, runs: int) -> dict:
     out = {"what": what}
     ys = {}
     for mode in ("whole", "chunked"):
-        c = compile_with(fn, args, module, "cpu_chunks",
-                         (lambda: True) if mode == "chunked" else module.cpu_chunks)
+        c = compile_with(fn, args, cpu_chunks=True if mode == "chunked" else None)
         for _ in range(2):
             jax.block_until_ready(c(*args))
         ts = []
@@ -72,12 +69,12 @@ def main(argv=None) -> dict:
     pa = nn.init_attention(jax.random.key(1), cfg, d_model=256, num_heads=4)
     xa = jax.device_put(jax.random.normal(jax.random.key(2), (32, 256, 256)), shard)
     rows.append(row("attention d 256, 4 heads, 32 x 256 tokens",
-                    lambda p, x: nn.apply_attention(p, x, cfg), (pa, xa), attn_mod, args.runs))
+                    lambda p, x: nn.apply_attention(p, x, cfg), (pa, xa), args.runs))
     mcfg = nn.MLPConfig()
     pm = nn.init_mlp(jax.random.key(3), mcfg, d_model=512, d_ff=2048)
     xm = jax.device_put(jax.random.normal(jax.random.key(4), (32, 200, 512)), shard)
     rows.append(row("MLP 512 / 2048, 32 x 200 tokens", lambda p, x: nn.apply_mlp(p, x, mcfg),
-                    (pm, xm), mlp_mod, args.runs))
+                    (pm, xm), args.runs))
     print(f"# {jax.device_count()} CPU devices, batch sharded over them; median of {args.runs}")
     print(f"{'what':<42} {'whole ms':>9} {'chunked ms':>10} {'slower':>6} {'whole out':>10} "
           f"{'chunked out':>11}")

@@ -14,7 +14,8 @@ executions in one interleaved loop:
   197 tokens) on a batch of 32 images, MLP chunks on and off (attention chunked in both, the
   library's default).
 
-The all-at-once execution is obtained by tracing with ``mlp.CHUNK_ABOVE_BYTES = None``. Each
+The all-at-once execution is obtained by tracing with the execution setting
+``mlp_chunk_above_bytes=None``. Each
 figure is the median of ``--runs`` interleaved calls (order reversed every other run);
 ``speed-up = whole ms / chunked ms``; ``rel diff`` = max |difference of the two outputs| /
 max |output|.
@@ -51,9 +52,12 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowrank_jax as lj
-import lowrank_jax.nn.mlp as mlp_mod  # noqa: E402
-from lowrank_jax import nn  # noqa: E402
+from lowrank_jax import (
+    execution,  # noqa: E402
+    nn,  # noqa: E402
+)
 from lowrank_jax.models import vit  # noqa: E402
+from lowrank_jax.nn import execution as strategy  # noqa: E402
 
 # (d_model, d_ff, tokens, activation, gated)
 SIZES = [
@@ -70,9 +74,8 @@ QUICK_SIZES = [SIZES[1], (512, 2048, 4096, "relu", False), SIZES[-1]]
 
 def compile_both(fn, args):
     """``fn`` compiled for ``args`` with token chunks on (the default) and off."""
-    return {"chunked": compile_with(fn, args, mlp_mod, "CHUNK_ABOVE_BYTES",
-                                    mlp_mod.CHUNK_ABOVE_BYTES),
-            "whole": compile_with(fn, args, mlp_mod, "CHUNK_ABOVE_BYTES", None)}
+    return {"chunked": compile_with(fn, args),
+            "whole": compile_with(fn, args, mlp_chunk_above_bytes=None)}
 
 
 def rel_diff(a, b) -> float:
@@ -90,7 +93,7 @@ def timed_row(what: str, comp: dict, args, *, tokens: int, d_ff: int, runs: int)
                                              jax.tree_util.tree_leaves(comp["whole"](*args)),
                                              strict=True))
     return {"what": what, "tokens": tokens, "d_ff": d_ff,
-            "chunks": mlp_mod.token_chunks(tokens, d_ff),
+            "chunks": strategy.token_chunks(tokens, d_ff),
             "hidden_mb": 4 * tokens * d_ff / 2**20, "whole_ms": med["whole"] * 1e3,
             "chunked_ms": med["chunked"] * 1e3, "speedup": med["whole"] / med["chunked"],
             "rel_diff": diff, "other_load": load}
@@ -142,13 +145,14 @@ def main(argv: list[str] | None = None) -> dict:
     runs = args.runs if args.runs is not None else (5 if args.quick else 9)
     setup = {"jax": jax.__version__, "backend": jax.default_backend(),
              "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-             "runs": runs, "chunk_above_bytes": mlp_mod.CHUNK_ABOVE_BYTES,
-             "chunk_bytes": mlp_mod.CHUNK_BYTES,
+             "runs": runs, "chunk_above_bytes": execution.current().mlp_chunk_above_bytes,
+             "chunk_bytes": execution.current().mlp_chunk_bytes,
              "keep_freed_memory": lj.runtime.freed_memory_kept(), "malloc": malloc_setting(),
              "xla_flags": os.environ.get("XLA_FLAGS", "")}
     print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs); median of "
           f"{runs} interleaved runs; chunks when the hidden activations exceed "
-          f"{mlp_mod.CHUNK_ABOVE_BYTES} bytes, of at most {mlp_mod.CHUNK_BYTES} bytes; malloc: "
+          f"{execution.current().mlp_chunk_above_bytes} bytes, of at most "
+          f"{execution.current().mlp_chunk_bytes} bytes; malloc: "
           f"{setup['malloc']}")
     print(HEADER)
     rows = []

@@ -53,7 +53,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowrank_jax as lj
 from lowrank_jax import nn  # noqa: E402
-from lowrank_jax.compress import partition as pt  # noqa: E402
+from lowrank_jax.compress import partitioning as pt  # noqa: E402
 
 M = 8
 

@@ -21,7 +21,7 @@ One process, one interleaved timing loop:
   - ``jax dense``: ``load_pretrained(module)`` under ``jax.jit``, as the library runs it by
     default: the decoder's one token meets the encoder output with the cross-attention keys and
     values folded into its queries (``lowrank_jax.nn.attention.fold_keys``);
-  - ``jax dense projected``: the same with ``FOLD_KEYS`` off, every key and value
+  - ``jax dense projected``: the same with the setting ``fold_keys=False``, every key and value
     projected (PyTorch's algorithm and FLOPs). Goal 2's 90 % is taken on this program: it
     measures how close XLA runs the standard forward's FLOPs to the GEMM rate, which the
     default program, doing less work, does not (its executed fraction and its *effective*
@@ -140,17 +140,14 @@ def binarize_mlps(params, keep: float = 0.5):
 
 
 def keys_projected(fn):
-    """``fn`` traced with ``lowrank_jax.nn.attention.FOLD_KEYS`` off: every attention projects
+    """``fn`` traced with the execution setting ``fold_keys=False``: every attention projects
     its keys and values (the standard algorithm, the FLOPs PyTorch executes). Jit the result
-    as its own function: the flag is read while tracing."""
-    from lowrank_jax.nn import attention
+    as its own function: the setting applies while tracing."""
+    from lowrank_jax import execution
 
     def run(*args):
-        old, attention.FOLD_KEYS = attention.FOLD_KEYS, False
-        try:
+        with execution.settings(fold_keys=False):
             return fn(*args)
-        finally:
-            attention.FOLD_KEYS = old
     return run
 
 

@@ -51,11 +51,11 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowrank_jax as lj
-from lowrank_jax.cli.pretrain_demo import demo_config  # noqa: E402
 from lowrank_jax.compress.prune import DEFAULT_RULES, register_batches  # noqa: E402
 from lowrank_jax.datasets import builtin_datasets  # noqa: E402
 from lowrank_jax.losses import mase, mse, wql  # noqa: E402
 from lowrank_jax.models import chronos_bolt  # noqa: E402
+from lowrank_jax.recipes.pretrain_demo import demo_config  # noqa: E402
 from lowrank_jax.train import (  # noqa: E402
     WindowConfig,
     WindowSampler,

@@ -74,7 +74,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import lowrank_jax as lj
 from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
-from lowrank_jax.nn import attention as attn
+from lowrank_jax.nn import execution as strategy
 
 GOAL = 1.15
 KINDS = ("truncatt", "cp", "btd")
@@ -159,8 +159,10 @@ def bench(d: int, seq: int, n_tokens: int, ratios: list[float], *, runs: int, wa
     fa = jax.jit(as_attention, static_argnums=2)
     everything = [dense, *(o[3] for o in objs)]
     # each object in the chunks apply_attention would use for it (the threshold depends on
-    # the query-key type: nn.attention.FACTORED_CHUNK_ABOVE_BYTES)
-    chunks = [attn.batch_chunk(batch, heads, seq, seq, qk=o) or batch for o in everything]
+    # the query-key type: the setting factored_attention_chunk_above_bytes)
+    chunks = [strategy.batch_chunk(batch, heads, seq, seq,
+                                   factored=o.projections() is None) or batch
+              for o in everything]
     calls = [lambda o=o: jax.block_until_ready(fn(o, x)) for o in everything]
     calls += [lambda o=o, c=c: jax.block_until_ready(fa(o, x, c))
               for o, c in zip(everything, chunks, strict=True)]

@@ -26,7 +26,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from lowrank_jax.analysis import sbt_accounting as acc  # noqa: E402
-from lowrank_jax.analysis import sbt_tasks as tasks  # noqa: E402
 from lowrank_jax.io import save_model  # noqa: E402
 from lowrank_jax.leaves import (  # noqa: E402
     Dense,
@@ -37,6 +36,7 @@ from lowrank_jax.leaves import (  # noqa: E402
     storage_bits,
 )
 from lowrank_jax.models import sbt  # noqa: E402
+from lowrank_jax.recipes import sbt_tasks as tasks  # noqa: E402
 
 
 def dir_bytes(path: str, sub: str | None = None) -> int:

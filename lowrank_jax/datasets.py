@@ -82,3 +82,6 @@ def windows(series: list[np.ndarray], length: int, n: int, seed: int = 0) -> np.
         start = rng.integers(0, s.size - length + 1)
         out.append(s[start : start + length])
     return np.stack(out)
+
+
+__all__ = ["builtin_datasets", "builtin_series", "windows"]

@@ -51,6 +51,12 @@ class PlanError(LowrankJaxError, ValueError):
     setting out of range)."""
 
 
+class NotApplicableError(PlanError):
+    """A method does not apply to a model (no node its rules select, no config to score with,
+    ...): raised by a method's frontier candidates, which are then left out with the message as
+    the reason."""
+
+
 class CheckpointError(LowrankJaxError, ValueError):
     """A checkpoint (lowrank_jax or Hugging Face) is missing, corrupt, or does not match the
     model it is loaded into.
@@ -107,6 +113,27 @@ class CorruptCheckpointError(CheckpointError):
         self.arrays = dict(arrays or {})
 
 
+class IncompatibleCheckpointError(CheckpointError):
+    """A checkpoint is intact but does not match ``like`` (paths, shapes, dtypes, structure).
+
+    Args:
+      message: the full message (it names the step directory).
+      where: the step directory.
+      expected, actual: what ``like`` has and what the checkpoint holds, where one value
+        differs.
+    """
+
+    def __init__(self, message: str, *, where: str, expected: Any = None, actual: Any = None):
+        super().__init__(where, message=message, expected=expected, actual=actual)
+
+
+class NonFiniteError(LowrankJaxError, ValueError):
+    """Training produced a NaN or infinite loss, gradient or state; nothing non-finite was saved.
+
+    ``where`` is ``'step N'``, ``actual`` the offending value or parameter path.
+    """
+
+
 class DataError(LowrankJaxError, ValueError):
     """Input data (series, token ids, images, CSV files) is unusable as given."""
 
@@ -114,6 +141,25 @@ class DataError(LowrankJaxError, ValueError):
 class LeafTypeError(LowrankJaxError, TypeError):
     """A value's type is not supported: by an operation (for example truncating a binary leaf)
     or for saving."""
+
+
+class NotSupportedError(LeafTypeError):
+    """A leaf type does not implement an optional capability an operation needs (structured
+    pruning's channel surgery, a bias, ...). The message names the leaf type, the capability
+    and the operation, and says which method to implement."""
+
+
+class PathError(LowrankJaxError, KeyError):
+    """A parameter path (``'encoder/layers/3/attn/v'``) or a report row names nothing in the
+    tree or report it is looked up in."""
+
+    def __str__(self) -> str:  # the message, not KeyError's quoted repr of it
+        return str(self.args[0]) if self.args else ""
+
+
+class MissingDependencyError(LowrankJaxError, ImportError):
+    """An optional dependency a feature needs is not installed (the message says which extra
+    to install)."""
 
 
 class MissingFileError(LowrankJaxError, FileNotFoundError):
@@ -131,6 +177,8 @@ def _shape(s) -> str:
 
 
 __all__ = [
-    "CheckpointError", "ConfigError", "CorruptCheckpointError", "DataError", "LeafTypeError",
-    "LowrankJaxError", "MissingFileError", "OutputExistsError", "PlanError", "ShapeError",
+    "CheckpointError", "ConfigError", "CorruptCheckpointError", "DataError",
+    "IncompatibleCheckpointError", "LeafTypeError", "LowrankJaxError", "MissingDependencyError",
+    "MissingFileError", "NonFiniteError", "NotApplicableError", "NotSupportedError",
+    "OutputExistsError", "PathError", "PlanError", "ShapeError",
 ]

@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.errors import ConfigError, DataError, LeafTypeError, ShapeError
+
 Array = jax.Array
 
 #: Label value ignored by :func:`token_cross_entropy` (PyTorch's ``ignore_index`` default).
@@ -43,13 +45,13 @@ IGNORE_INDEX = -100
 
 def _check_rank(name: str, x: Array, ndim: int, what: str) -> None:
     if x.ndim != ndim:
-        raise ValueError(f"{name}: expected {what}, got shape {tuple(x.shape)}")
+        raise ShapeError(f"{name}: expected {what}, got shape {tuple(x.shape)}")
 
 
 def _levels(name: str, quantiles: Any, n: int) -> Array:
     q = jnp.asarray(quantiles, jnp.float32).reshape(-1)
     if q.shape[0] != n:
-        raise ValueError(f"{name}: {q.shape[0]} quantile levels for {n} quantile forecasts")
+        raise ShapeError(f"{name}: {q.shape[0]} quantile levels for {n} quantile forecasts")
     return q
 
 
@@ -75,7 +77,7 @@ def quantile_loss(pred: Array, target: Array, quantiles: Sequence[float],
     _check_rank("quantile_loss", pred, 3, "pred [batch, n_quantiles, horizon]")
     _check_rank("quantile_loss", target, 2, "target [batch, horizon]")
     if target.shape != (pred.shape[0], pred.shape[2]):
-        raise ValueError(f"quantile_loss: target shape {tuple(target.shape)} does not match "
+        raise ShapeError(f"quantile_loss: target shape {tuple(target.shape)} does not match "
                          f"pred [batch, n_quantiles, horizon] = {tuple(pred.shape)}")
     tau = _levels("quantile_loss", quantiles, pred.shape[1]).astype(pred.dtype)
     m = ~jnp.isnan(target)
@@ -104,10 +106,11 @@ def token_cross_entropy(logits: Array, labels: Array, mask: Array | None = None)
     logits = jnp.asarray(logits)
     labels = jnp.asarray(labels)
     if logits.shape[:-1] != labels.shape:
-        raise ValueError(f"token_cross_entropy: logits {tuple(logits.shape)} must be labels "
+        raise ShapeError(f"token_cross_entropy: logits {tuple(logits.shape)} must be labels "
                          f"{tuple(labels.shape)} + (vocab,)")
     if not jnp.issubdtype(labels.dtype, jnp.integer):
-        raise TypeError(f"token_cross_entropy: labels must be integer ids, got {labels.dtype}")
+        raise LeafTypeError(f"token_cross_entropy: labels must be integer ids, got {labels.dtype}",
+                            where="labels", expected="an integer dtype", actual=str(labels.dtype))
     m = (labels != IGNORE_INDEX).astype(jnp.float32)
     if mask is not None:
         m = m * jnp.asarray(mask, jnp.float32)
@@ -123,7 +126,7 @@ def mse(pred: Array, target: Array, mask: Array | None = None) -> Array:
     pred = jnp.asarray(pred)
     target = jnp.asarray(target)
     if pred.shape != target.shape:
-        raise ValueError(f"mse: pred shape {tuple(pred.shape)} != target shape "
+        raise ShapeError(f"mse: pred shape {tuple(pred.shape)} != target shape "
                          f"{tuple(target.shape)}")
     m = (~jnp.isnan(target)).astype(pred.dtype)
     if mask is not None:
@@ -151,7 +154,7 @@ def wql(quantile_preds: Array, target: Array, quantiles: Sequence[float]) -> Arr
     target = jnp.asarray(target, jnp.float32)
     _check_rank("wql", pred, 3, "quantile_preds [batch, n_quantiles, horizon]")
     if target.shape != (pred.shape[0], pred.shape[2]):
-        raise ValueError(f"wql: target shape {tuple(target.shape)} does not match "
+        raise ShapeError(f"wql: target shape {tuple(target.shape)} does not match "
                          f"quantile_preds [batch, n_quantiles, horizon] = {tuple(pred.shape)}")
     tau = _levels("wql", quantiles, pred.shape[1])
     m = (~jnp.isnan(target)).astype(jnp.float32)
@@ -188,13 +191,14 @@ def mase(point_forecast: Array, target: Array, context: Array, season: int = 1) 
     _check_rank("mase", f, 2, "point_forecast [batch, horizon]")
     _check_rank("mase", c, 2, "context [batch, length]")
     if f.shape != y.shape or c.shape[0] != f.shape[0]:
-        raise ValueError(f"mase: point_forecast {tuple(f.shape)}, target {tuple(y.shape)} and "
+        raise ShapeError(f"mase: point_forecast {tuple(f.shape)}, target {tuple(y.shape)} and "
                          f"context {tuple(c.shape)} must share the batch (and horizon)")
     if not (isinstance(season, (int, np.integer)) and season >= 1):
-        raise ValueError(f"mase: season must be a positive int, got {season!r}")
+        raise ConfigError(f"mase: season must be a positive int, got {season!r}", where="season",
+                          expected="int >= 1", actual=season)
     m = int(season) if int(season) < c.shape[1] else 1
     if c.shape[1] < 2:
-        raise ValueError(f"mase: the context needs at least 2 values, got {c.shape[1]}")
+        raise DataError(f"mase: the context needs at least 2 values, got {c.shape[1]}")
     seasonal_error = jnp.nanmean(jnp.abs(c[:, m:] - c[:, :-m]), axis=1)  # [batch]
     abs_err = jnp.nanmean(jnp.abs(y - f), axis=1)  # [batch]
     return jnp.mean(abs_err / seasonal_error)
@@ -213,9 +217,10 @@ def geometric_mean_relative(scores: Sequence[float] | Mapping[str, float] | Arra
     """
     if isinstance(scores, Mapping) or isinstance(baseline_scores, Mapping):
         if not (isinstance(scores, Mapping) and isinstance(baseline_scores, Mapping)):
-            raise TypeError("geometric_mean_relative: pass two dicts or two sequences")
+            raise LeafTypeError("geometric_mean_relative: pass two dicts or two sequences",
+                                where="scores", expected="two dicts or two sequences")
         if set(scores) != set(baseline_scores):
-            raise ValueError(
+            raise DataError(
                 "geometric_mean_relative: datasets differ: only in scores "
                 f"{sorted(set(scores) - set(baseline_scores))}, only in baseline "
                 f"{sorted(set(baseline_scores) - set(scores))}")
@@ -226,13 +231,13 @@ def geometric_mean_relative(scores: Sequence[float] | Mapping[str, float] | Arra
         s = np.asarray(scores, np.float64).reshape(-1)
         b = np.asarray(baseline_scores, np.float64).reshape(-1)
         if s.shape != b.shape:
-            raise ValueError(f"geometric_mean_relative: {s.size} scores for {b.size} baseline "
+            raise ShapeError(f"geometric_mean_relative: {s.size} scores for {b.size} baseline "
                              "scores")
     if s.size == 0:
-        raise ValueError("geometric_mean_relative: no scores")
+        raise DataError("geometric_mean_relative: no scores")
     if not (np.all(s > 0) and np.all(b > 0) and np.all(np.isfinite(s))
             and np.all(np.isfinite(b))):
-        raise ValueError("geometric_mean_relative: scores and baseline scores must be finite "
+        raise DataError("geometric_mean_relative: scores and baseline scores must be finite "
                          "and > 0")
     return float(np.exp(np.mean(np.log(s / b))))
 

@@ -115,3 +115,105 @@ class JointQK(QK):
 def joint_qk():
     """The :class:`JointQK` type (test modules are imported apart, so it comes as a fixture)."""
     return JointQK
+
+
+# ---------------------------------------------------------------------------------------------
+# The leaf rule, checked in every test.
+#
+# The leaf rule, checked while the suite runs: no module of lowrank_jax outside ``leaves/``
+# reads a field of a leaf or of a query-key object.
+#
+# Blocks, compressors and converters must ask a leaf what it can do (``linear``, ``factors``,
+# ``keep_inputs``, ``bias_of``, ...), never read its arrays by name: then a user's leaf type takes
+# every path a built-in one takes. A static scan cannot tell ``leaf.v`` from ``heads.v``, so the
+# check is dynamic: :func:`install` gives every registered lowrank_jax node class (weight leaves
+# and query-key objects) a ``__getattribute__`` that, for the names of the class's dataclass
+# fields, looks at the calling frame's module and records the read when that module is part of
+# lowrank_jax but not of ``lowrank_jax.leaves``. ``tests/conftest.py`` installs it for the whole
+# suite and fails the test during which a read is recorded, so every test is also a workload
+# for the rule.
+#
+# Exempt: :class:`~lowrank_jax.HeadLayout` (a static layout record, not a weight: its fields are
+# its API), reads from ``lowrank_jax.leaves`` (the leaf kit), and reads by code that is not
+# lowrank_jax (tests, JAX's own tree utilities through the flatten functions in ``leaves``).
+
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+_LOCK = threading.Lock()
+VIOLATIONS: list[tuple[str, str, str]] = []  # (caller "module:line", class, field)
+_INSTALLED: dict[type, object] = {}
+
+
+def _checked_classes():
+    """``{class: field names}`` of every leaf and query-key class of ``lowrank_jax.leaves``,
+    less the names of the protocol itself (``shape``, ``d_in``, ``bias``, ``num_heads``, ...:
+    a field that is also a protocol member, such as ``PackedBinary.d_in``, may be read)."""
+    from lowrank_jax.leaves import QK, HeadLayout, Leaf
+    from lowrank_jax.leaves.base import data_fields, meta_fields, node_types
+
+    protocol = set(dir(Leaf)) | set(dir(QK))
+    out = {}
+    for name, cls in node_types().items():
+        if not name.startswith("lowrank_jax.leaves.") or cls is HeadLayout:
+            continue
+        out[cls] = frozenset(data_fields(cls)) | frozenset(meta_fields(cls)) - protocol
+    return out
+
+
+def _allowed(module: str) -> bool:
+    return not module.startswith("lowrank_jax") or module.startswith("lowrank_jax.leaves")
+
+
+def install() -> None:
+    """Give every lowrank_jax node class the recording ``__getattribute__`` (idempotent)."""
+    for cls, fields in _checked_classes().items():
+        if cls in _INSTALLED:
+            continue
+        original = cls.__getattribute__
+
+        def getattribute(self, name, _fields=fields, _original=original, _cls=cls):
+            if name in _fields:
+                frame = sys._getframe(1)
+                module = frame.f_globals.get("__name__", "")
+                if not _allowed(module):
+                    with _LOCK:
+                        VIOLATIONS.append((f"{module}:{frame.f_lineno}", _cls.__name__, name))
+            return _original(self, name)
+
+        _INSTALLED[cls] = original
+        cls.__getattribute__ = getattribute
+
+
+def take() -> list[tuple[str, str, str]]:
+    """The reads recorded since the last call (and forget them)."""
+    with _LOCK:
+        out = sorted(set(VIOLATIONS))
+        VIOLATIONS.clear()
+    return out
+
+
+_LEAF_RULE = os.environ.get("LOWRANK_JAX_LEAF_RULE", "fail")  # fail | report:PATH | off
+
+
+@pytest.fixture(autouse=True)
+def _leaf_rule(request):
+    """Fail a test during which lowrank_jax read a leaf's field outside ``leaves/``
+    (``LOWRANK_JAX_LEAF_RULE=report:PATH`` appends them to PATH instead; ``off``: no check)."""
+    if _LEAF_RULE == "off":
+        yield
+        return
+    install()
+    take()
+    yield
+    found = take()
+    if not found:
+        return
+    if _LEAF_RULE.startswith("report:"):
+        with open(_LEAF_RULE[len("report:"):], "a") as f:
+            for where, cls, field in found:
+                f.write(f"{where}\t{cls}.{field}\t{request.node.nodeid}\n")
+        return
+    lines = "\n".join(f"  {where} read {cls}.{field}" for where, cls, field in found)
+    pytest.fail("lowrank_jax read leaf fields outside lowrank_jax/leaves (ask the leaf for a "
+                f"capability instead):\n{lines}", pytrace=False)

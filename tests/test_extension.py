@@ -260,3 +260,115 @@ def test_sharded_train_step_equals_single_device():
     for a, b in zip(jax.tree_util.tree_leaves(train.full_params(s1)),
                     jax.tree_util.tree_leaves(train.full_params(s2)), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+class Factored(Leaf):
+    """``W = a @ c``: a leaf with only the required core, its bias and the ``factors``
+    capability (no surgery, no placement of its own)."""
+
+    a: jax.Array
+    c: jax.Array
+    bias_: jax.Array | None = None
+
+    @property
+    def shape(self):
+        return (self.a.shape[0], self.c.shape[1])
+
+    def apply(self, x):
+        y = (x @ self.a) @ self.c
+        return y if self.bias_ is None else y + self.bias_
+
+    def to_dense(self):
+        return self.a @ self.c
+
+    def param_count(self):
+        return array_size(self.a) + array_size(self.c) + array_size(self.bias_)
+
+    def storage_bits(self):
+        return array_bits(self.a) + array_bits(self.c) + array_bits(self.bias_)
+
+    def flops(self, n_tokens):
+        return n_tokens * self.a.shape[1] * (self.d_in + self.d_out)
+
+    @property
+    def bias(self):
+        return self.bias_
+
+    def factors(self):
+        return lj.leaves.Factors(self.a, self.c, None, self.bias_)
+
+
+Factored = leaf_dataclass(Factored)
+
+
+def test_a_factored_leaf_folds_keys_like_lowrank():
+    """A user's factored key and value leaves take attention's folded path (one query against
+    many keys) exactly as ``LowRank`` does: the decision says fold, no key rows are projected,
+    and the output equals the float64 NumPy block and the projected block."""
+    from jax.extend import core as jex
+
+    from lowrank_jax import execution
+
+    r = np.random.default_rng(11)
+
+    def f(*shape):
+        return jnp.asarray(r.normal(size=shape) / np.sqrt(shape[0]), jnp.float32)
+
+    cfg = nn.AttentionConfig()
+    p = nn.init_attention(jax.random.PRNGKey(12), cfg, d_model=16, num_heads=4)
+    p = dict(p, qk=lj.QueryKey(p["qk"].q, Factored(f(16, 3), f(3, 16), f(16)), (4,) * 4),
+             v=Factored(f(16, 2), f(2, 16), f(16)))
+    assert nn.fold_keys(p, 1, 20) and not nn.fold_keys(p, 20, 20)
+    x, enc = f(2, 1, 16), f(2, 20, 16)
+    run = jax.jit(lambda p, x, enc: nn.apply_attention(p, x, cfg, kv=enc))
+
+    def projects_keys(closed):
+        def eqns(j):
+            for e in j.eqns:
+                yield e
+                for sub in jex.jaxprs_in_params(e.params):
+                    yield from eqns(sub)
+        return any(e.primitive.name == "dot_general" and e.outvars[0].aval.shape[:2] == (2, 20)
+                   for e in eqns(closed.jaxpr))
+
+    assert not projects_keys(run.trace(p, x, enc).jaxpr)
+    folded = run(p, x, enc)
+    with execution.settings(fold_keys=False):
+        assert projects_keys(run.trace(p, x, enc).jaxpr)
+        projected = run(p, x, enc)
+
+    def np_w(leaf):
+        return np.asarray(leaf.a, np.float64) @ np.asarray(leaf.c, np.float64)
+
+    x64, e64 = np.asarray(x, np.float64), np.asarray(enc, np.float64)
+    wq, bq = np.asarray(p["qk"].q.w, np.float64), np.asarray(p["qk"].q.b, np.float64) \
+        if p["qk"].q.b is not None else 0.0
+    q = (x64 @ wq + bq).reshape(2, 1, 4, 4)
+    k = (e64 @ np_w(p["qk"].k) + np.asarray(p["qk"].k.bias_, np.float64)).reshape(2, 20, 4, 4)
+    v = (e64 @ np_w(p["v"]) + np.asarray(p["v"].bias_, np.float64)).reshape(2, 20, 4, 4)
+    lg = np.einsum("bqhd,bkhd->bhqk", q, k) * 0.5
+    att = np.exp(lg - lg.max(-1, keepdims=True))
+    att /= att.sum(-1, keepdims=True)
+    out = np.einsum("bhqk,bkhd->bqhd", att, v).reshape(2, 1, 16)
+    out = out @ np.asarray(p["o"].w, np.float64)
+    if p["o"].b is not None:
+        out = out + np.asarray(p["o"].b, np.float64)
+    np.testing.assert_allclose(np.asarray(folded), out, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(folded), np.asarray(projected), atol=1e-5)
+
+
+def test_missing_optional_capabilities_say_so():
+    """A leaf without surgery gets a clear error naming its type and the method to implement;
+    placement defaults to replicated arrays."""
+    from lowrank_jax.errors import NotSupportedError
+
+    leaf = Factored(jnp.ones((6, 2)), jnp.ones((2, 4)))
+    with pytest.raises(NotSupportedError, match=r"Factored does not support keep_inputs.*"
+                                                r"implement Factored\.keep_inputs"):
+        lj.keep_inputs(leaf, np.array([0, 1]))
+    with pytest.raises(NotSupportedError, match="keep_outputs"):
+        lj.keep_outputs(leaf, np.array([0]))
+    with pytest.raises(NotSupportedError, match="with_bias"):
+        leaf.with_bias(jnp.zeros(4))
+    assert leaf.logical_axes() == {"a": (None, None), "c": (None, None)}
+    assert lj.leaves.weight_shape(leaf) == (6, 4)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from lowrank_jax.errors import MissingDependencyError
+
 
 def pyplot():
     """``matplotlib.pyplot`` with the non-interactive Agg backend (the optional ``plot`` extra)."""
@@ -13,7 +15,9 @@ def pyplot():
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError("plots need matplotlib: pip install 'lowrank-jax[plot]'") from e
+        raise MissingDependencyError("plots need matplotlib: pip install 'lowrank-jax[plot]'",
+                                     where="matplotlib", expected="installed",
+                                     actual="missing") from e
     return plt
 
 

@@ -21,7 +21,7 @@ import numpy as np
 from lowrank_jax._progress import progress_bar
 from lowrank_jax.analysis.rank import eps_rank_from_sv, singular_values, tokens_matrix
 from lowrank_jax.errors import ConfigError
-from lowrank_jax.leaves import Leaf, head_offsets, layer_index, materialize_host, named_leaves
+from lowrank_jax.leaves import head_offsets, is_leaf, layer_index, materialize_host, named_leaves
 from lowrank_jax.nn import head_widths
 
 DEFAULT_EPS = (0.01, 0.05, 0.1)
@@ -179,7 +179,7 @@ def weight_ranks(
       (``W^(i)`` of eq. 18; Fig. 9 middle), split at the block's own head widths.
     """
     eps = _eps_tuple(eps)
-    items = [(p, n) for p, n in named_leaves(params) if isinstance(n, Leaf)]
+    items = [(p, n) for p, n in named_leaves(params) if is_leaf(n)]
     if pattern is not None:
         rx = re.compile(pattern)
         items = [(p, n) for p, n in items if rx.search(p)]

@@ -35,6 +35,12 @@ Biprop's code; ``'kept'``: the number of kept entries, as the paper's eq. 2 writ
 makes ``alpha`` exactly the mean kept magnitude), ``scores`` (``'magnitude'`` or
 ``'uniform'``). Rules may override ``keep``.
 
+A weight with no inputs or no outputs (of an emptied attention block or MLP,
+:mod:`lowrank_jax.compress.empty`) is passed through unchanged with a row of kind ``'empty'``:
+there is no entry to keep, and a binary leaf would only add a gain. The other weights are
+binarized as without it (with ``scores='uniform'`` each weight's key is still the one of its
+position in the selection).
+
 Row ``error``: ``||W - W_b||_2 / ||W||_2`` in float64 (``W_b`` the new leaf's effective
 weight). ``details``: ``shape`` (of the kept channels for a pruned weight), ``keep``,
 ``n_keep`` (kept entries), ``alpha``, ``scores``, ``divisor``. Counts are the leaf's own: one
@@ -51,7 +57,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.compress.registry import Context, register_method
+from lowrank_jax.compress.candidates import ATTENTION, MLP
+from lowrank_jax.compress.empty import empty_row, is_empty
+from lowrank_jax.compress.registry import Candidates, Context, register_method
 from lowrank_jax.compress.report import Row
 from lowrank_jax.compress.rules import Selection
 from lowrank_jax.compress.svd import truncatable, weight_matrix
@@ -138,7 +146,8 @@ def binarize(params: Any, selection: list[Selection], settings: dict,
       ctx: the step's context (its key for ``scores='uniform'``).
 
     Returns:
-      ``(new_params, rows)``, one row per selected weight (``kind='binary'``).
+      ``(new_params, rows)``, one row per selected weight (``kind='binary'``, or
+      ``'empty'`` for a weight of an emptied block, passed through).
 
     Raises:
       PlanError: bad settings or a bad ``keep`` override (naming the path), ``scores='uniform'``
@@ -147,13 +156,19 @@ def binarize(params: Any, selection: list[Selection], settings: dict,
     check_settings(settings)
     s = {**DEFAULTS, **settings}
     keys = [None] * len(selection)
-    if s["scores"] == "uniform":
-        key = ctx.require_key(selection[0].path if selection else None)
+    live = [sel for sel in selection if not is_empty(sel.node)]
+    if s["scores"] == "uniform" and live:
+        # one key per selected weight, empty ones included: the others draw what they would
+        # draw without them being empty
+        key = ctx.require_key(live[0].path)
         keys = list(jax.random.split(key, max(len(selection), 1)))
     new, rows = {}, []
     for sel, k in zip(selection, keys, strict=False):
         keep = check_keep(sel.overrides.get("keep", s["keep"]), sel.path)
         base, put_back, _ = pruned_base(sel.node)  # a pruned weight: its kept channels
+        if is_empty(base):  # a weight of an emptied block: nothing to binarize
+            rows.append(empty_row(sel))
+            continue
         binary = binarize_leaf(base, sel.path, keep=keep, divisor=s["divisor"],
                                scores=s["scores"], key=k)
         leaf = put_back(binary)
@@ -174,8 +189,15 @@ def binarize(params: Any, selection: list[Selection], settings: dict,
 _dense = jax.jit(materialize)
 
 
+#: Frontier candidates: the MLP, and attention with the MLP, each keeping ``keep`` of the
+#: weights.
+CANDIDATES = Candidates(
+    groups=(("binarize mlp", MLP), ("binarize attn+mlp", ATTENTION + MLP)),
+    settings=lambda s, keep: {"keep": keep}, label="keep={keep:g}",
+    none="no attention or MLP projection it can binarize")
+
 register_method("binarize", binarize, settings=SETTINGS, overrides=OVERRIDES,
-                accepts=truncatable, validate=check_settings)
+                accepts=truncatable, validate=check_settings, candidates=CANDIDATES)
 
 __all__ = ["DEFAULTS", "OVERRIDES", "SETTINGS", "binarize", "binarize_leaf", "check_keep",
            "check_settings"]

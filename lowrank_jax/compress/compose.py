@@ -58,7 +58,7 @@ from typing import Any
 
 import jax
 
-from lowrank_jax.leaves import Dense, Leaf, bias_of, is_leaf, materialize
+from lowrank_jax.leaves import Dense, bias_of, is_leaf, materialize
 
 
 def materialize_leaves(params: Any) -> Any:
@@ -87,7 +87,7 @@ def materialize_leaves(params: Any) -> Any:
 @jax.jit
 def _materialize_leaves(params: Any) -> Any:
     return jax.tree_util.tree_map(
-        lambda n: Dense(w=materialize(n), b=bias_of(n)) if isinstance(n, Leaf) else n, params,
+        lambda n: Dense(w=materialize(n), b=bias_of(n)) if is_leaf(n) else n, params,
         is_leaf=is_leaf)
 
 

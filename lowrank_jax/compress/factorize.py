@@ -17,6 +17,11 @@ Settings: ``rank`` or ``schedule`` (one of them, unless every rule overrides ``r
 ``per_head`` (bool). Rule overrides: ``rank``, ``per_head``. Needs ``key=`` in
 :func:`~lowrank_jax.compress.apply_plan`. Row ``error`` is ``None`` (fresh factors approximate
 nothing); ``details``: ``shape``, ``rank``, ``std`` (the entry scale matched).
+
+A weight with no inputs or no outputs (of an emptied attention block or MLP,
+:mod:`lowrank_jax.compress.empty`) has no factors to draw: it is passed through unchanged with
+a row of kind ``'empty'``, whatever its rank or schedule says. Every other weight gets the
+factors it would get without it (the key of a weight depends on its path only).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import jax
 import numpy as np
 
 from lowrank_jax.analysis import output_head_widths
+from lowrank_jax.compress.empty import empty_row, is_empty
 from lowrank_jax.compress.plan import Plan, Step, apply_plan
 from lowrank_jax.compress.registry import Context, register_method
 from lowrank_jax.compress.report import Report, Row
@@ -37,9 +43,9 @@ from lowrank_jax.compress.svd import is_int, truncatable, uniform_head_widths
 from lowrank_jax.errors import PlanError, ShapeError
 from lowrank_jax.leaves import (
     HeadLowRank,
-    Leaf,
     LowRank,
     bias_of,
+    is_leaf,
     layer_index,
     leaf_dtype,
     map_with_path,
@@ -119,6 +125,9 @@ def factorize(params: Any, selection: list[Selection], settings: dict, ctx: Cont
         if not isinstance(ph, bool):
             raise PlanError(f"factorize: {path}: per_head must be a bool, got {ph!r}",
                             where=path, expected="bool", actual=ph)
+        if is_empty(sel.node):  # a weight of an emptied block: no factor to draw
+            plans.append((sel, None, None))
+            continue
         r = _rank_for(path, ov, settings)
         d_in, d_out = sel.node.shape
         widths = output_head_widths(params, path) if ph else None
@@ -133,9 +142,13 @@ def factorize(params: Any, selection: list[Selection], settings: dict, ctx: Cont
                 expected=f"[1, {limit}]", actual=r)
         plans.append((sel, int(r), widths))
 
-    key = ctx.require_key(selection[0].path if selection else None) if plans else None
+    live = [sel for sel, r, _ in plans if r is not None]
+    key = ctx.require_key(live[0].path) if live else None
     new, rows = {}, []
     for sel, r, widths in plans:
+        if r is None:
+            rows.append(empty_row(sel))
+            continue
         node = sel.node
         d_in, d_out = node.shape
         std = float(np.std(materialize_host(node)))
@@ -159,7 +172,9 @@ def factorize(params: Any, selection: list[Selection], settings: dict, ctx: Cont
 
 
 register_method("factorize", factorize, settings=SETTINGS, overrides=OVERRIDES,
-                accepts=truncatable, validate=check_settings)
+                accepts=truncatable, validate=check_settings,
+                no_candidates="replaces weights by random factors (compressed pretraining, "
+                              "`lowrank-jax train`): meaningless without training")
 
 
 def factorize_init(params: Any, *, key, rules: Sequence = ATTENTION_QKVO,
@@ -235,7 +250,7 @@ def reuse_weights(params: Any, pretrained: Any, pattern: str) -> Any:
     hits = []
 
     def describe(node):
-        shape = node.shape if isinstance(node, Leaf) else np.shape(node)
+        shape = node.shape if is_leaf(node) else np.shape(node)
         arrays = [tuple(np.shape(a)) for a in jax.tree_util.tree_leaves(node)]
         return f"{type(node).__name__} of shape {tuple(shape)} (arrays {arrays})"
 

@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from lowrank_jax.errors import PathError
 from lowrank_jax.leaves import flops, get_path, param_count, storage_bits
 
 
@@ -237,7 +238,7 @@ class Report:
         """
         found = [r for r in self.rows if r.path == path and (step is None or r.step == step)]
         if not found:
-            raise KeyError(f"Report: no row for path {path!r}" +
+            raise PathError(f"Report: no row for path {path!r}" +
                            (f" in step {step}" if step is not None else ""))
         return found[-1]
 

@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterable, NamedTuple, Sequence
 import jax
 
 from lowrank_jax.errors import PlanError
-from lowrank_jax.leaves import QK, Leaf, path_str
+from lowrank_jax.leaves import QK, Leaf, is_leaf, is_query_key, path_str
 
 logger = logging.getLogger(__name__)
 
@@ -151,8 +151,8 @@ def candidates(params: Any, kind: str = "weights") -> list[tuple[str, Any]]:
         raise PlanError(f"rules: kind must be one of {KINDS}, got {kind!r}", where="kind",
                         expected=KINDS, actual=kind)
     typ = Leaf if kind == "weights" else QK
-    stop = (lambda x: isinstance(x, Leaf)) if kind == "weights" else (
-        lambda x: isinstance(x, (QK, Leaf)))
+    stop = (lambda x: is_leaf(x)) if kind == "weights" else (
+        lambda x: (is_query_key(x) or is_leaf(x)))
     flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=stop)
     return [(path_str(p), n) for p, n in flat if isinstance(n, typ)]
 

@@ -32,10 +32,10 @@ from lowrank_jax.analysis import eps_rank_from_sv
 from lowrank_jax.errors import ConfigError, LeafTypeError, PlanError, ShapeError
 from lowrank_jax.leaves import (
     HeadLowRank,
-    Leaf,
     LowRank,
     bias_of,
     head_offsets,
+    is_leaf,
     is_uniform,
     leaf_dtype,
     materialize_host,
@@ -97,7 +97,7 @@ def truncatable(node: Any) -> bool:
     are all trainable. Leaves with frozen parts (the binary signs and masks of
     :class:`~lowrank_jax.MaskedBinary` / :class:`~lowrank_jax.FrozenBinary`) are the product
     of another method; replacing them by float factors would silently discard it."""
-    return isinstance(node, Leaf) and all(jax.tree_util.tree_leaves(node.trainable()))
+    return is_leaf(node) and all(jax.tree_util.tree_leaves(node.trainable()))
 
 
 def out_dtype(dtype) -> np.dtype:
@@ -118,7 +118,7 @@ def weight_matrix(fn: str, w: Any, path: str) -> tuple[np.ndarray, Any, np.dtype
       ShapeError: an array that is not 2-D.
       PlanError: non-floating or non-finite weights.
     """
-    if isinstance(w, Leaf):
+    if is_leaf(w):
         if not truncatable(w):
             raise LeafTypeError(
                 f"{fn}: {path}: cannot truncate a {type(w).__name__} leaf: it has frozen "

@@ -43,6 +43,13 @@ the step's settings for the weights their rule catches; under ``ratio`` such wei
 and the rest share what is left of the budget. Without any of eps/rank/ratio/schedule every
 selected weight needs an ``eps`` or ``rank`` override.
 
+Weights with no inputs or no outputs (the weights of an emptied attention block or MLP,
+:mod:`lowrank_jax.compress.empty`) have nothing to truncate: they are passed through unchanged
+with a row of kind ``'empty'`` and never checked against ``rank`` or ``schedule`` (a rank
+limit of 0 would refuse every rank). Under ``ratio`` they count as fixed weights (their biases
+stay), so the ratio still holds over every selected weight; activations given for them count as
+used.
+
 Row ``error``: ``||W - W_r||_2 / ||W||_2`` of the leaf now in the tree, in float64 from the
 decomposition (``sigma_{r+1} / sigma_1`` for ``'svd'``; the spectral norm of the residual for
 per-head and input projection; 0.0 for kept weights and a zero matrix). ``details``:
@@ -68,8 +75,10 @@ import numpy as np
 from lowrank_jax._progress import progress_bar
 from lowrank_jax.analysis import output_head_widths
 from lowrank_jax.compress.budget import allocate_energy, allocate_eps
+from lowrank_jax.compress.candidates import ATTENTION, MLP
+from lowrank_jax.compress.empty import empty_row, is_empty
 from lowrank_jax.compress.plan import Plan, Step, apply_plan
-from lowrank_jax.compress.registry import Context, register_method
+from lowrank_jax.compress.registry import Candidates, Context, register_method
 from lowrank_jax.compress.report import Report, Row
 from lowrank_jax.compress.rules import ATTENTION_QKVO, Selection
 from lowrank_jax.compress.svd import (
@@ -95,7 +104,7 @@ logger = logging.getLogger(__name__)
 SETTINGS = ("eps", "rank", "ratio", "schedule", "per_head", "allocation", "keep_dense_if_larger",
             "rank_multiple")
 OVERRIDES = ("eps", "rank", "per_head", "rank_multiple")
-KINDS = ("svd", "svd-per-head", "inputs", "kept-dense", "kept")
+KINDS = ("svd", "svd-per-head", "inputs", "kept-dense", "kept", "empty")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +356,8 @@ def prepare_truncation(tree: Any, sel: Selection, *, per_head: bool = False,
     if ph:
         widths = head_widths(tree, path) if head_widths is not None else None
         widths = output_head_widths(tree, path) if widths is None else widths
+        if widths is not None and sum(widths) == 0:
+            widths = None  # no heads (or only empty ones): the weight is one empty matrix
     if inputs is not None:
         if widths is not None:
             raise PlanError(
@@ -430,15 +441,21 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
                     row.details["rank"], row.error, row.params_before, row.params_after)
 
     cands, free = [], []
+    empty_before = 0
     for i, sel in enumerate(progress_bar(selection, desc=f"step {ctx.step} svd", unit="matrix",
                                          enabled=ctx.progress, leave=True)):
         # a pruned weight is factorized on its kept channels; its gather/scatter stays
         base, put_back[i], base_inputs = pruned_base(sel.node)
         x = ctx.input_for(sel.path)
+        empty = is_empty(base)  # a weight of an emptied block: its inputs count as used
         t = prepare_truncation(params, sel._replace(node=base), per_head=per_head,
-                               inputs=None if x is None else base_inputs(x),
+                               inputs=None if x is None or empty else base_inputs(x),
                                head_widths=ctx.head_widths,
                                rank_multiple=settings.get("rank_multiple"))
+        if empty:  # overrides checked above; no rank applies to it: passed through
+            rows[i] = empty_row(sel)
+            empty_before += rows[i].params_before
+            continue
         ranks = decide_ranks(t, mode, settings)
         cands.append(t)
         if ranks is None:
@@ -448,7 +465,7 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
 
     ctx.info["mode"] = mode
     if free:
-        total_before = sum(t.before for t in cands)
+        total_before = sum(t.before for t in cands) + empty_before
         fixed_after = sum(r.params_after for r in rows if r is not None)
         budget = float(settings["ratio"]) * total_before
         allocation = settings.get("allocation", "eps")
@@ -465,8 +482,14 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
     return replace_paths(params, new), rows
 
 
+#: Frontier candidates: attention, MLP, and both, each at ``ratio = keep``.
+CANDIDATES = Candidates(
+    groups=(("svd attn", ATTENTION), ("svd mlp", MLP), ("svd attn+mlp", ATTENTION + MLP)),
+    settings=lambda s, keep: {"ratio": keep}, label="ratio={ratio:g}",
+    none="no attention or MLP projection it can truncate")
+
 register_method("svd", svd, settings=SETTINGS, overrides=OVERRIDES, accepts=truncatable,
-                validate=check_settings)
+                validate=check_settings, candidates=CANDIDATES)
 
 
 

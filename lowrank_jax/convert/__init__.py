@@ -16,8 +16,8 @@ from lowrank_jax.convert.load import (
     load_pretrained,
     params_from_state_dict,
 )
-from lowrank_jax.errors import CheckpointError
+from lowrank_jax.errors import CheckpointError  # noqa: F401  (documented in lowrank_jax.errors)
 
-__all__ = ["CheckpointError", "detect_family", "hf_families", "load_pretrained",
+__all__ = ["detect_family", "hf_families", "load_pretrained",
            "params_from_state_dict", "read_weights", "save_pretrained",
            "state_dict_from_params"]

@@ -69,12 +69,12 @@ from lowrank_jax.convert.files import CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGH
 from lowrank_jax.convert.load import hf_spec
 from lowrank_jax.errors import CheckpointError, OutputExistsError, ShapeError
 from lowrank_jax.leaves import (
-    QK,
-    Leaf,
-    QueryKey,
+    as_query_key,
     bias_of,
     get_path,
     is_dense,
+    is_leaf,
+    is_query_key,
     materialize,
     named_leaves,
     path_str,
@@ -99,7 +99,7 @@ def _get(tree, path: str):
 
 
 def _shape(node) -> tuple[int, ...]:
-    return tuple(int(d) for d in (node.shape if isinstance(node, Leaf) else np.shape(node)))
+    return tuple(int(d) for d in (node.shape if is_leaf(node) else np.shape(node)))
 
 
 def _exact_query_keys(params, rows) -> Any:
@@ -110,15 +110,15 @@ def _exact_query_keys(params, rows) -> Any:
     refused with a :class:`~lowrank_jax.errors.ShapeError` naming the path and the heads."""
     widths = {r.widen.block: r.widen.width for r in rows
               if r.widen is not None and r.widen.by == "qk"}
-    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda n: isinstance(n, QK))[0]
+    flat = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda n: is_query_key(n))[0]
     new = {}
     for p, node in flat:
-        if isinstance(node, QK) and not isinstance(node, QueryKey):
+        if is_query_key(node) and as_query_key(node) is not node:
             where = path_str(p)
             block = where.rsplit("/", 1)[0] if "/" in where else ""
             new[where] = to_query_key(node, max_width=widths.get(block), where=where)
             logger.info("export: %s (%s) rewritten as a QueryKey with per-head widths %s",
-                        where, type(node).__name__, new[where].widths)
+                        where, type(node).__name__, new[where].projections().widths)
     return replace_paths(params, new), sorted(new)
 
 
@@ -254,16 +254,16 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
         if node is _ABSENT:
             missing[name] = want
             continue
-        if r.kind == "linear" and not isinstance(node, Leaf) and np.ndim(node) != 2:
+        if r.kind == "linear" and not is_leaf(node) and np.ndim(node) != 2:
             wrong_kind.append(f"{r.path} (for {r.key}) must be a weight leaf, got "
                               f"{type(node).__name__}")
             continue
-        if r.kind == "array" and isinstance(node, Leaf):
+        if r.kind == "array" and is_leaf(node):
             wrong_kind.append(f"{r.path} (for {r.key}) must be a plain array, got a "
                               f"{type(node).__name__} leaf")
             continue
         if r.kind in ("bias", "zero"):
-            if not isinstance(node, Leaf):
+            if not is_leaf(node):
                 wrong_kind.append(f"{r.path} (bias {r.key}) must be a weight leaf, got "
                                   f"{type(node).__name__}")
                 continue
@@ -331,7 +331,7 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
     for r, node, idx in plan:
         want = _tree_shape(r)
         if r.kind == "linear":
-            if (isinstance(node, Leaf) and not is_dense(node)) or any(
+            if (is_leaf(node) and not is_dense(node)) or any(
                     r.path.startswith(q + "/") for q in rewritten):  # reporting only
                 materialized.append(r.path)
             arr = np.asarray(next(dense), dtype=np.float32)  # [d_in, d_out]

@@ -66,7 +66,8 @@ def _read_bfloat16_file(path: str) -> dict[str, np.ndarray]:
         start, end = info["data_offsets"]
         buf, dtype = data[start:end], info["dtype"]
         if end > len(data):
-            raise ValueError(f"tensor {name!r} ends at byte {end}, the data has {len(data)}")
+            raise CheckpointError(path, message=f"{path}: tensor {name!r} ends at byte {end}, "
+                                  f"the data has {len(data)} (the file is cut short)")
         if dtype == "BF16":
             a = (np.frombuffer(buf, "<u2").astype(np.uint32) << 16).view(np.float32)
         else:

@@ -30,8 +30,16 @@ from flax.core import unfreeze
 
 from lowrank_jax.compress import Plan, Report, apply_plan, as_plan, normalize_rules, validate_plan
 from lowrank_jax.errors import ConfigError, PlanError, ShapeError
-from lowrank_jax.leaves import Dense, Leaf, get_path, leaf_dataclass, materialize
-from lowrank_jax.leaves.channel_masked import ChannelPruned
+from lowrank_jax.leaves import (
+    Dense,
+    Leaf,
+    get_path,
+    is_dense,
+    is_leaf,
+    kept_outputs,
+    leaf_dataclass,
+    materialize,
+)
 
 KERNEL = "kernel"
 BIAS = "bias"
@@ -97,7 +105,7 @@ def kernel_paths(tree: Any) -> dict[str, tuple]:
     array named ``kernel`` with at least two dimensions, or a leaf there already."""
     out = {}
     for key, v in flat_dict(tree).items():
-        if key[-1] == KERNEL and (isinstance(v, Leaf) or np.ndim(v) >= 2):
+        if key[-1] == KERNEL and (is_leaf(v) or np.ndim(v) >= 2):
             out[_join(key)] = key[:-1]
     return out
 
@@ -182,7 +190,7 @@ def to_leaves(tree: Any, paths, *, in_dims: Mapping[str, int] | None = None) -> 
         if kernel is None:
             raise PlanError(f"{path}: no kernel at this Flax path", where=path,
                             expected="a kernel path", actual=None)
-        if isinstance(kernel, Leaf):
+        if is_leaf(kernel):
             continue
         prefix = key[:-1]
         bias = flat.pop(prefix + (BIAS,), None)
@@ -335,10 +343,10 @@ def materialize_tree(tree: Any, *, only_dense: bool = False, stacked=None) -> di
     for key, v in flat.items():
         if key[-1] == SHAPE and isinstance(v, KernelShape):
             leaf = flat.get(key[:-1] + (KERNEL,))
-            if isinstance(leaf, Leaf) and (not only_dense or type(leaf) is Dense):
+            if is_leaf(leaf) and (not only_dense or is_dense(leaf)):
                 continue
             out[key] = v
-        elif isinstance(v, Leaf) and (not only_dense or type(v) is Dense):
+        elif is_leaf(v) and (not only_dense or is_dense(v)):
             shape = flat.get(key[:-1] + (SHAPE,))
             w, b = _fold(_join(key), v, shape if isinstance(shape, KernelShape) else None)
             out[key] = w
@@ -371,8 +379,9 @@ def head_widths(tree: Any, path: str) -> tuple[int, ...] | None:
     if not isinstance(shape, KernelShape) or len(shape.out_shape) < 2:
         return None
     heads, width = shape.out_shape[0], math.prod(shape.out_shape[1:])
-    if isinstance(leaf, ChannelPruned) and leaf.cols is not None:
-        kept = np.bincount(np.asarray(leaf.cols) // width, minlength=heads)
+    cols = kept_outputs(leaf)
+    if cols is not None:
+        kept = np.bincount(np.asarray(cols) // width, minlength=heads)
         return tuple(int(k) for k in kept if k)
     return (width,) * heads
 
@@ -419,7 +428,7 @@ def compress_tree(tree: Any, plan: Any, *, in_dims: Mapping[str, int] | None = N
             raise PlanError(f"step {i} (prune): a target on a Flax tree needs to know which "
                             "kernels share channels, which a Flax model does not declare: use "
                             "lowrank_jax.interop.linen.prune / nnx.prune with channel groups "
-                            "(interop.prune.ChannelGroup, infer_groups), or mask_tree and then a "
+                            "(interop.ChannelGroup, infer_groups), or mask_tree and then a "
                             "plan whose prune step has no target", where="target",
                             expected="interop.*.prune(tree, groups, target=...)",
                             actual=step.settings["target"])
@@ -464,7 +473,7 @@ def leaf_mask(tree: Any) -> Any:
     embeddings, layers left dense) ``False``: to train only the factors."""
     from lowrank_jax.leaves import is_leaf
 
-    return jax.tree_util.tree_map(lambda n: n.trainable() if isinstance(n, Leaf) else False, tree,
+    return jax.tree_util.tree_map(lambda n: n.trainable() if is_leaf(n) else False, tree,
                                   is_leaf=is_leaf)
 
 

@@ -12,7 +12,7 @@
   own code.
 * :func:`materialize`: plain Flax ``kernel`` / ``bias`` arrays the original model accepts.
 * :func:`prune`: structured pruning by channel groups over Flax paths (MLP hidden channels,
-  attention heads; :mod:`lowrank_jax.interop.prune`), scored by weight magnitude or by
+  attention heads; :mod:`lowrank_jax.interop.channel_groups`), scored by weight magnitude or by
   :func:`gradient_scores` through the user's loss.
 
 A submodule called more than once (one ``nn.Dense`` instance reused, or one submodule under two
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 from lowrank_jax.errors import ConfigError, ShapeError
-from lowrank_jax.interop import prune as _prune
+from lowrank_jax.interop import channel_groups as _groups
 from lowrank_jax.interop.kernels import (
     KERNEL,
     SHAPE,
@@ -44,7 +44,7 @@ from lowrank_jax.interop.kernels import (
     contract,
     materialize_tree,
 )
-from lowrank_jax.leaves import Dense, Leaf, linear
+from lowrank_jax.leaves import Dense, Leaf, is_leaf, linear
 
 LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
 
@@ -159,7 +159,7 @@ def _interceptor(next_fun, args, kwargs, context):
     if context.method_name != "__call__" or not module.has_variable("params", KERNEL):
         return next_fun(*args, **kwargs)
     leaf = module.get_variable("params", KERNEL)
-    if not isinstance(leaf, Leaf):
+    if not is_leaf(leaf):
         return next_fun(*args, **kwargs)
     where = _where(module)
     if isinstance(module, (LeafDense, LeafDenseGeneral)):
@@ -258,38 +258,38 @@ def call_order(model: nn.Module, variables: Any, *args, **kwargs) -> list[str]:
 def infer_groups(variables: Any, model: nn.Module | None = None, *args, **kwargs) -> list:
     """Channel groups of the common patterns of ``variables`` (attention heads of
     ``nn.MultiHeadDotProductAttention``, two-layer MLPs):
-    :func:`lowrank_jax.interop.prune.infer_groups`. With ``model`` and its inputs
+    :func:`lowrank_jax.interop.channel_groups.infer_groups`. With ``model`` and its inputs
     (``infer_groups(variables, model, x)``), which MLP layer comes first is read from the
     order the model calls them (:func:`call_order`) instead of from their widths. Check what
     it returns."""
     order = None if model is None else call_order(model, variables, *args, **kwargs)
-    return _prune.infer_groups(variables, call_order=order)
+    return _groups.infer_groups(variables, call_order=order)
 
 
 def magnitude_scores(variables: Any, groups, **kwargs) -> dict:
-    """Weight-magnitude scores per unit: :func:`lowrank_jax.interop.prune.magnitude_scores`."""
-    return _prune.magnitude_scores(variables, groups, **kwargs)
+    """Weight-magnitude scores per unit: :func:`lowrank_jax.interop.channel_groups.magnitude_scores`."""
+    return _groups.magnitude_scores(variables, groups, **kwargs)
 
 
 def gradient_scores(loss_fn: Callable[[Any, Any], Any], variables: Any, groups, batches,
                     **kwargs) -> dict:
     """"Less is More" eq. 6 per unit through ``loss_fn(variables, batch) -> loss``, which runs
     the unchanged model (``model.apply``) on plain arrays:
-    :func:`lowrank_jax.interop.prune.gradient_scores`."""
-    return _prune.gradient_scores(loss_fn, variables, groups, batches, **kwargs)
+    :func:`lowrank_jax.interop.channel_groups.gradient_scores`."""
+    return _groups.gradient_scores(loss_fn, variables, groups, batches, **kwargs)
 
 
 def prune(variables: Any, groups, *, target: float, scores: Any = "magnitude",
           scope: str = "group", in_dims=None) -> tuple[dict, Any]:
     """Structured pruning of linen variables by channel groups
-    (:func:`lowrank_jax.interop.prune.prune_tree`, whose module docstring says how removed
+    (:func:`lowrank_jax.interop.channel_groups.prune_tree`, whose module docstring says how removed
     channels run in the unchanged model: full-width
     :class:`~lowrank_jax.leaves.ChannelPruned` leaves, because ``nn.Dense(features=...)``
     rejects a narrower plain kernel).
 
     Args:
       variables: ``model.init(...)`` output with plain kernels.
-      groups: :class:`~lowrank_jax.interop.prune.ChannelGroup` s (or :func:`infer_groups`).
+      groups: :class:`~lowrank_jax.interop.channel_groups.ChannelGroup` s (or :func:`infer_groups`).
       target: fraction of the grouped kernels' parameters to remove.
       scores: ``'magnitude'`` or :func:`gradient_scores`'s dict.
       scope: ``'group'`` (each group loses ``target`` of its units) or ``'global'``.
@@ -299,7 +299,7 @@ def prune(variables: Any, groups, *, target: float, scores: Any = "magnitude",
       ``(new_variables, report)``; run them with :func:`apply`, compress them further with
       :func:`compress`.
     """
-    return _prune.prune_tree(variables, groups, target=target, scores=scores, scope=scope,
+    return _groups.prune_tree(variables, groups, target=target, scores=scores, scope=scope,
                              in_dims=in_dims)
 
 

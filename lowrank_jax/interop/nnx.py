@@ -14,7 +14,7 @@
 * :func:`param_tree`: ``nnx.state(model, nnx.Param)`` as a pure dict (what to save, count, or
   split for training with ``nnx.split`` / ``nnx.merge``).
 * :func:`prune`: structured pruning by channel groups over the state's paths (MLP hidden
-  channels, attention heads; :mod:`lowrank_jax.interop.prune`), scored by weight magnitude or
+  channels, attention heads; :mod:`lowrank_jax.interop.channel_groups`), scored by weight magnitude or
   by :func:`gradient_scores` through the user's loss.
 
 **Tied layers.** A layer held under two names (``self.last = self.first``, or one module in two
@@ -44,7 +44,7 @@ from flax import nnx
 
 from lowrank_jax.compress import as_plan, normalize_rules
 from lowrank_jax.errors import ConfigError, PlanError, ShapeError
-from lowrank_jax.interop import prune as _prune
+from lowrank_jax.interop import channel_groups as _groups
 from lowrank_jax.interop.kernels import (
     KERNEL,
     compress_tree,
@@ -53,7 +53,7 @@ from lowrank_jax.interop.kernels import (
     flat_dict,
     kernel_paths,
 )
-from lowrank_jax.leaves import Dense, Leaf, linear
+from lowrank_jax.leaves import Dense, Leaf, is_leaf, linear
 
 LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
 
@@ -80,7 +80,7 @@ class LeafLinear(nnx.Module):
     """
 
     def __init__(self, leaf: Leaf, *, dtype: Any = None, name: str = ""):
-        if not isinstance(leaf, Leaf):
+        if not is_leaf(leaf):
             raise ConfigError(f"LeafLinear {name}: expected a lowrank_jax leaf, got "
                               f"{type(leaf).__name__}", where=name or "leaf", expected="Leaf",
                               actual=type(leaf).__name__)
@@ -122,7 +122,7 @@ class LeafLinearGeneral(nnx.Module):
         self.in_features = tuple(in_features)
         self.out_features = tuple(out_features)
         self.axis = tuple(axis)
-        if not isinstance(leaf, Leaf) or len(self.axis) != len(self.in_features):
+        if not is_leaf(leaf) or len(self.axis) != len(self.in_features):
             raise ConfigError(f"LeafLinearGeneral {name}: expected a leaf and one axis per input "
                               f"feature, got {type(leaf).__name__}, axis {self.axis}, "
                               f"in_features {self.in_features}", where=name or "leaf",
@@ -270,7 +270,7 @@ def _replace(model: nnx.Module, tree: dict) -> nnx.Module:
     refs = _references(new)
     shared = None
     for key, v in flat_dict(tree).items():
-        if not isinstance(v, Leaf):
+        if not is_leaf(v):
             continue
         where = _path(key)
         if key[-1] != KERNEL or where not in linears:
@@ -382,23 +382,23 @@ def materialize(model: nnx.Module) -> nnx.Module:
 def infer_groups(model: nnx.Module) -> list:
     """Channel groups of the common patterns of the model's parameters (heads of
     ``nnx.MultiHeadAttention``, two-``nnx.Linear`` MLPs):
-    :func:`lowrank_jax.interop.prune.infer_groups` on :func:`param_tree`. Check what it
+    :func:`lowrank_jax.interop.channel_groups.infer_groups` on :func:`param_tree`. Check what it
     returns."""
-    return _prune.infer_groups(param_tree(model))
+    return _groups.infer_groups(param_tree(model))
 
 
 def magnitude_scores(model: nnx.Module, groups) -> dict:
-    """Weight-magnitude scores per unit: :func:`lowrank_jax.interop.prune.magnitude_scores`."""
+    """Weight-magnitude scores per unit: :func:`lowrank_jax.interop.channel_groups.magnitude_scores`."""
     groups = list(groups)
     _check_alias_groups(model, groups)
-    return _prune.magnitude_scores(param_tree(model), groups, in_dims=_in_dims(model))
+    return _groups.magnitude_scores(param_tree(model), groups, in_dims=_in_dims(model))
 
 
 def gradient_scores(loss_fn: Callable[[nnx.Module, Any], Any], model: nnx.Module, groups,
                     batches, **kwargs) -> dict:
     """"Less is More" eq. 6 per unit through ``loss_fn(model, batch) -> loss`` on the unchanged
     model class (rebuilt with ``nnx.merge`` from the masked parameters; every other variable
-    as the model holds it): :func:`lowrank_jax.interop.prune.gradient_scores`."""
+    as the model holds it): :func:`lowrank_jax.interop.channel_groups.gradient_scores`."""
     groups = list(groups)
     _check_alias_groups(model, groups)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
@@ -408,23 +408,23 @@ def gradient_scores(loss_fn: Callable[[nnx.Module, Any], Any], model: nnx.Module
         nnx.replace_by_pure_dict(p, tree)
         return loss_fn(nnx.merge(graphdef, p, rest), batch)
 
-    return _prune.gradient_scores(tree_loss, nnx.to_pure_dict(params), groups, batches,
+    return _groups.gradient_scores(tree_loss, nnx.to_pure_dict(params), groups, batches,
                                   in_dims=_in_dims(model), **kwargs)
 
 
 def prune(model: nnx.Module, groups, *, target: float, scores: Any = "magnitude",
           scope: str = "group") -> tuple[nnx.Module, Any]:
     """Structured pruning of an nnx model by channel groups; the model itself is not modified
-    (:func:`lowrank_jax.interop.prune.prune_tree`; the grouped layers become
+    (:func:`lowrank_jax.interop.channel_groups.prune_tree`; the grouped layers become
     :class:`LeafLinear` / :class:`LeafLinearGeneral` on full-width
     :class:`~lowrank_jax.leaves.ChannelPruned` leaves, so ``nnx.MultiHeadAttention`` keeps its
     ``num_heads`` and the model class its code).
 
     Args:
       model: any ``nnx.Module`` with plain ``nnx.Linear`` / ``nnx.LinearGeneral`` layers.
-      groups: :class:`~lowrank_jax.interop.prune.ChannelGroup` s over the state paths
+      groups: :class:`~lowrank_jax.interop.channel_groups.ChannelGroup` s over the state paths
         (``'blocks/0/mlp/0/kernel'``), or :func:`infer_groups`.
-      target, scores, scope: as :func:`lowrank_jax.interop.prune.prune_tree`.
+      target, scores, scope: as :func:`lowrank_jax.interop.channel_groups.prune_tree`.
 
     A tied layer is pruned under every name it has (each call site runs the kept channels);
     groups name it by its state path.
@@ -434,7 +434,7 @@ def prune(model: nnx.Module, groups, *, target: float, scores: Any = "magnitude"
     """
     groups = list(groups)
     _check_alias_groups(model, groups)
-    tree, report = _prune.prune_tree(param_tree(model), groups, target=target, scores=scores,
+    tree, report = _groups.prune_tree(param_tree(model), groups, target=target, scores=scores,
                                      scope=scope, in_dims=_in_dims(model))
     return _replace(model, tree), report
 

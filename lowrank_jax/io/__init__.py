@@ -29,6 +29,7 @@ A checkpoint is a directory::
      "version": 2,
      "tree": NODE,              # the parameter tree
      "state": NODE,             # optional: model state (BatchNorm statistics), or absent
+     "train": {...},            # optional: the rest of a train state (see below)
      "metadata": {...}}         # user metadata; a model checkpoint adds "config"
 
 A ``NODE`` is one of::
@@ -41,6 +42,10 @@ A ``NODE`` is one of::
                       "data": {FIELD: NODE, ...}, "static": {FIELD: STATIC, ...}}
     {"type": "array", "shape": [d0, ...], "dtype": "float32", "kind": "jax",
                       "key": "arr_000000", "sha256": HEX}
+    {"type": "namedtuple", "class": "optax...ScaleByAdamState",
+                      "items": [[FIELD, NODE], ...]}      # train states only
+    {"type": "pytree", "class": "module.QualName", "treedef": "PyTreeDef(...)",
+                      "items": [[KEY, NODE], ...]}        # train states only
 
 * ``"node"`` is any class registered with :func:`lowrank_jax.leaves.leaf_dataclass`: weight
   leaves (``Dense``, ``LowRank``, ``HeadLowRank``, ``MaskedBinary``, ``FrozenBinary``, types
@@ -53,12 +58,33 @@ A ``NODE`` is one of::
   ``{"list": [STATIC, ...]}`` (tagged so that a tuple comes back as a tuple and treedefs match).
 * ``kind`` is ``"jax"`` (restored as a ``jax.Array`` on the default device), ``"numpy"``
   (``numpy.ndarray``) or ``"numpy_scalar"``. Zero-size arrays have no ``key`` and are described
-  by the skeleton alone (orbax refuses them).
+  by the skeleton alone (orbax refuses them). Train states add ``"key"`` (a typed PRNG key
+  array, stored as its key data; ``"impl"`` names the key implementation) and ``"bool"`` /
+  ``"int"`` / ``"float"`` (Python scalars).
 * ``sha256`` is the hex digest of ``"<dtype>:<d0>,<d1>,...:"`` (UTF-8) followed by the array's
   bytes in C order (:func:`lowrank_jax.io.skeleton.array_checksum`). It is verified on load: an
   array whose bytes changed raises :class:`~lowrank_jax.errors.CorruptCheckpointError` naming
   its tree path, ``arrays/`` and ``tree.json``. It is ``null`` only for an array that was split
   over several processes when it was saved.
+* ``"namedtuple"`` and ``"pytree"`` nodes hold optimizer states and other pytree node types
+  (not leaf types). Without the code that built them a NamedTuple is read back as a
+  ``collections.namedtuple`` of the same name and fields; a ``"pytree"`` node is rebuilt only
+  by :meth:`lowrank_jax.train.Checkpointer.restore` from a ``like`` tree.
+
+Train states. A step directory of :class:`lowrank_jax.train.Checkpointer` is a checkpoint of
+this format: ``tree`` holds the full parameters of the ``TrainState`` (trainable and frozen
+parts rejoined), ``state`` its model state, and ``train`` the rest::
+
+    "train": {"layout": "train_state", "step": 7, "data_position": 42, "config": null,
+              "frozen": ["bin/w", ...],   # arrays of "tree" held by TrainState.frozen
+              "trees": {"step": NODE, "opt_state": NODE, "rng": NODE,
+                        "data_position": NODE}}
+
+(``"layout": "tree"`` and no ``trees`` when a whole other tree was saved as ``tree``). So
+:func:`load_params` of a step gives the trained parameters, :func:`load_state` the model
+state, :func:`lowrank_jax.train.load_train_state` the whole state, and a checkpoint written by
+:func:`save_params` starts training: ``fit(loss, path, ...)``. Parameter readers skip
+``train``'s arrays.
 
 A damaged checkpoint raises one :class:`~lowrank_jax.errors.CorruptCheckpointError`, one line:
 the checkpoint, every array that cannot be read or fails its checksum (tree path and key, such

@@ -4,7 +4,9 @@ A checkpoint is a directory holding ``tree.json`` (the skeleton, see
 :mod:`lowrank_jax.io.skeleton`, and the metadata) and ``arrays/`` (an orbax PyTree checkpoint
 of the non-empty arrays). Every stored array carries a sha256 checksum in the skeleton, verified
 when it is read. Checkpoints of format version 1 (lowrank_jax 0.1) are read through
-:mod:`lowrank_jax.io.legacy`.
+:mod:`lowrank_jax.io.legacy`. The step directories of :class:`lowrank_jax.train.Checkpointer`
+are checkpoints of this format with a ``train`` section, which the parameter readers skip
+(:func:`restore_arrays` and :func:`write_contents` are shared with it).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from lowrank_jax.io._reads import (
     read_each,
 )
 from lowrank_jax.io.legacy import find_v1_attention, skeleton_from_v1
-from lowrank_jax.io.skeleton import TreeEncoder, array_checksum, build_tree, collect_arrays
+from lowrank_jax.io.skeleton import TreeEncoder, build_tree, checksum_if_readable, collect_arrays
 
 FORMAT = "lowrank_jax.params"
 VERSION = 2
@@ -42,6 +44,9 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 TREE_FILE = "tree.json"
 ARRAYS_DIR = "arrays"
+#: The ``tree.json`` key of the train-state section that :class:`lowrank_jax.train.Checkpointer`
+#: writes (optimizer state, PRNG key, step, data position); parameter readers skip it.
+TRAIN_KEY = "train"
 #: Root label of the model-state tree in messages.
 STATE_ROOT = "<state>"
 
@@ -107,8 +112,6 @@ def save_params(path: str | os.PathLike, params: Any, *, metadata: dict | None =
       LeafTypeError: a node, dict key, static field or ``metadata`` cannot be saved (an
         unsupported type, PRNG key arrays). Nothing is written in that case.
     """
-    import orbax.checkpoint as ocp  # slow import, only needed here
-
     if metadata is not None and not isinstance(metadata, dict):
         raise LeafTypeError(f"save_params: metadata must be a dict, got {type(metadata).__name__}",
                             where="metadata", expected="dict", actual=type(metadata).__name__)
@@ -124,9 +127,27 @@ def save_params(path: str | os.PathLike, params: Any, *, metadata: dict | None =
                             where="metadata", expected="JSON-serializable values") from e
     with files.atomic_directory(path, overwrite=overwrite, owned=is_checkpoint,
                                 who="save_params") as tmp:
-        if enc.arrays:
-            ocp.PyTreeCheckpointer().save(os.path.join(tmp, ARRAYS_DIR), enc.arrays)
-        files.write_text(os.path.join(tmp, TREE_FILE), text)
+        write_contents(tmp, text, enc.arrays)
+
+
+def write_contents(directory: str, document: str, arrays: dict[str, Any], *,
+                   write_document: bool = True) -> None:
+    """Write a checkpoint's files into the (temporary) directory ``directory``.
+
+    Args:
+      directory: an existing directory, renamed into place by the caller.
+      document: the text of ``tree.json``.
+      arrays: ``{key: array}`` of the stored arrays (written to ``arrays/`` by orbax; with
+        several processes writing one directory, every process calls this with its part of
+        the global arrays).
+      write_document: write ``tree.json`` (with several processes, only one of them does).
+    """
+    import orbax.checkpoint as ocp  # slow import, only needed here
+
+    if arrays:
+        ocp.PyTreeCheckpointer().save(os.path.join(directory, ARRAYS_DIR), arrays)
+    if write_document:
+        files.write_text(os.path.join(directory, TREE_FILE), document)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -207,9 +228,18 @@ def read_document(path: str | os.PathLike, who: str = "load_params") -> tuple[st
                               actual=type(doc.get(field)).__name__)
     if version == 1:
         doc = dict(doc, tree=skeleton_from_v1(doc["tree"]), state=None)
-    elif doc.get("state") is not None and not isinstance(doc["state"], dict):
-        raise _ckpt_error(tree_file, f"{who}: {tree_file} has a 'state' that is neither null nor "
-                          f"a skeleton object (found {type(doc['state']).__name__})")
+    else:
+        if doc.get("state") is not None and not isinstance(doc["state"], dict):
+            raise _ckpt_error(tree_file, f"{who}: {tree_file} has a 'state' that is neither null "
+                              f"nor a skeleton object (found {type(doc['state']).__name__})")
+        train = doc.get(TRAIN_KEY)
+        if train is not None and not (isinstance(train, dict)
+                                      and isinstance(train.get("trees", {}), dict)
+                                      and all(isinstance(t, dict)
+                                              for t in train.get("trees", {}).values())):
+            raise _ckpt_error(tree_file, f"{who}: {tree_file} has a '{TRAIN_KEY}' section that is "
+                              "not an object with a 'trees' object of skeletons",
+                              expected="an object", actual=type(train).__name__)
     return path, tree_file, doc
 
 
@@ -249,6 +279,8 @@ def read_checkpoint(path: str | os.PathLike, *, params: bool = True, state: bool
     trees = {"params": ("", doc["tree"])}
     if doc.get("state") is not None:
         trees["state"] = (STATE_ROOT, doc["state"])
+    for name, spec in (doc.get(TRAIN_KEY) or {}).get("trees", {}).items():
+        trees[f"{TRAIN_KEY}/{name}"] = (f"<{TRAIN_KEY}>/{name}", spec)  # arrays not read here
     specs: dict[str, tuple[str, dict]] = {}
     owner: dict[str, str] = {}
     for name, (root, spec) in trees.items():
@@ -258,7 +290,7 @@ def read_checkpoint(path: str | os.PathLike, *, params: bool = True, state: bool
     wanted = {n for n, flag in (("params", params), ("state", state)) if flag and n in trees}
     arrays = {}
     if specs:
-        arrays = _restore_arrays(os.path.join(path, ARRAYS_DIR), specs,
+        arrays = restore_arrays(os.path.join(path, ARRAYS_DIR), specs,
                                  {k for k in specs if owner[k] in wanted}, tree_file,
                                  verify and checksums, who)
     out = {n: build_tree(trees[n][1], arrays, tree_file, trees[n][0]) for n in sorted(wanted)}
@@ -316,25 +348,117 @@ def load_state(path: str | os.PathLike, *, verify: bool = True) -> Any:
     return read_checkpoint(path, params=False, verify=verify, who="load_state").state
 
 
-def _restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted: set[str],
-                    tree_file: str, verify: bool, who: str) -> dict:
+def restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted: set[str],
+                   tree_file: str, verify: bool, who: str, *, shardings: dict | None = None,
+                   hint: str | None = None, check_stored: bool = True) -> dict:
+    """Restore the arrays ``wanted`` of a checkpoint's ``arrays/`` and check their checksums.
+
+    Args:
+      arrays_dir: the checkpoint's ``arrays/`` directory.
+      specs: ``{key: (path, array spec)}`` of every array the checkpoint stores (from
+        :func:`lowrank_jax.io.skeleton.collect_arrays`).
+      wanted: the keys to read.
+      tree_file: the checkpoint's ``tree.json``, for messages.
+      verify: compare each array read with its sha256 checksum.
+      who: the caller's name, for messages.
+      shardings: ``{key: jax.sharding.Sharding}`` for arrays restored as ``jax.Array`` (default:
+        the default device).
+      hint: what the user can do about a damaged checkpoint, ending its message.
+      check_stored: before reading, compare the keys, shapes and dtypes orbax lists in
+        ``arrays/`` with ``specs`` (a :class:`~lowrank_jax.errors.CheckpointError` naming the
+        first difference). It costs a metadata read per array; without it a difference shows
+        as an array that cannot be read (orbax checks shapes) or, with ``verify``, fails its
+        checksum (which covers dtype, shape and bytes).
+
+    Returns:
+      ``{key: array}``.
+
+    Raises:
+      CorruptCheckpointError: files are missing, cut short or altered (one line naming every
+        damaged array by path and key).
+      CheckpointError: the stored arrays do not match ``specs``.
+    """
     import orbax.checkpoint as ocp
+
+    hint = _RESTORE_HINT if hint is None else hint
+    shardings = shardings or {}
 
     if not os.path.isdir(arrays_dir):
         ckpt = os.path.dirname(arrays_dir)
         raise CorruptCheckpointError(
             f"{who}: checkpoint {ckpt} is damaged: {tree_file} lists {len(specs)} stored arrays "
-            f"but {arrays_dir} does not exist. {_RESTORE_HINT}", where=ckpt, expected=ARRAYS_DIR,
+            f"but {arrays_dir} does not exist. {hint}", where=ckpt, expected=ARRAYS_DIR,
             actual="missing", arrays={p or "<root>": "cannot be read: arrays/ is missing"
                                       for p, _ in specs.values()})
     ckptr = ocp.PyTreeCheckpointer()
+    stored = None
+    if check_stored:
+        stored = _stored_metadata(ckptr, arrays_dir, specs, wanted, tree_file, who, hint)
+    device = jax.devices()[0]
+    restore_args = {}
+    for key in sorted(wanted):
+        spec = specs[key][1]
+        shape, dtype = tuple(spec["shape"]), jnp.dtype(spec["dtype"])
+        if spec["kind"] in ("jax", "key"):
+            sharding = shardings.get(key) or jax.sharding.SingleDeviceSharding(device)
+            restore_args[key] = ocp.ArrayRestoreArgs(sharding=sharding, global_shape=shape,
+                                                     dtype=dtype)
+        else:
+            restore_args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
+    if not restore_args:
+        return {}
+    partial = len(restore_args) < (len(stored) if stored is not None else len(specs))
+    problems: dict[str, str] = {}
+    try:
+        with quiet_reads():
+            arrays = ckptr.restore(arrays_dir, args=ocp.args.PyTreeRestore(
+                item={k: 0 for k in restore_args}, restore_args=restore_args,
+                partial_restore=partial))
+    except Exception as e:
+        # Find every array that cannot be read: the index (all of them), or one at a time.
+        why = index_damage(arrays_dir)
+        if why is not None:
+            raise _unreadable_index(who, arrays_dir, specs, sorted(restore_args), why,
+                                    hint) from None
+        arrays, problems = read_each(arrays_dir, restore_args,
+                                     partial=stored is None or len(stored) > 1)
+        problems = {k: f"cannot be read: {p}" for k, p in problems.items()}
+        if not problems:  # each array reads alone: say what the whole read said
+            ckpt = os.path.dirname(arrays_dir)
+            raise CorruptCheckpointError(
+                f"{who}: checkpoint {ckpt} is damaged: its arrays cannot be read together "
+                f"({describe(e, root=arrays_dir)}; in {arrays_dir}). {hint}",
+                where=ckpt) from None
+    expected_sum = actual_sum = None
+    if verify:
+        for key, x in arrays.items():
+            expected = specs[key][1].get("sha256")
+            actual = checksum_if_readable(x) if expected is not None else None
+            if actual is None:  # split over processes when saved, or now: no host digest
+                continue
+            if actual != expected:
+                problems[key] = (f"is corrupt: it fails its checksum (its bytes do not match the "
+                                 f"sha256 checksum recorded in {tree_file}: expected "
+                                 f"{expected[:16]}..., got {actual[:16]}...)")
+                expected_sum, actual_sum = expected, actual
+    if problems:
+        raise _damaged(who, arrays_dir, specs, problems,
+                       *((expected_sum, actual_sum) if len(problems) == 1 else (None, None)),
+                       hint=hint)
+    return arrays
+
+
+def _stored_metadata(ckptr: Any, arrays_dir: str, specs: dict[str, tuple[str, dict]],
+                     wanted: set[str], tree_file: str, who: str, hint: str) -> dict:
+    """What orbax lists in ``arrays_dir``, checked against ``specs`` (keys, and the shapes and
+    dtypes of the arrays ``wanted``)."""
     try:
         with quiet_reads():
             stored = ckptr.metadata(arrays_dir).item_metadata.tree
     except Exception as e:  # orbax raises several types for an unreadable checkpoint
         why = index_damage(arrays_dir) or describe(e, root=arrays_dir)
         raise _unreadable_index(who, arrays_dir, specs, sorted(wanted) or sorted(specs),
-                                why) from None
+                                why, hint) from None
     if not isinstance(stored, dict):
         raise _ckpt_error(arrays_dir, f"{who}: {arrays_dir} should hold a flat dict of arrays, "
                           f"found {type(stored).__name__}")
@@ -346,8 +470,6 @@ def _restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted:
             arrays_dir, f"{who}: arrays in {arrays_dir} do not match {tree_file}: missing "
             f"{listed}{' ...' if len(missing) > 5 else ''}, unexpected {extra[:5]}"
             f"{' ...' if len(extra) > 5 else ''}", expected=sorted(specs), actual=sorted(stored))
-    device = jax.devices()[0]
-    restore_args = {}
     for key in sorted(wanted):
         tree_path, spec = specs[key]
         shape, dtype = tuple(spec["shape"]), jnp.dtype(spec["dtype"])
@@ -360,48 +482,7 @@ def _restore_arrays(arrays_dir: str, specs: dict[str, tuple[str, dict]], wanted:
                 arrays_dir, f"{who}: array '{tree_path}' ({key} in {arrays_dir}) does not match "
                 f"{tree_file}: expected {dtype.name}{list(shape)}, found {found}",
                 expected=f"{dtype.name}{list(shape)}", actual=found)
-        if spec["kind"] == "jax":
-            restore_args[key] = ocp.ArrayRestoreArgs(
-                sharding=jax.sharding.SingleDeviceSharding(device), global_shape=shape,
-                dtype=dtype)
-        else:
-            restore_args[key] = ocp.RestoreArgs(restore_type=np.ndarray, dtype=dtype)
-    if not restore_args:
-        return {}
-    partial = len(restore_args) < len(stored)
-    problems: dict[str, str] = {}
-    try:
-        with quiet_reads():
-            arrays = ckptr.restore(arrays_dir, args=ocp.args.PyTreeRestore(
-                item={k: 0 for k in restore_args}, restore_args=restore_args,
-                partial_restore=partial))
-    except Exception as e:
-        # Find every array that cannot be read: the index (all of them), or one at a time.
-        why = index_damage(arrays_dir)
-        if why is not None:
-            raise _unreadable_index(who, arrays_dir, specs, sorted(restore_args), why) from None
-        arrays, problems = read_each(arrays_dir, restore_args, partial=len(stored) > 1)
-        problems = {k: f"cannot be read: {p}" for k, p in problems.items()}
-        if not problems:  # each array reads alone: say what the whole read said
-            raise _ckpt_error(arrays_dir, f"{who}: cannot read the arrays of checkpoint "
-                              f"{os.path.dirname(arrays_dir)} (in {arrays_dir}) together: "
-                              f"{describe(e, root=arrays_dir)}") from None
-    expected_sum = actual_sum = None
-    if verify:
-        for key, x in arrays.items():
-            expected = specs[key][1].get("sha256")
-            if expected is None:  # saved from arrays split over processes: no host digest
-                continue
-            actual = array_checksum(x)
-            if actual != expected:
-                problems[key] = (f"is corrupt: its bytes do not match the sha256 checksum "
-                                 f"recorded in {tree_file} (expected {expected[:16]}..., got "
-                                 f"{actual[:16]}...)")
-                expected_sum, actual_sum = expected, actual
-    if problems:
-        raise _damaged(who, arrays_dir, specs, problems,
-                       *((expected_sum, actual_sum) if len(problems) == 1 else (None, None)))
-    return arrays
+    return stored
 
 
 _RESTORE_HINT = ("The files changed after they were written (truncated, deleted or altered); "
@@ -409,28 +490,29 @@ _RESTORE_HINT = ("The files changed after they were written (truncated, deleted 
 
 
 def _damaged(who: str, arrays_dir: str, specs: dict, problems: dict[str, str],
-             expected: Any = None, actual: Any = None) -> CorruptCheckpointError:
+             expected: Any = None, actual: Any = None, *,
+             hint: str = _RESTORE_HINT) -> CorruptCheckpointError:
     """One line naming the checkpoint, each damaged array (tree path and orbax key) and what
     is wrong with it."""
     ckpt = os.path.dirname(arrays_dir)
     named = {k: specs[k][0] or "<root>" for k in problems}
     body = list_damage({(named[k], k): p for k, p in problems.items()}, arrays_dir)
     return CorruptCheckpointError(
-        f"{who}: checkpoint {ckpt} is damaged: {body}. {_RESTORE_HINT}", where=ckpt,
+        f"{who}: checkpoint {ckpt} is damaged: {body}. {hint}", where=ckpt,
         expected=expected, actual=actual, arrays={named[k]: p for k, p in problems.items()})
 
 
 def _unreadable_index(who: str, arrays_dir: str, specs: dict, keys: list[str],
-                      why: str) -> CorruptCheckpointError:
+                      why: str, hint: str = _RESTORE_HINT) -> CorruptCheckpointError:
     """None of ``keys`` can be read because the files indexing them are damaged."""
     ckpt = os.path.dirname(arrays_dir)
     named = [specs[k][0] or "<root>" for k in keys]
     return CorruptCheckpointError(
         f"{who}: checkpoint {ckpt} is damaged: none of its {len(keys)} arrays "
-        f"({list_names(named)}) can be read, because {why} (in {arrays_dir}). {_RESTORE_HINT}",
+        f"({list_names(named)}) can be read, because {why} (in {arrays_dir}). {hint}",
         where=ckpt, arrays={n: f"cannot be read: {why}" for n in named})
 
 
-__all__ = ["ARRAYS_DIR", "FORMAT", "READABLE_VERSIONS", "STATE_ROOT", "TREE_FILE", "VERSION",
-           "Stored", "is_checkpoint", "load_metadata", "load_params", "load_state",
-           "read_checkpoint", "read_document", "save_params"]
+__all__ = ["ARRAYS_DIR", "FORMAT", "READABLE_VERSIONS", "STATE_ROOT", "TRAIN_KEY", "TREE_FILE",
+           "VERSION", "Stored", "is_checkpoint", "load_metadata", "load_params", "load_state",
+           "read_checkpoint", "read_document", "restore_arrays", "save_params", "write_contents"]

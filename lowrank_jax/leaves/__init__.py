@@ -1,26 +1,24 @@
 """Leaf types, the ``x @ W`` and query-key dispatches, ``materialize``, counts, surgery and
-placement (the bottom layer of lowrank_jax)."""
+placement (the bottom layer of lowrank_jax).
 
+What users of leaves call is listed in ``__all__``; what authors of new leaf types need
+(``leaf_dataclass``, the ``Leaf`` / ``QK`` protocols, count helpers, ``Factors``) is gathered in
+:mod:`lowrank_jax.leaves.kit`. Every name stays importable from here.
+"""
+
+from lowrank_jax.leaves import kit  # noqa: F401  (the leaf authors' kit, a submodule)
 from lowrank_jax.leaves.base import (
-    Leaf,
-    array_bits,
-    array_size,
     bias_of,
-    check_bias,
-    data_fields,
+    factors,
     is_leaf,
     keep_inputs,
     keep_outputs,
-    leaf_dataclass,
     leaf_dtype,
     linear,
     materialize,
     materialize_host,
-    meta_fields,
-    node_types,
-    qualified_name,
-    require_leaf,
-    slice_bias,
+    matmul_flops,
+    weight_shape,
 )
 from lowrank_jax.leaves.channel_masked import (
     ChannelMasked,
@@ -29,6 +27,7 @@ from lowrank_jax.leaves.channel_masked import (
     count_rows,
     is_channel_masked,
     kept_counts,
+    kept_outputs,
     mask_leaf,
     mask_partition,
     pruned_leaf,
@@ -39,6 +38,26 @@ from lowrank_jax.leaves.dense import Dense, LowRank, is_dense
 from lowrank_jax.leaves.head_lowrank import HeadLowRank
 from lowrank_jax.leaves.heads import HeadLayout, head_offsets, is_uniform, merge_heads, split_heads
 from lowrank_jax.leaves.init import init_dense, init_head_lowrank, init_lowrank
+
+# The leaf authors' names (lowrank_jax.leaves.kit), importable from here as before.
+from lowrank_jax.leaves.kit import (  # noqa: E402, F401
+    CONCRETE,
+    QK,
+    Factors,
+    Leaf,
+    Projections,
+    array_bits,
+    array_size,
+    check_bias,
+    data_fields,
+    leaf_dataclass,
+    meta_fields,
+    node_fields,
+    node_types,
+    qualified_name,
+    require_leaf,
+    slice_bias,
+)
 from lowrank_jax.leaves.lora import LoRA, add_lora, init_lora, is_lora, merge_lora
 from lowrank_jax.leaves.masked_binary import (
     FixedBias,
@@ -48,6 +67,7 @@ from lowrank_jax.leaves.masked_binary import (
     init_masked_binary,
     keep_count,
     top_mask,
+    with_kept_divisor,
 )
 from lowrank_jax.leaves.packed_binary import (
     PackedBinary,
@@ -59,7 +79,12 @@ from lowrank_jax.leaves.packed_binary import (
 )
 from lowrank_jax.leaves.partitioned import CompressedKeys, Partitioned
 from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey, augmented_joint
-from lowrank_jax.leaves.query_key import QK, QueryKey, attention_logits
+from lowrank_jax.leaves.query_key import (
+    QueryKey,
+    as_query_key,
+    attention_logits,
+    is_query_key,
+)
 from lowrank_jax.leaves.sharding import mesh_shardings, partition_specs
 from lowrank_jax.leaves.tree import (
     check_tokens,
@@ -78,20 +103,18 @@ from lowrank_jax.leaves.tree import (
 )
 
 __all__ = [
-    "ChannelMasked", "ChannelPruned", "LoRA", "add_lora", "channel_masks", "count_rows",
-    "init_lora", "is_channel_masked", "is_lora", "kept_counts", "mask_leaf", "mask_partition",
-    "merge_lora", "pruned_leaf", "unmask", "with_channel_masks",
-    "BTDQueryKey", "CPQueryKey", "augmented_joint",
-    "QK", "Dense", "FrozenBinary", "HeadLayout", "HeadLowRank", "Leaf", "LowRank",
-    "CompressedKeys", "Partitioned",
-    "MaskedBinary", "QueryKey", "array_bits", "array_size", "attention_logits", "bias_of",
-    "check_bias", "check_tokens", "combine", "data_fields", "flops", "get_path", "head_offsets",
-    "init_dense", "init_head_lowrank", "init_lowrank", "init_masked_binary", "is_leaf",
-    "is_dense", "is_uniform", "keep_count", "keep_inputs", "keep_outputs", "layer_index", "leaf_dataclass",
-    "leaf_dtype", "linear", "map_with_path", "materialize", "materialize_host", "merge_heads",
-    "mesh_shardings", "meta_fields", "named_leaves", "node_types", "param_count", "partition",
-    "partition_specs", "path_str", "qualified_name", "replace_paths", "require_leaf",
-    "slice_bias", "split_heads", "storage_bits", "top_mask", "trainable_mask",
-    "FixedBias", "alpha_divisor", "PackedBinary", "pack_binary_tree", "pack_bits", "pack_pm1",
-    "unpack_bits", "xnor_dot",
+    "BTDQueryKey", "CPQueryKey", "ChannelMasked", "ChannelPruned", "CompressedKeys", "Dense",
+    "FixedBias", "FrozenBinary", "HeadLayout", "HeadLowRank", "LoRA", "LowRank",
+    "MaskedBinary", "PackedBinary", "Partitioned", "QueryKey", "add_lora", "alpha_divisor",
+    "as_query_key", "attention_logits", "augmented_joint", "bias_of", "channel_masks",
+    "check_tokens", "combine", "count_rows", "factors", "flops", "get_path", "head_offsets",
+    "init_dense", "init_head_lowrank", "init_lora", "init_lowrank", "init_masked_binary",
+    "is_channel_masked", "is_dense", "is_leaf", "is_lora", "is_query_key", "is_uniform",
+    "keep_count", "keep_inputs", "keep_outputs", "kept_counts", "kept_outputs", "layer_index",
+    "leaf_dtype", "linear", "map_with_path", "mask_leaf", "mask_partition", "materialize",
+    "materialize_host", "matmul_flops", "merge_heads", "merge_lora", "mesh_shardings",
+    "named_leaves", "pack_binary_tree", "pack_bits", "pack_pm1", "param_count", "partition",
+    "partition_specs", "path_str", "pruned_leaf", "replace_paths", "split_heads", "storage_bits",
+    "top_mask", "trainable_mask", "unmask", "unpack_bits", "weight_shape", "with_channel_masks",
+    "with_kept_divisor", "xnor_dot",
 ]

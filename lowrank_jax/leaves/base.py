@@ -14,32 +14,44 @@ Conventions (see the README's architecture section):
   multiply-add is removed); bias additions and activation work are not counted.
 * Storage bits count what must be stored to run the leaf at inference.
 
-The protocol, by concern:
+The protocol: a required core every leaf answers, and optional capabilities with defaults.
 
 ========================  ==================================================================
-compute                   :meth:`Leaf.apply` (through :func:`linear`), :meth:`Leaf.to_dense`
-                          (through :func:`materialize`)
-counts                    :meth:`Leaf.param_count`, :meth:`Leaf.storage_bits`,
+required core             :attr:`Leaf.shape`, :meth:`Leaf.apply` (through :func:`linear`),
+                          :meth:`Leaf.to_dense` (through :func:`materialize`),
+                          :meth:`Leaf.param_count`, :meth:`Leaf.storage_bits`,
                           :meth:`Leaf.flops`
-training                  :meth:`Leaf.trainable` (which children ``jax.grad`` sees)
-surgery                   :meth:`Leaf.keep_inputs`, :meth:`Leaf.keep_outputs` (physical removal
-                          of channels), :attr:`Leaf.bias`, :meth:`Leaf.with_bias`
-placement                 :meth:`Leaf.logical_axes` (a logical axis name per array dimension;
-                          :func:`lowrank_jax.leaves.mesh_shardings` maps names to a mesh)
+surgery (optional)        :meth:`Leaf.keep_inputs`, :meth:`Leaf.keep_outputs` (physical removal
+                          of channels), :attr:`Leaf.bias`, :meth:`Leaf.with_bias`; the
+                          defaults raise :class:`~lowrank_jax.errors.NotSupportedError`
+                          naming the leaf type and the method to implement
+fast paths (optional)     :meth:`Leaf.factors` (``W`` as stored factors, so attention can fold
+                          keys and values through them); the default ``None`` means "no fast
+                          path": blocks then take the general path, with the same result
+placement (optional)      :meth:`Leaf.logical_axes` (a logical axis name per array dimension;
+                          :func:`lowrank_jax.leaves.mesh_shardings` maps names to a mesh); the
+                          default names no dimension (replicated, FSDP still shards by size)
+training (optional)       :meth:`Leaf.trainable` (which children ``jax.grad`` sees); the
+                          default trains every array child
 ========================  ==================================================================
+
+Blocks, compressors and converters ask a leaf for a capability through the dispatch functions
+here (:func:`linear`, :func:`factors`, :func:`keep_inputs`, :func:`bias_of`, ...), never which
+class it is, so a leaf type written outside lowrank_jax takes every path a built-in one takes
+(``tests/test_extension.py``).
 """
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import LeafTypeError, ShapeError
+from lowrank_jax.errors import LeafTypeError, NotSupportedError, ShapeError
 
 Array = jax.Array
 
@@ -88,7 +100,7 @@ def leaf_dataclass(cls: type | None = None, *, meta: tuple[str, ...] = ()):
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = set(meta) - set(names)
     if unknown:
-        raise TypeError(f"leaf_dataclass: {cls.__name__} has no fields {sorted(unknown)} (meta)")
+        raise LeafTypeError(f"leaf_dataclass: {cls.__name__} has no fields {sorted(unknown)} (meta)")
     data = tuple(n for n in names if n not in meta)
     static = tuple(meta)
 
@@ -126,18 +138,54 @@ def meta_fields(node: Any) -> tuple[str, ...]:
         node.__lowrank_jax_meta__
 
 
+def node_fields(node: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(children, static)`` of a registered node: its array fields and its static fields by
+    name (what a serializer writes; blocks ask for capabilities instead)."""
+    return ({n: getattr(node, n) for n in data_fields(node)},
+            {n: getattr(node, n) for n in meta_fields(node)})
+
+
 # ---------------------------------------------------------------------------------------------
 # The weight-leaf protocol.
+
+class Factors(NamedTuple):
+    """A weight as the factors it is stored as: ``W[rows, :] = first @ second`` (the rows not
+    in ``rows`` are zero), plus its bias.
+
+    Fields:
+      first: ``[n_read, r]``, or ``None`` when the weight is one dense matrix (``W = second``).
+      second: ``[r, d_out]`` (``[n_read, d_out]`` when ``first`` is ``None``).
+      rows: static sorted input positions the weight reads (``None``: all ``d_in``).
+      bias: ``[d_out]`` or ``None``.
+
+    Arrays as stored, nothing computed: a block may multiply through them in any order.
+    """
+
+    first: Array | None
+    second: Array
+    rows: tuple[int, ...] | None = None
+    bias: Array | None = None
+
+
+def _not_supported(leaf: Any, method: str, needed_by: str) -> NotSupportedError:
+    name = type(leaf).__name__
+    return NotSupportedError(
+        f"{name} does not support {method} (needed by {needed_by}); implement "
+        f"{name}.{method} to enable it", where=name, expected=method, actual="not implemented")
+
 
 class Leaf(abc.ABC):
     """Base class of all weight leaf types (one matrix ``W: [d_in, d_out]``, possibly
     compressed).
 
-    Subclasses are frozen dataclasses registered with :func:`leaf_dataclass`. Implement the
-    abstract methods; :meth:`trainable` has a default (train every array child).
+    Subclasses are frozen dataclasses registered with :func:`leaf_dataclass`. A new leaf must
+    implement the required core (:attr:`shape`, :meth:`apply`, :meth:`to_dense`,
+    :meth:`param_count`, :meth:`storage_bits`, :meth:`flops`); the optional capabilities
+    (surgery, bias, factors, placement, training) have defaults that either say clearly that
+    the leaf does not support them or take the general path.
     """
 
-    # -- compute ----------------------------------------------------------------------------
+    # -- required core: compute -------------------------------------------------------------
 
     @property
     @abc.abstractmethod
@@ -152,7 +200,7 @@ class Leaf(abc.ABC):
     def to_dense(self) -> Array:
         """The dense ``[d_in, d_out]`` matrix (bias excluded). Call :func:`materialize`."""
 
-    # -- counts -----------------------------------------------------------------------------
+    # -- required core: counts --------------------------------------------------------------
 
     @abc.abstractmethod
     def param_count(self) -> int:
@@ -166,35 +214,46 @@ class Leaf(abc.ABC):
     def flops(self, n_tokens: int) -> int:
         """Multiply-adds of ``x @ W`` for ``n_tokens`` input rows, as executed."""
 
-    # -- surgery ----------------------------------------------------------------------------
+    # -- optional: surgery ------------------------------------------------------------------
 
     @property
-    @abc.abstractmethod
     def bias(self) -> Array | None:
-        """The bias ``[d_out]`` or ``None``."""
+        """The bias ``[d_out]`` or ``None``. Default: not supported."""
+        raise _not_supported(self, "bias", "reading the bias: compression, export, folding")
 
-    @abc.abstractmethod
     def with_bias(self, b: Array | None) -> "Leaf":
-        """The same leaf with bias ``b`` (``[d_out]`` or ``None``)."""
+        """The same leaf with bias ``b`` (``[d_out]`` or ``None``). Default: not supported."""
+        raise _not_supported(self, "with_bias", "replacing the bias")
 
-    @abc.abstractmethod
     def keep_inputs(self, idx: np.ndarray) -> "Leaf":
         """A leaf computing ``x[..., idx] @ W[idx, :]``: the input channels ``idx`` kept.
 
         ``idx`` is a sorted 1-D integer NumPy array of distinct channels (static). Used by
         structured pruning: the result is physically smaller. ``idx`` may be empty: a leaf
         with no inputs computes its bias alone (zeros without one) and should store nothing
-        else that could only multiply zeros.
+        else that could only multiply zeros. Default: not supported.
         """
+        raise _not_supported(self, "keep_inputs", "structured pruning's channel removal")
 
-    @abc.abstractmethod
     def keep_outputs(self, idx: np.ndarray) -> "Leaf":
         """A leaf computing ``(x @ W + b)[..., idx]``: the output channels ``idx`` kept.
-        ``idx`` may be empty (a leaf with no outputs computes ``[..., 0]``)."""
+        ``idx`` may be empty (a leaf with no outputs computes ``[..., 0]``). Default: not
+        supported."""
+        raise _not_supported(self, "keep_outputs", "structured pruning's channel removal")
 
-    # -- placement --------------------------------------------------------------------------
+    # -- optional: fast paths ---------------------------------------------------------------
 
-    @abc.abstractmethod
+    def factors(self) -> Factors | None:
+        """The weight as the arrays it is stored as (:class:`Factors`), or ``None``.
+
+        A leaf that answers lets attention fold its keys and values into the queries through
+        the factors (:func:`lowrank_jax.nn.execution.fold_keys`), never rebuilding ``W``.
+        Default ``None``: no fast path; blocks take the general path, with the same result.
+        """
+        return None
+
+    # -- optional: placement ----------------------------------------------------------------
+
     def logical_axes(self) -> dict[str, tuple[str | None, ...]]:
         """A logical axis name for every dimension of every array child.
 
@@ -203,9 +262,17 @@ class Leaf(abc.ABC):
         ``'machine'`` (partitioned leaves). ``None`` marks a dimension with no name.
         :func:`lowrank_jax.leaves.mesh_shardings` maps names to mesh axes; FSDP shards any
         dimension by size. Entries for children that are ``None`` are ignored.
-        """
 
-    # -- training ---------------------------------------------------------------------------
+        Default: no dimension named (the arrays are replicated unless FSDP shards them).
+        """
+        out = {}
+        for name in data_fields(self):
+            child = getattr(self, name)
+            if child is not None and hasattr(child, "ndim"):
+                out[name] = (None,) * int(child.ndim)
+        return out
+
+    # -- optional: training -----------------------------------------------------------------
 
     def trainable(self) -> "Leaf":
         """Same-structure tree of bools: which children ``jax.grad`` should see.
@@ -293,6 +360,32 @@ def bias_of(w: Leaf | Array) -> Array | None:
     return w.bias if isinstance(w, Leaf) else None
 
 
+def weight_shape(w: Leaf | Array) -> tuple[int, ...]:
+    """``(d_in, d_out)`` of a leaf, the shape of anything else (a plain array)."""
+    if isinstance(w, Leaf):
+        return tuple(int(d) for d in w.shape)
+    return tuple(int(d) for d in np.shape(w))
+
+
+def factors(w: Leaf | Array) -> Factors | None:
+    """``w`` as stored factors (:meth:`Leaf.factors`): a plain ``[d_in, d_out]`` array is one
+    dense factor; ``None`` for a leaf without the capability (or anything else)."""
+    if isinstance(w, Leaf):
+        return w.factors()
+    if np.ndim(w) != 2:
+        return None
+    return Factors(None, jnp.asarray(w), None, None)
+
+
+def matmul_flops(w: Leaf | Array, n_tokens: int) -> int:
+    """Multiply-adds of ``x @ W`` for ``n_tokens`` rows: the leaf's own count
+    (:meth:`Leaf.flops`), ``n_tokens * d_in * d_out`` for a plain array. (The tree counts of
+    :func:`lowrank_jax.flops` count plain arrays as 0: they are not weights there.)"""
+    if isinstance(w, Leaf):
+        return int(w.flops(int(n_tokens)))
+    return int(n_tokens) * int(np.shape(w)[0]) * int(np.shape(w)[1])
+
+
 def _check_idx(idx, size: int, what: str, where: str) -> np.ndarray:
     idx = np.asarray(idx)
     if idx.shape == (0,):  # nothing kept: ``[]`` is a float64 array to NumPy
@@ -362,3 +455,11 @@ def check_bias(name: str, b, d_out: int) -> None:
 def slice_bias(b, idx: np.ndarray):
     """``b[idx]`` for an optional bias."""
     return None if b is None else b[idx]
+
+
+__all__ = [
+    "CONCRETE", "Factors", "Leaf", "array_bits", "array_size", "bias_of", "check_bias",
+    "data_fields", "factors", "is_leaf", "keep_inputs", "keep_outputs", "leaf_dataclass",
+    "leaf_dtype", "linear", "materialize", "materialize_host", "matmul_flops", "meta_fields",
+    "node_fields", "node_types", "qualified_name", "require_leaf", "slice_bias", "weight_shape",
+]

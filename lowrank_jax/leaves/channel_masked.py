@@ -39,13 +39,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import LeafTypeError, ShapeError
+from lowrank_jax.errors import LeafTypeError, PathError, ShapeError
 from lowrank_jax.leaves import head_lowrank
 from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
     Leaf,
     bias_of,
+    factors,
     is_leaf,
     keep_inputs,
     keep_outputs,
@@ -228,6 +229,17 @@ class ChannelPruned(Leaf):
         y = jnp.concatenate([y, jnp.zeros((*y.shape[:-1], 1), y.dtype)], axis=-1)
         return y[..., inv]  # [..., d_out]
 
+    def factors(self):
+        """The base's factors on the kept inputs, when only inputs were removed (structured
+        pruning's residual-stream rows); ``None`` when outputs were removed too (the scatter
+        into ``d_out`` is not a product of stored factors)."""
+        if self.cols is not None:
+            return None
+        f = factors(self.base)
+        if f is None or f.rows is not None:
+            return None
+        return f._replace(rows=self.rows)
+
     def to_dense(self) -> Array:
         w = materialize(self.base)
         rows = np.arange(self.d_in_full) if self.rows is None else np.asarray(self.rows, np.int64)
@@ -383,7 +395,7 @@ def with_channel_masks(tree: Any, masks: dict[str, tuple[Any, Any]]) -> Any:
         if path not in todo:
             return node
         if not isinstance(node, ChannelMasked):
-            raise KeyError(f"with_channel_masks: {path} is a {type(node).__name__}, not a "
+            raise PathError(f"with_channel_masks: {path} is a {type(node).__name__}, not a "
                            "ChannelMasked leaf")
         m_in, m_out = todo.pop(path)
         return ChannelMasked(base=node.base, m_in=jnp.asarray(m_in, node.m_in.dtype),
@@ -391,7 +403,7 @@ def with_channel_masks(tree: Any, masks: dict[str, tuple[Any, Any]]) -> Any:
 
     out = map_with_path(put, tree)
     if todo:
-        raise KeyError(f"with_channel_masks: no masked leaf at {sorted(todo)}")
+        raise PathError(f"with_channel_masks: no masked leaf at {sorted(todo)}")
     return out
 
 
@@ -460,6 +472,15 @@ def _(leaf: ChannelMasked) -> int | None:
 @output_granularity.register
 def _(leaf: ChannelPruned) -> int | None:
     return output_granularity(leaf.base) if leaf.cols is None else 1
+
+
+def kept_outputs(leaf: Any) -> tuple[int, ...] | None:
+    """The output positions a leaf still computes after physical pruning (a
+    :class:`ChannelPruned` that removed outputs: its ``cols``), ``None`` when every output is
+    computed (any other leaf, or a plain array)."""
+    if isinstance(leaf, ChannelPruned) and leaf.cols is not None:
+        return tuple(int(c) for c in leaf.cols)
+    return None
 
 
 @functools.singledispatch
@@ -679,7 +700,7 @@ def count_rows(fn: Callable[[Any], Any], tree: Any, paths: Iterable[str] | None 
 
 __all__ = [
     "ChannelMasked", "ChannelPruned", "channel_masks", "count_rows", "input_granularity",
-    "is_channel_masked", "kept_counts", "mask_leaf", "mask_partition", "mask_selector",
+    "is_channel_masked", "kept_counts", "kept_outputs", "mask_leaf", "mask_partition", "mask_selector",
     "output_granularity", "pruned_base", "pruned_leaf", "rebuild", "surgery_form", "unmask",
     "with_channel_masks",
 ]

@@ -13,6 +13,7 @@ from lowrank_jax.errors import ShapeError
 from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
+    Factors,
     Leaf,
     array_bits,
     array_size,
@@ -49,6 +50,9 @@ class Dense(Leaf):
 
     def to_dense(self) -> Array:
         return self.w
+
+    def factors(self) -> Factors:
+        return Factors(None, self.w, None, self.b)
 
     def param_count(self) -> int:
         return array_size(self.w) + array_size(self.b)
@@ -118,6 +122,9 @@ class LowRank(Leaf):
 
     def to_dense(self) -> Array:
         return self.u @ self.v
+
+    def factors(self) -> Factors:
+        return Factors(self.u, self.v, None, self.b)
 
     def param_count(self) -> int:
         return array_size(self.u) + array_size(self.v) + array_size(self.b)

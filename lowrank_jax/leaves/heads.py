@@ -121,6 +121,7 @@ def _merge_index(widths: tuple[int, ...]) -> np.ndarray:
 
 
 def is_uniform(widths: tuple[int, ...]) -> bool:
+    """Whether every head has the same width (no heads or one head count as uniform)."""
     return len(set(widths)) <= 1
 
 

@@ -45,3 +45,6 @@ def init_head_lowrank(key, d_in: int, num_heads: int, d_head: int, rank: int, *,
     v = jax.random.normal(kv, (num_heads, rank, d_head), dtype) / np.sqrt(rank)
     b = jnp.zeros((num_heads * d_head,), dtype) if bias else None
     return HeadLowRank(u=u, v=v, b=b)
+
+
+__all__ = ["init_dense", "init_head_lowrank", "init_lowrank"]

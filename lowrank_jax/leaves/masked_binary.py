@@ -448,6 +448,16 @@ class FixedBias(Leaf):
 FixedBias = leaf_dataclass(FixedBias)
 
 
+def with_kept_divisor(tree: Any) -> Any:
+    """``tree`` with every :class:`MaskedBinary` set to ``divisor='kept'``: lowrank_jax 0.1
+    divided Biprop's gain by the kept count, so a tree it saved keeps computing what it was
+    trained to compute (checkpoint readers upgrade such trees with this)."""
+    def fix(x):
+        return dataclasses.replace(x, divisor="kept") if isinstance(x, MaskedBinary) else x
+
+    return jax.tree_util.tree_map(fix, tree, is_leaf=lambda x: isinstance(x, MaskedBinary))
+
+
 __all__ = ["ALPHA_BITS", "FixedBias", "FrozenBinary", "MaskedBinary", "alpha_divisor",
            "kth_largest_key",
-           "init_masked_binary", "keep_count", "pairwise_sum", "top_mask"]
+           "init_masked_binary", "keep_count", "pairwise_sum", "top_mask", "with_kept_divisor"]

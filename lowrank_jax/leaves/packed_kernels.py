@@ -22,10 +22,11 @@ bit). The words are transposed to ``[words, d_out]`` so that outputs lie along t
 Selection: under ``auto`` (the default) :func:`use_kernel` is true only for a backend listed in
 :data:`VERIFIED`, the backends on which this kernel has been run against a NumPy reference
 (multi-block grids, odd sizes, float32 and bf16). The table is empty: every backend takes the
-XLA path (unpack, then XLA's dot). The environment variable ``LOWRANK_JAX_PACKED_KERNEL``
-overrides it: ``off`` never uses the kernel, ``on`` always does (interpreted on CPU). It is read
-when a program is traced: a function jitted before the variable changed keeps the path it was
-traced with.
+XLA path (unpack, then XLA's dot). The execution setting ``packed_kernel``
+(:func:`lowrank_jax.execution.settings`; its default from the environment variable
+``LOWRANK_JAX_PACKED_KERNEL``, read at import) overrides it: ``'off'`` never uses the kernel,
+``'on'`` always does (interpreted on CPU). It is part of the traced function's cache key:
+changing it re-traces.
 
 Status: correct in interpret mode against a NumPy reference
 (``tests/leaves/test_packed_kernels.py``), where the grid runs sequentially. **Wrong on GPU**: on
@@ -38,15 +39,15 @@ Until a version has been checked on a GPU, ``on`` is for experiments only.
 from __future__ import annotations
 
 import functools
-import os
 
 import jax
 import jax.numpy as jnp
 
-from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax import execution
+from lowrank_jax.errors import ShapeError
 
 WORD = 32
-ENV = "LOWRANK_JAX_PACKED_KERNEL"
+ENV = execution.PACKED_KERNEL_ENV
 #: Backends on which ``auto`` uses the kernel: only those where it has run against a NumPy
 #: reference on that hardware (multi-block grids, odd sizes, both dtypes). A backend is added
 #: only in the commit that records such a run. Empty: the kernel races on GPU (see above) and
@@ -61,13 +62,10 @@ def use_kernel(backend: str | None = None) -> bool:
       backend: a JAX platform name; default ``jax.default_backend()``.
 
     Returns:
-      ``True`` only on a backend in :data:`VERIFIED` (none yet), unless
-      ``LOWRANK_JAX_PACKED_KERNEL`` is ``on`` or ``off``.
+      By the active :func:`lowrank_jax.execution.current` setting ``packed_kernel``: ``'on'``
+      always, ``'off'`` never, ``'auto'`` only on a backend in :data:`VERIFIED` (none yet).
     """
-    mode = os.environ.get(ENV, "auto").strip().lower()
-    if mode not in ("auto", "on", "off"):
-        raise ConfigError(f"{ENV} must be 'auto', 'on' or 'off', got {mode!r}", where=ENV,
-                          expected="auto | on | off", actual=mode)
+    mode = execution.current().packed_kernel
     if mode != "auto":
         return mode == "on"
     return (backend or jax.default_backend()) in VERIFIED

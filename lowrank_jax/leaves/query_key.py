@@ -20,7 +20,7 @@ rules, counts, the trainable split and checkpoints see them like any other weigh
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -49,8 +49,30 @@ def _no_cache(qk) -> ConfigError:
         actual=type(qk).__name__)
 
 
+class Projections(NamedTuple):
+    """A query-key object in the separable per-head form: queries ``split_heads(x @ q,
+    widths)``, keys ``split_heads(x_kv @ k, widths)``, head ``h``'s logits their dot products.
+
+    Fields:
+      q, k: the query and key weights (leaves or plain arrays).
+      widths: per-head widths of the queries and keys (head-major).
+    """
+
+    q: Any
+    k: Any
+    widths: tuple[int, ...]
+
+
 class QK(abc.ABC):
-    """Protocol of query-key objects (subclasses are :func:`leaf_dataclass` containers)."""
+    """Protocol of query-key objects (subclasses are :func:`leaf_dataclass` containers).
+
+    Required: :attr:`num_heads`, :attr:`d_q_in`, :attr:`d_k_in`, :meth:`logits`,
+    :meth:`score_flops`, :meth:`joint`, :meth:`keep_heads`, :meth:`keep_inputs`. Optional
+    capabilities with defaults: :meth:`keys` / :meth:`queries` / :meth:`logits_from_queries`
+    (cached decoding and batch chunks; the defaults raise), :meth:`projections` (the separable
+    per-head form that key folding and fixed activation masks need; default ``None``),
+    :meth:`separable` (whether queries and keys can be projected apart).
+    """
 
     @property
     @abc.abstractmethod
@@ -104,6 +126,23 @@ class QK(abc.ABC):
         :meth:`keys`. The default raises (see :meth:`keys`)."""
         raise _no_cache(self)
 
+    def separable(self) -> bool:
+        """Whether :meth:`queries` and :meth:`keys` are implemented, so the projections can
+        run on a whole batch and only the logits per chunk. Default: whether the type
+        overrides both."""
+        cls = type(self)
+        return cls.queries is not QK.queries and cls.keys is not QK.keys
+
+    def projections(self) -> Projections | None:
+        """The object's separable per-head form (:class:`Projections`), or ``None``.
+
+        A query-key object that answers lets attention fold its keys into the queries
+        (:func:`lowrank_jax.nn.execution.fold_keys`, through :func:`~lowrank_jax.leaves.factors`
+        of ``k``) and apply fixed per-head activation masks. Default ``None``: joint
+        factorizations of the query-key tensor (CP, BTD) have no per-head keys.
+        """
+        return None
+
     @abc.abstractmethod
     def score_flops(self, q_len: int, k_len: int) -> int:
         """Multiply-adds of the logits beyond the projections (per batch element), as executed:
@@ -122,6 +161,11 @@ class QK(abc.ABC):
     @abc.abstractmethod
     def keep_inputs(self, idx: np.ndarray, side: str) -> "QK":
         """Input channels ``idx`` of the queries' (``side='q'``) or keys' (``'k'``) input kept."""
+
+
+def is_query_key(x: Any) -> bool:
+    """Whether ``x`` is a query-key object (any :class:`QK` type)."""
+    return isinstance(x, QK)
 
 
 def attention_logits(qk: QK, xq: Array, xkv: Array, *, q_mask: Array | None = None,
@@ -213,6 +257,9 @@ class QueryKey(QK):
     def logits_from_queries(self, queries, keys):
         return jnp.einsum("bqhd,bkhd->bhqk", queries, keys)
 
+    def projections(self) -> Projections:
+        return Projections(self.q, self.k, self.widths)
+
     def score_flops(self, q_len, k_len):
         return int(q_len) * int(k_len) * self.num_heads * max(self.widths, default=0)
 
@@ -251,4 +298,15 @@ class QueryKey(QK):
 
 QueryKey = leaf_dataclass(QueryKey, meta=("widths",))
 
-__all__ = ["QK", "QueryKey", "attention_logits"]
+
+def as_query_key(qk: Any) -> QueryKey | None:
+    """``qk`` as separate per-head query and key weights: ``qk`` itself when it is a
+    :class:`QueryKey`, a ``QueryKey`` on its :meth:`QK.projections` when it has them, ``None``
+    when it has none (a joint factorization: :func:`lowrank_jax.compress.to_query_key` solves
+    for equivalent weights)."""
+    if isinstance(qk, QueryKey):
+        return qk
+    proj = qk.projections() if isinstance(qk, QK) else None
+    return None if proj is None else QueryKey(q=proj.q, k=proj.k, widths=proj.widths)
+
+__all__ = ["QK", "Projections", "QueryKey", "as_query_key", "attention_logits", "is_query_key"]

@@ -111,3 +111,6 @@ def mesh_shardings(tree: Any, mesh: Mesh, rules: Mapping[str, str | None] | None
     specs = partition_specs(tree, mesh, rules, fsdp_axis=fsdp_axis, fsdp_min_size=fsdp_min_size)
     return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), specs,
                                   is_leaf=lambda s: isinstance(s, P))
+
+
+__all__ = ["mesh_shardings", "partition_specs"]

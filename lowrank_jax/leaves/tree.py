@@ -15,7 +15,7 @@ from typing import Any, Callable, Iterator
 import jax
 import numpy as np
 
-from lowrank_jax.errors import ConfigError
+from lowrank_jax.errors import ConfigError, PathError
 from lowrank_jax.leaves.base import Leaf, array_bits, is_leaf
 
 
@@ -87,7 +87,7 @@ def replace_paths(tree: Any, new: dict[str, Any]) -> Any:
 
     out = rebuild(tree, "")
     if todo:
-        raise KeyError(f"replace_paths: no node at {sorted(todo)}")
+        raise PathError(f"replace_paths: no node at {sorted(todo)}")
     return out
 
 
@@ -177,3 +177,10 @@ def combine(*trees: Any) -> Any:
         return None
 
     return jax.tree_util.tree_map(pick, *trees, is_leaf=lambda x: x is None)
+
+
+__all__ = [
+    "check_tokens", "combine", "flops", "get_path", "layer_index", "map_with_path",
+    "named_leaves", "param_count", "partition", "path_str", "replace_paths", "storage_bits",
+    "trainable_mask",
+]

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import ShapeError
-from lowrank_jax.nn.attention import (
-    _known_int,
+from lowrank_jax.nn.attention.cache import (
     apply_attention_cached,
     attention_cache,
     init_attention_cache,
+    known_int,
 )
 from lowrank_jax.nn.layers import (
     DecoderConfig,
@@ -123,7 +123,7 @@ def apply_decoder_step(params: dict, x: Array, cfg: DecoderConfig, cache: dict, 
     n = x.shape[1]
     index = cache["index"]
     max_len = cache["layers"][0]["self"]["v"].shape[1]
-    known = _known_int(index)
+    known = known_int(index)
     if known is not None and known + n > max_len:
         raise ShapeError(f"apply_decoder_step: {n} more tokens at position {known} exceed "
                          f"the cache's {max_len} positions", where="cache",

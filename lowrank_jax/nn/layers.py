@@ -454,3 +454,11 @@ def apply_decoder(params: dict, x: Array, cfg: DecoderConfig, *, enc: Array,
     if cfg.final_norm:
         x = apply_norm(params["final_norm"], x, cfg.layer.norm)
     return (x, hidden) if return_hidden else x
+
+
+__all__ = [
+    "DecoderConfig", "DecoderLayerConfig", "EncoderConfig", "EncoderLayerConfig", "LayerSizes",
+    "apply_decoder", "apply_decoder_layer", "apply_encoder", "apply_encoder_layer",
+    "decoder_layer_body", "decoder_self_bias", "init_decoder", "init_decoder_layer",
+    "init_encoder", "init_encoder_layer",
+]

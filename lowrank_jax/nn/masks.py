@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.errors import ConfigError, ShapeError
+
 Array = jax.Array
 
 
@@ -34,7 +36,7 @@ def padding_mask(valid: Array) -> Array:
     """
     valid = jnp.asarray(valid)
     if valid.ndim != 2:
-        raise ValueError(
+        raise ShapeError(
             f"padding_mask: valid must be 2-D [batch, k_len], got shape {tuple(valid.shape)}"
         )
     return valid.astype(bool)[:, None, None, :]  # [batch, 1, 1, k_len]
@@ -55,7 +57,7 @@ def causal_mask(q_len: int, k_len: int | None = None) -> Array:
     """
     k_len = q_len if k_len is None else k_len
     if q_len < 1 or k_len < 1:
-        raise ValueError(f"causal_mask: q_len and k_len must be >= 1, got {q_len} and {k_len}")
+        raise ConfigError(f"causal_mask: q_len and k_len must be >= 1, got {q_len} and {k_len}")
     q = np.arange(q_len)[:, None]
     k = np.arange(k_len)[None, :]
     return jnp.asarray(k <= q + (k_len - q_len))[None, None]  # [1, 1, q_len, k_len]
@@ -76,7 +78,7 @@ def step_t_mask(w: int) -> Array:
       ``bool[1, 1, w, w]``.
     """
     if w < 2:
-        raise ValueError(f"step_t_mask: window length w must be >= 2, got {w}")
+        raise ConfigError(f"step_t_mask: window length w must be >= 2, got {w}")
     m = np.eye(w, dtype=bool)
     m[w - 1, :] = True
     m[w - 1, w - 1] = False
@@ -90,7 +92,7 @@ def combine_masks(*masks: Array | None) -> Array | None:
         return None
     for m in present:
         if m.dtype != jnp.bool_:
-            raise ValueError(f"combine_masks: masks must be boolean, got dtype {m.dtype}")
+            raise ShapeError(f"combine_masks: masks must be boolean, got dtype {m.dtype}")
     out = present[0]
     for m in present[1:]:
         out = jnp.logical_and(out, m)
@@ -109,19 +111,20 @@ def activation_keep_count(n: int, keep: float) -> int:
     as the Biprop weight-mask code does.
     """
     if not 0.0 < keep <= 1.0:
-        raise ValueError(f"activation_keep_count: keep must be in (0, 1], got {keep!r}")
+        raise ConfigError(f"activation_keep_count: keep must be in (0, 1], got {keep!r}")
     exact = decimal.Decimal(repr(float(keep))) * n
     return int(exact.quantize(decimal.Decimal(1), rounding=decimal.ROUND_HALF_UP))
 
 
-_CHUNK = 4096  # random bits are drawn in fixed-size chunks: one compiled sampler for all sizes
-
-
 def _random_bits(key: Array, n: int) -> np.ndarray:
-    """``n`` uint32 random words from ``key``: chunk ``i`` is ``bits(fold_in(key, i))``."""
+    """``n`` uint32 random words from ``key``: chunk ``i`` is ``bits(fold_in(key, i))``.
+
+    Drawn in chunks of 4096 words (one compiled sampler for all sizes); the chunk size is part
+    of the masks' definition (another size draws other masks), not a setting."""
+    chunk = 4096
     chunks = [
-        np.asarray(jax.random.bits(jax.random.fold_in(key, i), (_CHUNK,), jnp.uint32))
-        for i in range(-(-n // _CHUNK))
+        np.asarray(jax.random.bits(jax.random.fold_in(key, i), (chunk,), jnp.uint32))
+        for i in range(-(-n // chunk))
     ]
     return np.concatenate(chunks)[:n]
 
@@ -172,10 +175,14 @@ def qkv_activation_masks(seed: int, seq_len: int, d_head: int,
     """
     for name, val in (("seed", seed), ("seq_len", seq_len), ("d_head", d_head)):
         if not isinstance(val, (int, np.integer)):
-            raise ValueError(f"qkv_activation_masks: {name} must be a static int, got {val!r}")
+            raise ConfigError(f"qkv_activation_masks: {name} must be a static int, got {val!r}")
     if seq_len < 1 or d_head < 1:
-        raise ValueError(
+        raise ConfigError(
             f"qkv_activation_masks: seq_len and d_head must be >= 1, got {seq_len} and {d_head}"
         )
     masks = _qkv_masks_np(int(seed), int(seq_len), int(d_head), float(keep))
     return dict(zip("qkv", masks, strict=True))
+
+
+__all__ = ["activation_keep_count", "causal_mask", "combine_masks", "padding_mask",
+           "qkv_activation_masks", "step_t_mask"]

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves import init_dense, keep_inputs, keep_outputs, linear
-from lowrank_jax.nn.execution import cpu_chunks
+from lowrank_jax.nn import execution
 
 Array = jax.Array
 
@@ -82,44 +82,6 @@ def init_mlp(key: Array, cfg: MLPConfig, *, d_model: int, d_ff: int,
     return {"wi": init_dense(k0, d_model, d_ff, bias=b), "wo": wo}
 
 
-#: On CPU, :func:`apply_mlp` runs a chunk of the tokens at a time when the hidden activations
-#: of all tokens would take more than this many bytes (``None``: never) ...
-CHUNK_ABOVE_BYTES: int | None = 16 << 20
-#: ... in chunks of at most this many bytes of hidden activations (equal chunks, at least one
-#: token each).
-CHUNK_BYTES = 8 << 20
-
-
-def token_chunks(n_tokens: int, d_hidden: int, itemsize: int = 4) -> int | None:
-    """How many chunks :func:`apply_mlp` splits ``n_tokens`` tokens into on this backend, or
-    ``None`` (all at once).
-
-    Not from any paper: an execution choice for CPUs, as
-    :func:`~lowrank_jax.nn.attention.batch_chunk` is for attention. The hidden activations
-    ``[tokens, d_hidden]`` of a large input do not fit in the caches: the first product writes
-    them to memory and the second reads them back. A chunk of tokens at a time (``lax.map``),
-    they stay in cache. Measured on a 2-core AVX-512 CPU (``benchmarks/mlp.py``): MLP blocks
-    1.14-1.22x faster at 4096-16384 tokens (d 768 / 3072 on 16384 tokens 1.17x, gated d 768 /
-    2048 1.22x, d 1024 / 4096 on 8192 tokens 1.15x), a 4-layer ViT-Base-width encoder on 32
-    images 1.09x; at 12 MB of hidden activations or less chunks gained nothing, hence the
-    threshold. The gradient keeps each chunk's hidden activations for the backward pass, as
-    without chunks, and runs as fast (1.01x).
-
-    Off on GPU and TPU (their matmuls want the whole input), on a CPU backend with more than
-    one device (tokens sharded over devices would be gathered onto each:
-    :func:`~lowrank_jax.nn.execution.cpu_chunks`) and for ``CHUNK_ABOVE_BYTES = None``. Chunks
-    are equal: the tokens are padded with zero rows up to a multiple of the chunk (fewer than
-    one row per chunk), and the padding's outputs are dropped. Values are the same up to
-    float32 round-off. Read when a function is traced.
-    """
-    if CHUNK_ABOVE_BYTES is None or not cpu_chunks():
-        return None
-    total = int(n_tokens) * int(d_hidden) * int(itemsize)
-    if n_tokens <= 1 or total <= CHUNK_ABOVE_BYTES:
-        return None
-    return min(int(n_tokens), max(2, math.ceil(total / max(CHUNK_BYTES, 1))))
-
-
 def _hidden_width(params: dict) -> int:
     return int(params["wi_0" if "wi_0" in params else "wi"].shape[1])
 
@@ -137,7 +99,8 @@ def apply_mlp(params: dict, x: Array, cfg: MLPConfig) -> Array:
     """``act(x @ wi) @ wo``, or gated ``(act(x @ wi_0) * (x @ wi_1)) @ wo``.
 
     The hidden width is whatever the leaves have (each layer of a pruned model its own). On
-    CPU a large input runs a chunk of tokens at a time (:func:`token_chunks`).
+    CPU a large input runs a chunk of tokens at a time
+    (:func:`lowrank_jax.nn.execution.token_chunks`; same result up to float round-off).
 
     Args:
       params: weight leaves from :func:`init_mlp`.
@@ -149,7 +112,7 @@ def apply_mlp(params: dict, x: Array, cfg: MLPConfig) -> Array:
     """
     lead, d_in = x.shape[:-1], x.shape[-1]
     n_tokens = math.prod(lead)
-    n = token_chunks(n_tokens, _hidden_width(params), jnp.dtype(x.dtype).itemsize)
+    n = execution.token_chunks(n_tokens, _hidden_width(params), jnp.dtype(x.dtype).itemsize)
     if n is None:
         return _mlp(params, x, cfg)
     size = -(-n_tokens // n)  # tokens per chunk
@@ -173,3 +136,6 @@ def keep_hidden(params: dict, idx) -> dict:
             out[name] = keep_outputs(params[name], idx)
     out["wo"] = keep_inputs(params["wo"], idx)
     return out
+
+
+__all__ = ["ACTIVATIONS", "MLPConfig", "apply_mlp", "init_mlp", "keep_hidden"]

@@ -165,3 +165,7 @@ def apply_batch_norm(params: dict, x: Array, cfg: BatchNormConfig, *, state: dic
     y = (xf - mean) * jax.lax.rsqrt(var + cfg.eps) * params["scale"].astype(jnp.float32)
     y = y + params["bias"].astype(jnp.float32)
     return y.astype(x.dtype), new_state
+
+
+__all__ = ["BatchNormConfig", "NormConfig", "apply_batch_norm", "apply_norm", "init_batch_norm",
+           "init_norm"]

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex
 
 from lowrank_jax.errors import ConfigError
-from lowrank_jax.leaves import Leaf
+from lowrank_jax.leaves import is_leaf
 
 #: primitives whose inner programs are bound unchanged (their own dtype rules apply)
 OPAQUE = ("pallas_call", "shard_map")
@@ -78,8 +78,8 @@ def cast_weights(params: Any, dtype: Any = jnp.bfloat16) -> Any:
             lambda a: a.astype(dt) if jnp.issubdtype(jnp.result_type(a), jnp.floating) else a,
             leaf)
 
-    return jax.tree_util.tree_map(lambda n: cast_leaf(n) if isinstance(n, Leaf) else n, params,
-                                  is_leaf=lambda n: isinstance(n, Leaf))
+    return jax.tree_util.tree_map(lambda n: cast_leaf(n) if is_leaf(n) else n, params,
+                                  is_leaf=lambda n: is_leaf(n))
 
 
 def _is_float(x) -> bool:

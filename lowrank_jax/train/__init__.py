@@ -14,13 +14,21 @@ Public API:
 * :class:`WindowConfig`, :class:`WindowSampler`, :func:`load_ett_csv`, :func:`default_series`,
   :func:`prefetch_to_device` -- data windows; :class:`ProcessPart` -- a process's part of each
   batch (multi-process data parallelism).
-* :class:`Checkpointer` -- orbax train-state checkpoints with exact resume.
+* :class:`Checkpointer` -- train-state checkpoints with exact resume, keep-N and fallback; each
+  step is a :mod:`lowrank_jax.io` checkpoint (``io.load_params(step_dir)`` gives its
+  parameters); :func:`load_train_state` reads a whole step without ``like``.
 * :func:`fit`, :func:`evaluate_forecaster` -- a small training loop (durable JSON-lines log cut
-  back on resume, :class:`NonFiniteError` on a NaN loss) and forecast evaluation.
+  back on resume, :class:`~lowrank_jax.errors.NonFiniteError` on a NaN loss) and forecast
+  evaluation.
 * The losses and metrics of :mod:`lowrank_jax.losses` (re-exported).
 """
 
-from lowrank_jax.losses import (
+from lowrank_jax.errors import (  # noqa: F401  (re-exported for compatibility)
+    CorruptCheckpointError,
+    IncompatibleCheckpointError,
+    NonFiniteError,
+)
+from lowrank_jax.losses import (  # noqa: F401  (re-exported for compatibility)
     IGNORE_INDEX,
     geometric_mean_relative,
     mase,
@@ -29,11 +37,7 @@ from lowrank_jax.losses import (
     token_cross_entropy,
     wql,
 )
-from lowrank_jax.train.checkpoint import (
-    Checkpointer,
-    CorruptCheckpointError,
-    IncompatibleCheckpointError,
-)
+from lowrank_jax.train.checkpoint import Checkpointer, load_train_state
 from lowrank_jax.train.data import (
     ProcessPart,
     WindowConfig,
@@ -44,7 +48,6 @@ from lowrank_jax.train.data import (
     split_bounds,
 )
 from lowrank_jax.train.loop import (
-    NonFiniteError,
     evaluate_forecaster,
     fit,
     truncate_log,
@@ -69,13 +72,13 @@ from lowrank_jax.train.step import (
     unreplicate,
 )
 
+# Also importable from here, documented where they live: the losses and metrics
+# (lowrank_jax.losses) and the training errors (lowrank_jax.errors).
 __all__ = [
-    "IGNORE_INDEX", "Checkpointer", "CorruptCheckpointError", "IncompatibleCheckpointError",
-    "NonFiniteError", "PmapTrainStep", "ProcessPart", "TrainState", "TrainStep", "WindowConfig",
-    "WindowSampler",
-    "check_optimizer", "default_optimizer", "default_series", "evaluate_forecaster", "fit",
-    "full_params", "geometric_mean_relative", "init_train_state", "load_ett_csv",
-    "make_pmap_train_step", "make_train_step", "mase", "mse", "prefetch_to_device",
-    "quantile_loss", "replicate", "replicate_for_pmap", "shard_batch", "split_bounds",
-    "split_params", "token_cross_entropy", "truncate_log", "unreplicate", "window_batch", "wql",
+    "Checkpointer", "PmapTrainStep", "ProcessPart", "TrainState", "TrainStep", "WindowConfig",
+    "WindowSampler", "check_optimizer", "default_optimizer", "default_series",
+    "evaluate_forecaster", "fit", "full_params", "init_train_state", "load_ett_csv",
+    "load_train_state", "make_pmap_train_step", "make_train_step", "prefetch_to_device",
+    "replicate", "replicate_for_pmap", "shard_batch", "split_bounds", "split_params",
+    "truncate_log", "unreplicate", "window_batch",
 ]

@@ -30,19 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax._progress import progress_bar
-from lowrank_jax.errors import ConfigError, LowrankJaxError
+from lowrank_jax.errors import ConfigError, NonFiniteError
 from lowrank_jax.leaves import path_str
 from lowrank_jax.losses import mase, wql
 from lowrank_jax.models import family_of
 from lowrank_jax.train.state import TrainState, full_params, init_train_state
 from lowrank_jax.train.step import default_optimizer, make_train_step
-
-
-class NonFiniteError(LowrankJaxError, ValueError):
-    """Training produced a NaN or infinite loss, gradient or state; nothing non-finite was saved.
-
-    ``where`` is ``'step N'``, ``actual`` the offending value or parameter path.
-    """
 
 
 class BatchSource(Protocol):
@@ -224,7 +217,7 @@ def _check_positive(name: str, value: Any, *, zero_ok: bool = False) -> None:
 
 def fit(
     loss_fn: Callable,
-    params: Any,
+    params: Any | str | os.PathLike,
     sampler: BatchSource,
     *,
     steps: int,
@@ -254,7 +247,14 @@ def fit(
       loss_fn: ``loss_fn(params, batch, key) -> (loss, aux)``, or, when ``model_state`` is
         given, ``loss_fn(params, model_state, batch, key) -> (loss, aux, new_model_state)``
         (e.g. ``family_of(cfg).loss(cfg)``).
-      params: initial parameters (any leaves; frozen parts stay frozen).
+      params: initial parameters (any leaves; frozen parts stay frozen), or the path of a
+        checkpoint to take them from: one written by :func:`lowrank_jax.io.save_params` /
+        :func:`~lowrank_jax.io.save_model`, or a step directory of a
+        :class:`~lowrank_jax.train.Checkpointer` (read with
+        :func:`lowrank_jax.io.load_params`). Only the parameters are taken: the optimizer
+        starts fresh and the step at 0 (to continue a run, give its ``checkpointer``). A
+        model state stored there is not taken: pass
+        ``model_state=lowrank_jax.io.load_state(path)``.
       sampler: a deterministic batch source (:class:`BatchSource`, e.g. a
         :class:`~lowrank_jax.train.data.WindowSampler`).
       steps: total number of steps (a resumed run continues up to it).
@@ -271,7 +271,8 @@ def fit(
       learning_rate: peak learning rate of the default optimizer.
       mesh, fsdp, axis_rules: placement, as :func:`~lowrank_jax.train.make_train_step`.
       checkpointer: optional :class:`~lowrank_jax.train.checkpoint.Checkpointer`; when it holds
-        a checkpoint, training resumes from the latest one.
+        a checkpoint, training resumes from the latest one (parameters, optimizer and model
+        state, step, key and data position; ``params`` then only gives the structure).
       checkpoint_every: save every this many steps (and at the end) when a checkpointer is given.
       eval_fn: run every ``eval_every`` steps and at the end: ``eval_fn(params) -> dict``, or
         ``eval_fn(params, model_state) -> dict`` for a stateful model.
@@ -311,6 +312,10 @@ def fit(
         raise ConfigError(f"fit: batch_fn must be callable, got {type(batch_fn).__name__}",
                           where="batch_fn", expected="a callable",
                           actual=type(batch_fn).__name__)
+    if isinstance(params, (str, os.PathLike)):
+        from lowrank_jax.io import load_params
+
+        params = load_params(params)
     stateful = model_state is not None
     optimizer = optimizer or default_optimizer(  # one step: no warmup, the step at the peak
         learning_rate=learning_rate, total_steps=steps,
@@ -403,5 +408,4 @@ def fit(
     return state, history
 
 
-__all__ = ["BatchSource", "NonFiniteError", "evaluate_forecaster", "fit", "truncate_log",
-           "window_batch"]
+__all__ = ["BatchSource", "evaluate_forecaster", "fit", "truncate_log", "window_batch"]

@@ -16,10 +16,17 @@ residual stream to its norms. Checked here:
   (``nn.keep_heads`` / ``nn.keep_hidden``); both equal the masked model, the emptied layer of
   every stack leaves the residual (NumPy), counts are what the removal plan counted;
 * the same on BERT for every prunable leaf type; export to the PyTorch classes, greedy
-  decoding, pruning again, and the ``analyze --sweep-heads`` command on an emptied model.
+  decoding, pruning again, and the ``analyze --sweep-heads`` command on an emptied model;
+* every compression method of a plan on an emptied T5 and BERT (and the leaf types each
+  takes): the emptied blocks' nodes pass unchanged with a row of kind ``'empty'``, the others
+  equal what the same step makes of the model before pruning (and NumPy's truncated SVD for
+  ``svd``), the model runs, equal to the emptied model where the method is exact; ``svd``'s
+  ratio holds with the emptied weights counted as fixed.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +36,7 @@ import pytest
 import lowrank_jax as lj
 from lowrank_jax import leaves as lv
 from lowrank_jax import models, nn
-from lowrank_jax.compress import attention_blocks, head_rank_sweep
+from lowrank_jax.compress import attention_blocks, head_rank_sweep, select
 from lowrank_jax.compress.prune import (
     add_channel_masks,
     find_blocks,
@@ -538,3 +545,351 @@ def test_analyze_sweeps_heads_of_an_emptied_model(tmp_path, capsys):
     assert blocks
     for p in blocks:
         assert f"{p}  no query/key channels left (pruned)" in out
+
+
+# ---------------------------------------------------------------------------------------------
+# Compression methods on an emptied model.
+#
+# Every plan method runs on a model with emptied blocks: the weights and query-key objects of
+# those blocks come back unchanged with a row of kind 'empty', the others are what the same
+# step makes of the same weights in the model before pruning (where nothing is empty), and the
+# compressed model runs (equal to the emptied model where the method is exact).
+
+WEIGHTS = r"(attn/(qk/q|qk/k|v|o)|mlp/(wi|wi_0|wi_1|wo))$"
+QKVO = r"attn/(qk/q|qk/k|v|o)$"
+MLP_W = r"mlp/(wi|wi_0|wi_1|wo)$"
+QK = r"attn/qk$"
+
+#: name -> (step, exact: the compressed model computes what the emptied model computes)
+METHOD_STEPS = {
+    "svd eps": (lj.Step("svd", (WEIGHTS,), {"eps": 0.3}), False),
+    "svd rank": (lj.Step("svd", (WEIGHTS,), {"rank": 2}), False),
+    "svd schedule": (lj.Step("svd", (WEIGHTS,), {"schedule": [2, 1, 2]}), False),
+    "svd full rank": (lj.Step("svd", (WEIGHTS,), {"eps": 1e-6, "keep_dense_if_larger": False}),
+                      True),
+    "svd per head": (lj.Step("svd", (QKVO,), {"rank": 1, "per_head": True}), False),
+    "svd per head eps": (lj.Step("svd", (QKVO,), {"eps": 0.4, "per_head": True}), False),
+    "factorize": (lj.Step("factorize", (WEIGHTS,), {"rank": 2}), False),
+    "factorize per head": (lj.Step("factorize", (QKVO,), {"rank": 1, "per_head": True}), False),
+    "lora": (lj.Step("lora", (WEIGHTS,), {"rank": 2}), True),
+    "truncatt": (lj.Step("truncatt", (QK,), {"rank": 1}), False),
+    "truncatt full rank": (lj.Step("truncatt", (QK,), {"rank": 4}), True),
+    "truncatt per-head ranks": (lj.Step("truncatt", (QK,), {"rank": [1, 2, 1]}), False),
+    "cp": (lj.Step("cp", (QK,), {"rank": 3, "n_iter_max": 5}), False),
+    "btd": (lj.Step("btd", (QK,), {"rank": 4, "n_iter_max": 3, "cp_n_iter_max": 5}), False),
+    "truncatt_vo": (lj.Step("truncatt_vo", (r"attn/v$",), {"rank": [1, 2, 1]}), False),
+    "truncatt_vo full rank": (lj.Step("truncatt_vo", (r"attn/v$",), {"rank": 4}), True),
+    "partition": (lj.Step("partition", (MLP_W,), {"machines": 2, "rank": 1}), False),
+    "partition full rank": (lj.Step("partition", (MLP_W,), {"machines": 2, "rank": 100}), True),
+    "binarize": (lj.Step("binarize", (WEIGHTS,), {"keep": 0.5}), False),
+    "binarize uniform": (lj.Step("binarize", (WEIGHTS,), {"keep": 0.5, "scores": "uniform"}),
+                         False),
+}
+
+
+def same_node(a, b, what):
+    """Equal pytrees: the same structure (leaf types and static fields) and equal arrays."""
+    la, ta = jax.tree_util.tree_flatten(a)
+    lb, tb = jax.tree_util.tree_flatten(b)
+    assert ta == tb, what
+    for x, y in zip(la, lb, strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=what)
+
+
+def in_blocks(path: str, blocks) -> bool:
+    return any(path == b or path.startswith(b + "/") for b in blocks)
+
+
+@functools.lru_cache(maxsize=None)
+def runner(cfg):
+    """The family's primary output on two sample inputs, compiled once per config (and tree
+    structure; a family with state gets the state of the tree it runs)."""
+    fam = models.family_of(cfg)
+    inputs = fam.sample_inputs(cfg, np.random.default_rng(0), 2)
+    if fam.init_state is None:
+        return jax.jit(lambda p: model_output(fam, cfg, p, inputs, None))
+    run = jax.jit(lambda p, state: model_output(fam, cfg, p, inputs, state))
+    return lambda p: run(p, fam.init_state(p, cfg))
+
+
+def check_method_on_emptied(name, step, *, exact, original, emptied, inputs=None, key_seed=0):
+    """Apply ``step`` (or a plan) to the emptied model and to ``original`` (the same weights
+    before pruning) and check what this section's comment says. Returns ``(new, report)``."""
+    cfg, fam, pruned = emptied
+    blocks = emptied_blocks(add_channel_masks(pruned))
+    kw = dict(key=jax.random.PRNGKey(key_seed), config=cfg)
+    new, report = lj.apply_plan(pruned, step, inputs=inputs, **kw)
+    ref, _ = lj.apply_plan(original, step, inputs=inputs, **kw)
+    empty = [r for r in report.rows if r.kind == "empty"]
+    assert empty and {r.path for r in empty} == {r.path for r in report.rows
+                                                 if in_blocks(r.path, blocks)}, name
+    for r in report.rows:
+        if r.kind == "empty":
+            assert r.details["reason"] == "empty: nothing to compress"
+            assert not r.changed and r.error == 0.0
+            assert (r.params_before, r.bits_before, r.flops_before) == (
+                r.params_after, r.bits_after, r.flops_after)
+            assert get_path(new, r.path) is get_path(pruned, r.path)
+        else:
+            same_node(get_path(new, r.path), get_path(ref, r.path), f"{name}: {r.path}")
+    run = runner(cfg)
+    y = np.asarray(run(new))
+    assert np.all(np.isfinite(y)), name
+    if exact:
+        np.testing.assert_allclose(y, np.asarray(run(pruned)), atol=MODEL_TOL, err_msg=name)
+    return new, report
+
+
+@pytest.fixture(scope="module")
+def emptied_models():
+    """``{family: ((cfg, fam, emptied), original)}`` for T5 v1.1 and BERT."""
+    out = {}
+    for name in ("t5_v1.1", "bert"):
+        cfg, fam, _, pruned = _emptied(name)
+        out[name] = ((cfg, fam, pruned), fast_init(fam, cfg, seed=3))
+    return out
+
+
+@pytest.mark.parametrize("method", list(METHOD_STEPS))
+@pytest.mark.parametrize("family", ["t5_v1.1", "bert"])
+def test_method_on_an_emptied_model(emptied_models, family, method):
+    step, exact = METHOD_STEPS[method]
+    emptied, original = emptied_models[family]
+    check_method_on_emptied(method, step, exact=exact, original=original, emptied=emptied)
+
+
+#: families with other blocks than T5's and BERT's (Chronos-Bolt is T5's, and ``prune`` runs
+#: on it below): one plan over several methods, attention truncated, then its value-output
+#: side per head, the MLP binarized
+_OTHER_FAMILIES = ["vit", "patch_encoder", "sbt_dense_classification"]
+
+
+@pytest.mark.parametrize("family", _OTHER_FAMILIES)
+def test_a_plan_on_emptied_models_of_other_families(family):
+    cfg, fam, _, pruned = _emptied(family)
+    plan = lj.Plan((lj.Step("svd", (QKVO,), {"rank": 1}),
+                    lj.Step("truncatt_vo", (r"attn/v$",), {"rank": 1}),
+                    lj.Step("binarize", (MLP_W,), {"keep": 0.5})))
+    new, report = check_method_on_emptied(family, plan, exact=False,
+                                          original=fast_init(fam, cfg, seed=3),
+                                          emptied=(cfg, fam, pruned))
+    assert {r.method for r in report.rows if r.kind == "empty"} == {
+        "svd", "truncatt_vo", "binarize"}
+
+
+def test_svd_rank_on_an_emptied_model_is_the_truncated_svd(emptied_models):
+    """Against NumPy: every non-empty weight is its best rank-2 approximation."""
+    (cfg, fam, pruned), original = emptied_models["bert"]
+    new, report = check_method_on_emptied("svd rank", METHOD_STEPS["svd rank"][0], exact=False,
+                                          original=original, emptied=(cfg, fam, pruned))
+    done = [r for r in report.rows if r.kind == "svd"]
+    assert len(done) == 6  # layer 1's MLP and layer 2's attention
+    for r in done:
+        w = np.asarray(lv.materialize(get_path(pruned, r.path)), np.float64)
+        u, s, vt = np.linalg.svd(w, full_matrices=False)
+        want = (u[:, :2] * s[:2]) @ vt[:2]
+        np.testing.assert_allclose(np.asarray(lv.materialize(get_path(new, r.path))), want,
+                                   atol=BLOCK_TOL, err_msg=r.path)
+        assert r.error == pytest.approx(s[2] / s[0])
+
+
+@pytest.mark.parametrize("allocation", ["eps", "energy"])
+@pytest.mark.parametrize("family", ["t5_v1.1", "bert"])
+def test_svd_ratio_counts_emptied_weights_as_fixed(emptied_models, family, allocation):
+    """Under ``ratio`` an emptied weight is a fixed one: the ratio holds over every selected
+    weight (BERT's emptied output projections keep their biases). Without biases (T5) the
+    others get what they get when the rules skip the emptied blocks."""
+    (cfg, fam, pruned), _ = emptied_models[family]
+    step = lj.Step("svd", (WEIGHTS,), {"ratio": 0.5, "allocation": allocation})
+    new, report = lj.apply_plan(pruned, step)
+    assert report.ratio <= 0.5
+    blocks = emptied_blocks(add_channel_masks(pruned))
+    empty = {r.path for r in report.rows if r.kind == "empty"}
+    assert empty == {r.path for r in report.rows if in_blocks(r.path, blocks)}
+    fixed = sum(r.params_before for r in report.rows if r.kind == "empty")
+    assert (fixed > 0) == (family == "bert")
+    if family == "t5_v1.1":
+        skip = [(f"^{b}/", None) for b in blocks]
+        ref, ref_report = lj.apply_plan(pruned, lj.Step("svd", (*skip, WEIGHTS),
+                                                        dict(step.settings)))
+        assert ref_report.info() == report.info()
+        for r in report.rows:
+            same_node(get_path(new, r.path), get_path(ref, r.path), r.path)
+    if allocation == "eps":  # every other weight keeps its eps-rank at the chosen eps (NumPy)
+        eps = report.info()["chosen_eps"]
+        for r in report.rows:
+            if r.kind == "svd":
+                s = np.linalg.svd(np.asarray(lv.materialize(get_path(pruned, r.path)),
+                                             np.float64), compute_uv=False)
+                s, k = s / s[0], r.details["rank"]
+                # the smallest rank within eps (eps is one of the normalized singular values,
+                # so compare with a margin for the two float64 SVDs' rounding)
+                assert k == s.size or s[k] <= eps + 1e-9, r.path
+                assert k == 1 or s[k - 1] > eps - 1e-9, r.path
+
+
+def test_svd_inputs_given_for_emptied_weights_count_as_used(emptied_models):
+    """Data-aware ``svd``: activations collected for every weight (an emptied output
+    projection's are ``[n, 0]``) are accepted; the other weights are projected as in the
+    model before pruning."""
+    (cfg, fam, pruned), original = emptied_models["bert"]
+    rng = np.random.default_rng(5)
+    inputs = {p: jnp.asarray(f32(int(rng.integers(1 << 30)), 20, leaf.shape[0]))
+              for p, leaf in lj.named_leaves(pruned) if re_search(QKVO, p)}
+    assert any(x.shape[1] == 0 for x in inputs.values())
+    orig_inputs = {p: jnp.asarray(f32(int(rng.integers(1 << 30)), 20, leaf.shape[0]))
+                   for p, leaf in lj.named_leaves(original) if re_search(QKVO, p)}
+    step = lj.Step("svd", (QKVO,), {"rank": 2})
+    new, report = lj.apply_plan(pruned, step, inputs=inputs)
+    kinds = {r.path: r.kind for r in report.rows}
+    live = [p for p, k in kinds.items() if k != "empty"]
+    assert live and all(kinds[p] == "inputs" for p in live)
+    ref, _ = lj.apply_plan(original, step, inputs={**orig_inputs,
+                                                   **{p: inputs[p] for p in live}})
+    for p in live:
+        same_node(get_path(new, p), get_path(ref, p), p)
+
+
+def re_search(pattern, path):
+    import re
+
+    return re.search(pattern, path) is not None
+
+
+@pytest.mark.parametrize("family", ["t5_v1.1", "bert"])
+def test_compress_keys_on_an_emptied_model(emptied_models, family):
+    """``compress_keys`` with calibration inputs for every query-key object (the emptied ones'
+    count as used); all keys kept is exact."""
+    (cfg, fam, pruned), original = emptied_models[family]
+    rng = np.random.default_rng(6)
+    inputs = {f"{sel.path}/q": jnp.asarray(f32(int(rng.integers(1 << 30)), 24,
+                                               sel.node.d_q_in))
+              for sel in select(pruned, (QK,), kind="qk", where="test")}
+    for keys, exact in ((2, False), (4, True)):
+        check_method_on_emptied(f"compress_keys {keys}", lj.Step("compress_keys", (QK,),
+                                                                 {"keys": keys}),
+                                exact=exact, original=original, emptied=(cfg, fam, pruned),
+                                inputs=inputs)
+
+
+def test_partition_of_attention_on_an_emptied_bert(emptied_models):
+    """BERT's 3 heads over 3 machines: the emptied blocks' value and output projections pass
+    (their head checks do not apply), the others are split as before pruning."""
+    (cfg, fam, pruned), original = emptied_models["bert"]
+    for rank, exact in ((1, False), (100, True)):
+        check_method_on_emptied(f"partition attention rank {rank}",
+                                lj.Step("partition", (r"attn/(v|o)$",),
+                                        {"machines": 3, "rank": rank}),
+                                exact=exact, original=original, emptied=(cfg, fam, pruned))
+
+
+@pytest.mark.parametrize("family", ["t5_v1.1", "bert"])
+def test_prune_masks_of_an_emptied_model(emptied_models, family):
+    """``prune`` without a target on the emptied model with every channel masked-in: the
+    emptied weights' rows say so (nothing to remove, their counts unchanged), the others are
+    what pruning the model before pruning gives, and the model computes the same."""
+    (cfg, fam, pruned), original = emptied_models[family]
+    step = lj.Step("prune", (WEIGHTS,), {})
+    new, report = lj.apply_plan(add_channel_masks(pruned), step, config=cfg)
+    ref, _ = lj.apply_plan(add_channel_masks(original), step, config=cfg)
+    blocks = emptied_blocks(add_channel_masks(pruned))
+    for r in report.rows:
+        if in_blocks(r.path, blocks):
+            assert r.kind == "empty" and r.details["reason"] == "empty: nothing to compress"
+            assert (r.params_before, r.bits_before, r.flops_before) == (
+                r.params_after, r.bits_after, r.flops_after)
+            assert lv.weight_shape(get_path(new, r.path)) == lv.weight_shape(
+                get_path(pruned, r.path))
+        else:
+            assert r.kind == "pruned"
+            same_node(get_path(new, r.path), get_path(ref, r.path), r.path)
+    run = runner(cfg)
+    np.testing.assert_allclose(np.asarray(run(new)), np.asarray(run(pruned)), atol=MODEL_TOL)
+
+
+def test_prune_to_a_target_on_an_emptied_forecaster():
+    """Algorithm 1 on Chronos-Bolt with emptied layers: it runs, the emptied weights' rows say
+    so, and the pruned model runs."""
+    cfg, fam, _, pruned = _emptied("chronos_bolt")
+    step = lj.Step("prune", (WEIGHTS,), {"target": 0.3, "steps": 1, "batch_size": 2})
+    new, report = lj.apply_plan(pruned, step, config=cfg)
+    blocks = emptied_blocks(add_channel_masks(pruned))
+    assert {r.path for r in report.rows if r.kind == "empty"} == {
+        r.path for r in report.rows if in_blocks(r.path, blocks)}
+    assert lj.param_count(new) < lj.param_count(pruned)
+    inputs = fam.sample_inputs(cfg, np.random.default_rng(0), 2)
+    assert np.all(np.isfinite(np.asarray(model_output(fam, cfg, new, inputs, None))))
+
+
+#: the methods run on each leaf kind (Dense: every method, above): what reads the weights
+#: (svd, binarize: the float kinds only; binary leaves and LoRA leaves are the product of
+#: another method, which they do not select) and the query-key methods, which take any leaf
+_KIND_METHODS = {
+    "float": ["svd rank", "svd per head", "binarize", "truncatt_vo"],
+    "other": ["truncatt_vo"],
+}
+
+
+@pytest.mark.parametrize("kind", [k for k in LEAF_KINDS if k not in ("dense", "channel_masked",
+                                                                     "channel_pruned",
+                                                                     "fixed_bias")])
+def test_methods_on_an_emptied_model_of_every_leaf_type(kind):
+    """BERT with ``kind`` weights, emptied (as pruning leaves them: ChannelPruned wrappers
+    around ``kind`` leaves): the methods that take that leaf type."""
+    cfg = FAMILIES["bert"]
+    fam = models.family_of(cfg)
+    original = with_leaf_kind(fast_init(fam, cfg, seed=2), kind)
+    m0 = add_channel_masks(original)
+    pruned = remove_masked(with_channel_masks(m0, empty_masks(m0)))
+    for method in _KIND_METHODS["float" if kind in ("lowrank", "head_lowrank") else "other"]:
+        step, exact = METHOD_STEPS[method]
+        check_method_on_emptied(f"{kind}: {method}", step, exact=exact, original=original,
+                                emptied=(cfg, fam, pruned))
+
+
+@pytest.mark.parametrize("side", ["inputs", "outputs"])
+def test_methods_pass_a_pruned_leaf_with_no_kept_channels(side):
+    """A residual-width weight whose kept channels (after ``prune``) are none on one side is
+    empty on its kept channels: every weight method passes it through."""
+    base = lv.Dense(jnp.asarray(f32(0, 0, 5) if side == "inputs" else f32(0, 7, 0)),
+                    None if side == "inputs" else None)
+    rows, cols = ((), tuple(range(1, 6))) if side == "inputs" else (tuple(range(7)), ())
+    leaf = lv.pruned_leaf(base, rows, cols, 8, 6)
+    other, _ = make_leaf("dense", 8, 6, seed=3)
+    tree = {"a": {"w": leaf}, "b": {"w": other}}
+    for step in (lj.Step("svd", ("w$",), {"rank": 2}), lj.Step("binarize", ("w$",), {}),
+                 lj.Step("factorize", ("w$",), {"rank": 2}), lj.Step("lora", ("w$",), {"rank": 2}),
+                 lj.Step("partition", ("w$",), {"machines": 2, "rank": 1})):
+        new, report = lj.apply_plan(tree, step, key=jax.random.PRNGKey(0))
+        row = report.row("a/w")
+        assert row.kind == "empty" and not row.changed, step.method
+        assert new["a"]["w"] is leaf
+        assert report.row("b/w").kind != "empty" and report.row("b/w").changed, step.method
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_eps_sweep_of_an_emptied_model_is_what_svd_gives(emptied_models, per_head):
+    """The one-compile eps sweep takes an emptied model (per head too: a block without heads
+    is one empty matrix) and counts what the ``svd`` method does."""
+    from lowrank_jax.compress import eps_sweep
+
+    (cfg, fam, pruned), _ = emptied_models["bert"]
+    rows = eps_sweep(cfg, pruned, None, [0.3, 0.7], per_head=per_head)
+    for r in rows:
+        _, report = lj.compress.compress(pruned, eps=r["eps"], per_head=per_head)
+        assert r["size_ratio"] == pytest.approx(report.ratio, abs=1e-12)
+        assert r["params_after"] == report.params_after
+    assert rows[1]["size_ratio"] < 1.0
+
+
+def test_frontier_candidates_of_an_emptied_model(emptied_models):
+    """The frontier's candidates for the query-key methods read the widest head over the
+    model's blocks; blocks without heads do not stop them."""
+    from lowrank_jax.compress.frontier import default_candidates
+
+    (cfg, _, pruned), _ = emptied_models["bert"]
+    cands, skipped = default_candidates(pruned, cfg, quick=True, combinations=False,
+                                        methods=["truncatt", "cp", "btd", "truncatt_vo"])
+    assert not skipped
+    assert {c.plan.steps[0].method for c in cands} == {"truncatt", "cp", "btd", "truncatt_vo"}
+    assert "truncatt rank=2/head" in {c.name for c in cands}  # 0.5 of the widest head, 4

@@ -1,4 +1,4 @@
-"""lowrank_jax.interop.prune: structured pruning of a user's linen and nnx model by channel
+"""lowrank_jax.interop.channel_groups: structured pruning of a user's linen and nnx model by channel
 groups over Flax paths. References: NumPy forwards of the same models with the channels
 physically deleted, NumPy magnitude scores and selections, and per-sample mask gradients by
 central differences of a float64 NumPy forward."""
@@ -439,3 +439,141 @@ def test_bad_groups_name_the_flax_path():
     # the plan's prune method with a target needs a model family; on Flax, groups say it
     with pytest.raises(PlanError, match="channel groups"):
         ljl.compress(VARS, lj.Step("prune", (r"Dense_0/kernel$",), {"target": 0.5}))
+
+
+# -- one description, one selection: the plan method and the Flax path on the same model ----
+
+D, HIDDEN, WI_BIAS = 6, (10, 14), (True, False)  # two residual MLPs; only the first wi has a bias
+
+
+class Mlp(nn.Module):
+    hidden: int
+    bias: bool
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(self.hidden, use_bias=self.bias, name="Dense_0")(x)
+        return x + nn.Dense(x.shape[-1], use_bias=False, name="Dense_1")(nn.gelu(h))
+
+
+class MlpStack(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        for i, (h, b) in enumerate(zip(HIDDEN, WI_BIAS, strict=True)):
+            x = Mlp(h, b, name=f"mlp_{i}")(x)
+        return x
+
+
+def np_stack(weights, x, keep=None):
+    """The two MLPs in float64 with only the hidden channels ``keep[i]`` (deleted)."""
+    x = np.asarray(x, np.float64)
+    for i, (w1, b1, w2) in enumerate(weights):
+        k = np.arange(w1.shape[1]) if keep is None else np.flatnonzero(keep[i])
+        h = x @ w1[:, k] + (0.0 if b1 is None else b1[k])
+        x = x + np_gelu(h) @ w2[k]
+    return x
+
+
+def test_plan_method_and_flax_select_the_same_channels_for_the_same_scores():
+    from lowrank_jax.compress.prune import (
+        Structure,
+        add_channel_masks,
+        progressive_prune,
+        remove_masked,
+    )
+    from lowrank_jax.interop.channel_groups import resolve_groups
+    from lowrank_jax.leaves import Dense, linear, mask_partition
+
+    g = np.random.default_rng(11)
+    weights = [(g.normal(size=(D, h)) / np.sqrt(D), g.normal(size=h) if b else None,
+                g.normal(size=(h, D)) / np.sqrt(h)) for h, b in zip(HIDDEN, WI_BIAS, strict=True)]
+    f32 = lambda a: None if a is None else jnp.asarray(a, jnp.float32)  # noqa: E731
+    # the same weights as a lowrank_jax tree (MLP blocks wi / wo) and as Flax variables
+    tree = {"layers": [{"mlp": {"wi": Dense(w=f32(w1), b=f32(b1)), "wo": Dense(w=f32(w2))}}
+                       for w1, b1, w2 in weights]}
+    flax_vars = {"params": {f"mlp_{i}": {"Dense_0": {"kernel": f32(w1), **(
+        {} if b1 is None else {"bias": f32(b1)})}, "Dense_1": {"kernel": f32(w2)}}
+        for i, (w1, b1, w2) in enumerate(weights)}}
+    x = g.normal(size=(4, 3, D))
+
+    def run_tree(t, xx):
+        for layer in t["layers"]:
+            mlp = layer["mlp"]
+            xx = xx + linear(mlp["wo"], jax.nn.gelu(linear(mlp["wi"], xx)))
+        return xx
+
+    np.testing.assert_allclose(run_tree(tree, f32(x)), np_stack(weights, x), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(MlpStack().apply(flax_vars, f32(x)), np_stack(weights, x),
+                               atol=1e-5, rtol=0)
+
+    # both describe the MLPs' hidden channels as one group over the two weights
+    masked = add_channel_masks(tree, (r"mlp/wi$",))
+    plan_groups = {grp.name: grp for grp in Structure(masked).groups if grp.kind == "hidden"}
+    flax_groups = resolve_groups(flax_vars, ljl.infer_groups(flax_vars))
+    assert [(grp.units, [(s.side, s.size) for s in grp.spans]) for grp in plan_groups.values()] \
+        == [(grp.units, [(s.side, s.size) for s in grp.spans]) for grp in flax_groups] \
+        == [(h, [("out", 1), ("in", 1)]) for h in HIDDEN]
+    assert [grp.cost for grp in flax_groups] == [2 * D + 1, 2 * D]
+
+    # the same scores: distinct, shuffled across both layers
+    scores = 0.1 + 0.1 * g.permutation(sum(HIDDEN)).astype(np.float64)
+    split = np.split(scores, np.cumsum(HIDDEN)[:-1])
+    target = 0.4
+
+    # NumPy: one ranking over both layers, lowest first, the fewest units that remove 40 % of
+    # the parameters of the wi / wo pairs (a hidden channel costs its wi column, bias included,
+    # and its wo row)
+    cost = np.concatenate([np.full(h, 2 * D + int(b)) for h, b in zip(HIDDEN, WI_BIAS,
+                                                                      strict=True)])
+    order = np.argsort(scores)
+    k = int(np.searchsorted(np.cumsum(cost[order]), target * cost.sum() - 1e-9) + 1)
+    alive = np.ones(sum(HIDDEN), bool)
+    alive[order[:k]] = False
+    want = np.split(alive, np.cumsum(HIDDEN)[:-1])
+    assert all(w.any() and not w.all() for w in want)  # both layers lose some, keep some
+
+    # the plan method (Algorithm 1, one batch): a loss linear in the masks gives every mask
+    # entry the per-sample gradient r, so eq. 6 scores it |-r + r^2 / 2|; r = 1 - sqrt(1 + 2 s)
+    # scores it s. The residual-width inputs of wi get large scores (they are not compared).
+    paths = [p for p, _ in lj.named_leaves(masked) if p.endswith("/wi")]
+    r = []
+    for s in split:
+        r += [np.full(D, 1.0 - np.sqrt(1.0 + 2 * 1e3)), 1.0 - np.sqrt(1.0 + 2 * s)]
+    r = jnp.asarray(np.concatenate(r)[None], jnp.float32)
+
+    def linear_loss(params, batch, key):
+        masks = jax.tree_util.tree_leaves(mask_partition(params)[0])  # wi m_in, m_out per layer
+        return jnp.sum(batch["r"][0] * jnp.concatenate(masks)), {}
+
+    alpha = 0.5
+    res = progressive_prune(masked, linear_loss, [{"r": r}], target=target, steps=1, alpha=alpha)
+    for p, s in zip(paths, split, strict=True):
+        np.testing.assert_allclose(res.ema[f"{p}/m_out"], alpha * s, rtol=1e-5)
+    plan_keep = [res.removal.hidden[p.rsplit("/", 1)[0]] for p in paths]
+
+    # the Flax path, given the same scores
+    small, report = ljl.prune(flax_vars, ljl.infer_groups(flax_vars), target=target,
+                              scores={grp.name: s for grp, s in zip(flax_groups, split,
+                                                                     strict=True)},
+                              scope="global")
+    info = report.steps[0].info["groups"]
+    for grp, w, pk in zip(flax_groups, want, plan_keep, strict=True):
+        np.testing.assert_array_equal(pk, w)
+        assert info[grp.name]["removed"] == list(np.flatnonzero(~w))
+
+    # and both pruned models compute the stack with those channels deleted
+    np.testing.assert_allclose(run_tree(remove_masked(res.params), f32(x)),
+                               np_stack(weights, x, want), atol=1e-5, rtol=0)
+    np.testing.assert_allclose(ljl.apply(MlpStack(), small, f32(x)), np_stack(weights, x, want),
+                               atol=1e-5, rtol=0)
+
+
+def test_the_old_module_name_still_resolves_with_a_warning():
+    import lowrank_jax.interop as interop
+    from lowrank_jax.interop import channel_groups
+
+    with pytest.warns(DeprecationWarning, match="interop.channel_groups"):
+        from lowrank_jax.interop import prune
+    assert prune is channel_groups and prune.ChannelGroup is ChannelGroup
+    with pytest.raises(AttributeError, match="nope"):
+        interop.nope  # noqa: B018

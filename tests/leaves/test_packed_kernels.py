@@ -6,11 +6,14 @@ kernel's selection by backend.
 The NumPy reference builds the words itself with ``np.packbits`` from a ternary matrix and
 multiplies in float64; it shares no code with lowrank_jax."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowrank_jax import execution
 from lowrank_jax import leaves as L
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import packed_kernels as K
@@ -72,10 +75,11 @@ def test_kernel_through_linear_matches_reference_leaf(monkeypatch):
     pb = L.PackedBinary.from_leaf(mb)
     x = jnp.asarray(r.standard_normal((4, 6, 45)), jnp.float32)
     # The switch is read when a program is traced: fresh lambdas, not jax's cached traces.
-    assert "pallas_call" not in str(jax.make_jaxpr(lambda p, v: L.linear(p, v))(pb, x))
-    monkeypatch.setenv(K.ENV, "on")
-    assert "pallas_call" in str(jax.make_jaxpr(lambda p, v: L.linear(p, v))(pb, x))
-    got = np.asarray(jax.jit(lambda p, v: L.linear(p, v))(pb, x))
+    run = jax.jit(lambda p, v: L.linear(p, v))
+    assert "pallas_call" not in str(run.trace(pb, x).jaxpr)
+    with execution.settings(packed_kernel="on"):  # part of the trace's key: traced again
+        assert "pallas_call" in str(run.trace(pb, x).jaxpr)
+        got = np.asarray(run(pb, x))
     w = np.asarray(mb.to_dense(), np.float64)  # alpha * sign(w) * M, the reference leaf's
     check_close(got.reshape(-1, 20) - np.asarray(mb.b), np.asarray(x).reshape(-1, 45), w)
 
@@ -113,32 +117,49 @@ def test_auto_never_chooses_the_unverified_kernel_on_gpu(monkeypatch):
     """Under ``auto`` a packed leaf traced on a (pretended) ``gpu`` backend holds no
     pallas_call: the kernel races there (a multi-block grid was 0.67 off on an H200) and no
     backend has been verified."""
-    monkeypatch.delenv(K.ENV, raising=False)
     r = np.random.default_rng(4)
     mb = L.MaskedBinary(jnp.asarray(r.standard_normal((70, 40)), jnp.float32),
                         jnp.asarray(r.standard_normal((70, 40)), jnp.float32), keep=0.5)
     pb = L.PackedBinary.from_leaf(mb)
     x = jnp.asarray(r.standard_normal((3, 70)), jnp.float32)
+    assert execution.current().packed_kernel == "auto"
     for backend in ("gpu", "cuda", "rocm", "tpu"):
         monkeypatch.setattr(jax, "default_backend", lambda b=backend: b)
         assert not K.use_kernel()
         assert "pallas_call" not in str(jax.make_jaxpr(lambda p, v: L.linear(p, v))(pb, x))
-    monkeypatch.setenv(K.ENV, "on")  # still available on request
-    assert "pallas_call" in str(jax.make_jaxpr(lambda p, v: L.linear(p, v))(pb, x))
+    with execution.settings(packed_kernel="on"):  # still available on request
+        assert "pallas_call" in str(jax.make_jaxpr(lambda p, v: L.linear(p, v))(pb, x))
 
 
 def test_selection_by_backend_and_bad_input(monkeypatch):
-    monkeypatch.delenv(K.ENV, raising=False)
     assert K.VERIFIED == ()
     for backend in ("cpu", "gpu", "cuda", "rocm", "tpu"):
         assert not K.use_kernel(backend)
-    monkeypatch.setenv(K.ENV, "off")
-    assert not K.use_kernel("gpu")
-    monkeypatch.setenv(K.ENV, "on")
-    assert K.use_kernel("cpu")
-    monkeypatch.setenv(K.ENV, "fast")
-    with pytest.raises(ConfigError, match=K.ENV):
-        K.use_kernel("cpu")
+    monkeypatch.setattr(K, "VERIFIED", ("gpu",))  # a verified backend: auto uses the kernel
+    assert K.use_kernel("gpu") and not K.use_kernel("cpu")
+    with execution.settings(packed_kernel="off"):
+        assert not K.use_kernel("gpu")
+    with execution.settings(packed_kernel="on"):
+        assert K.use_kernel("cpu")
+    with pytest.raises(ConfigError, match="packed_kernel"):
+        execution.Execution(packed_kernel="fast")
+
+
+def test_environment_sets_the_default_at_import():
+    """``LOWRANK_JAX_PACKED_KERNEL`` sets the process's default setting when lowrank_jax is
+    imported (a bad value is refused then, naming the variable)."""
+    import subprocess
+    import sys
+
+    code = "from lowrank_jax import execution; print(execution.current().packed_kernel)"
+    for value, want in (("on", "on"), ("OFF", "off"), ("", "auto")):
+        env = dict(os.environ, **{K.ENV: value or "auto"})
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                             text=True, check=True).stdout.strip()
+        assert out == want
+    bad = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, **{K.ENV: "fast"}),
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and K.ENV in bad.stderr
     words = jnp.zeros((4, 2), jnp.uint32)
     with pytest.raises(ShapeError, match="d_in=40"):
         K.packed_matmul(jnp.zeros((2, 41)), words, words, jnp.float32(1.0), 40, interpret=True)

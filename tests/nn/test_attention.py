@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowrank_jax import execution
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import (
     ChannelPruned,
@@ -44,6 +45,7 @@ from lowrank_jax.nn import (
     step_t_mask,
 )
 from lowrank_jax.nn import attention as attn
+from lowrank_jax.nn import execution as strategy
 
 TOL = 1e-5
 F32_MIN = float(np.finfo(np.float32).min)
@@ -486,10 +488,15 @@ def test_batch_chunks_match_per_head_reference(monkeypatch, chunk_bytes, chunk, 
 
     plain = jax.jit(jax.value_and_grad(lambda p, b: jnp.sum(run(p, x, kv, b) ** 2)))
     want_val, want_grad = plain(p, jnp.asarray(per_seq))
-    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
-    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 0)
-    monkeypatch.setattr(attn, "CHUNK_BYTES", chunk_bytes)
-    assert attn.batch_chunk(6, 4, 4, 5) == chunk
+    with execution.settings(cpu_chunks=True, attention_chunk_above_bytes=0,
+                            attention_chunk_bytes=chunk_bytes):
+        assert strategy.batch_chunk(6, 4, 4, 5) == chunk
+        _chunked_checks(run, p, full, x, kv, shared, per_seq, mask, act, want_val, want_grad)
+
+
+def _chunked_checks(run, p, full, x, kv, shared, per_seq, mask, act, want_val, want_grad):
+    """The chunked block (the settings active) against the NumPy loop and the unchunked
+    value and gradient."""
     for bias in (shared, per_seq):
         y = jax.jit(run)(p, x, kv, jnp.asarray(bias))
         b64 = np.broadcast_to(np.asarray(bias, np.float64), (6, ORIG_HEADS, 4, 5))
@@ -514,12 +521,12 @@ def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch, 
     x, kv = rand(93, (4, 3, D)), rand(94, (4, 5, D_KV))
     mask = np.random.default_rng(95).random((4, 1, 3, 5)) < 0.8
     mask[..., 0] = True
-    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
-    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 0)
-    monkeypatch.setattr(attn, "CHUNK_BYTES", 2 * 4 * 3 * 3 * 5)  # two sequences per chunk
-    assert attn.batch_chunk(4, 3, 3, 5) == 2
-    got = jax.jit(lambda p, x, kv: apply_attention(p, x, CFG, kv=kv, mask=jnp.asarray(mask)))(
-        p, x, kv)
+    with execution.settings(cpu_chunks=True, attention_chunk_above_bytes=0,
+                            attention_chunk_bytes=2 * 4 * 3 * 3 * 5):  # two sequences per chunk
+        assert strategy.batch_chunk(4, 3, 3, 5, factored=True) == 2
+        run = jax.jit(lambda p, x, kv: apply_attention(p, x, CFG, kv=kv, mask=jnp.asarray(mask)))
+        assert "scan" in str(run.trace(p, x, kv).jaxpr)  # the chunk loop (lax.map) is there
+        got = run(p, x, kv)
     x64, kv64 = np.asarray(x, np.float64), np.asarray(kv, np.float64)
     lg = np.einsum("bqd,deh,bke->bhqk", x64, np.asarray(y, np.float64), kv64) * 0.5
     lg = np.where(mask, lg, F32_MIN)
@@ -530,8 +537,9 @@ def test_batch_chunks_of_a_query_key_type_without_queries_and_keys(monkeypatch, 
 
 @pytest.mark.parametrize("kind", ["cp", "btd"])
 def test_factored_query_keys_chunk_from_their_own_threshold(monkeypatch, kind):
-    """CP-SlimAtt and BTD blocks chunk above ``FACTORED_CHUNK_ABOVE_BYTES`` while a
-    ``QueryKey`` of the same size runs whole; the chunked block equals the NumPy one built
+    """CP-SlimAtt and BTD blocks chunk above the setting
+    ``factored_attention_chunk_above_bytes`` while a ``QueryKey`` of the same size runs whole;
+    the chunked block equals the NumPy one built
     from the raw factors (logits of head h: sum_r mix[h, r] q_r k_r for CP, sum_t C[h, t]
     (x_q A_t)(x_k B_t)^T for BTD)."""
     from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
@@ -549,15 +557,16 @@ def test_factored_query_keys_chunk_from_their_own_threshold(monkeypatch, kind):
          "heads": HeadLayout.uniform(heads, w_v, scale)}
     x, kv = rand(125, (4, 3, D)), rand(126, (4, 5, D_KV))
     logit_bytes = 4 * 4 * heads * 3 * 5  # the whole batch's float32 logits
-    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
-    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 2 * logit_bytes)  # a QueryKey: whole
-    monkeypatch.setattr(attn, "FACTORED_CHUNK_ABOVE_BYTES", logit_bytes // 2)
-    monkeypatch.setattr(attn, "CHUNK_BYTES", 2 * 4 * heads * 3 * 5)  # two sequences per chunk
-    assert attn.batch_chunk(4, heads, 3, 5) is None
-    assert attn.batch_chunk(4, heads, 3, 5, qk=qk) == 2
-    jaxpr = str(jax.make_jaxpr(lambda p, x, kv: apply_attention(p, x, CFG, kv=kv))(p, x, kv))
-    assert "scan" in jaxpr  # the chunk loop (lax.map) is there
-    got = jax.jit(lambda p, x, kv: apply_attention(p, x, CFG, kv=kv))(p, x, kv)
+    settings = execution.settings(
+        cpu_chunks=True, attention_chunk_above_bytes=2 * logit_bytes,  # a QueryKey: whole
+        factored_attention_chunk_above_bytes=logit_bytes // 2,
+        attention_chunk_bytes=2 * 4 * heads * 3 * 5)  # two sequences per chunk
+    with settings:
+        assert strategy.batch_chunk(4, heads, 3, 5) is None
+        assert strategy.batch_chunk(4, heads, 3, 5, factored=True) == 2
+        jaxpr = str(jax.make_jaxpr(lambda p, x, kv: apply_attention(p, x, CFG, kv=kv))(p, x, kv))
+        assert "scan" in jaxpr  # the chunk loop (lax.map) is there
+        got = jax.jit(lambda p, x, kv: apply_attention(p, x, CFG, kv=kv))(p, x, kv)
     x64, kv64 = np.asarray(x, np.float64), np.asarray(kv, np.float64)
     qc = x64 @ np.asarray(sq, np.float64)  # [b, q, 6]
     kc = kv64 @ np.asarray(sk, np.float64)  # [b, k, 6]
@@ -574,28 +583,29 @@ def test_factored_query_keys_chunk_from_their_own_threshold(monkeypatch, kind):
 
 
 def test_batch_chunk_policy(monkeypatch):
-
-    default = attn.CHUNK_ABOVE_BYTES
-    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 8 << 20)
-    monkeypatch.setattr(attn, "CHUNK_BYTES", 2 << 20)
-    assert jax.default_backend() == "cpu" and jax.device_count() > 1  # tests/conftest.py: 8
-    assert attn.batch_chunk(32, 12, 256, 256) is None  # several devices: never chunked
-    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)
-    # 32 x 12 heads x 256^2 float32 logits = 100 MB: one sequence (3.1 MB) per chunk.
-    assert attn.batch_chunk(32, 12, 256, 256) == 1
-    # 32 sequences of 33 tokens (Chronos-Bolt): 1.7 MB in all, no chunks.
-    assert attn.batch_chunk(32, 12, 33, 33) is None
-    # 30 x 8 heads x 128^2 = 15.7 MB: 4 sequences fit 2 MiB but do not divide 30; 3 do.
-    assert attn.batch_chunk(30, 8, 128, 128) == 3
-    assert attn.batch_chunk(1, 12, 1024, 1024) is None  # one sequence cannot be split
+    assert execution.current() == execution.Execution()  # defaults in effect
+    with execution.settings(attention_chunk_above_bytes=8 << 20):
+        assert jax.default_backend() == "cpu" and jax.device_count() > 1  # conftest.py: 8
+        assert strategy.batch_chunk(32, 12, 256, 256) is None  # several devices: never
+        with execution.settings(cpu_chunks=True):  # forced on
+            assert strategy.batch_chunk(32, 12, 256, 256) == 1
+        monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)
+        # 32 x 12 heads x 256^2 float32 logits = 100 MB: one sequence (3.1 MB) per chunk.
+        assert strategy.batch_chunk(32, 12, 256, 256) == 1
+        # 32 sequences of 33 tokens (Chronos-Bolt): 1.7 MB in all, no chunks.
+        assert strategy.batch_chunk(32, 12, 33, 33) is None
+        # 30 x 8 heads x 128^2 = 15.7 MB: 4 sequences fit 2 MiB but do not divide 30; 3 do.
+        assert strategy.batch_chunk(30, 8, 128, 128) == 3
+        assert strategy.batch_chunk(1, 12, 1024, 1024) is None  # one sequence cannot be split
+        with execution.settings(cpu_chunks=False):  # forced off
+            assert strategy.batch_chunk(32, 12, 256, 256) is None
     # the default threshold, 64 MiB: a ViT-Base batch of 32 images (59.6 MB of logits) runs
     # whole, 64 images (119 MB) one image per chunk
-    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", default)
-    assert attn.batch_chunk(32, 12, 197, 197) is None
-    assert attn.batch_chunk(64, 12, 197, 197) == 1
-    assert attn.batch_chunk(8, 12, 256, 256) is None
-    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", None)
-    assert attn.batch_chunk(32, 12, 256, 256) is None
+    assert strategy.batch_chunk(32, 12, 197, 197) is None
+    assert strategy.batch_chunk(64, 12, 197, 197) == 1
+    assert strategy.batch_chunk(8, 12, 256, 256) is None
+    with execution.settings(attention_chunk_above_bytes=None):
+        assert strategy.batch_chunk(32, 12, 256, 256) is None
 
 
 def test_width_zero_query_key_head_attends_uniformly():
@@ -946,35 +956,40 @@ def test_no_batch_chunks_with_several_devices(monkeypatch):
 
 
     assert jax.device_count() == 8  # tests/conftest.py
-    monkeypatch.setattr(attn, "CHUNK_ABOVE_BYTES", 0)  # any size would be chunked
-    monkeypatch.setattr(attn, "CHUNK_BYTES", 1)
-    assert attn.batch_chunk(8, 3, 4, 4) is None
-    p = {"qk": QueryKey(q=Dense(rand(100, (D, 6), 0.4)), k=Dense(rand(101, (D, 6), 0.4)),
-                        widths=(2, 2, 2)),
-         "v": Dense(rand(102, (D, 6), 0.4)), "o": Dense(rand(103, (6, D_OUT), 0.4)),
-         "heads": HeadLayout.uniform(3, 2, 0.5)}
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    x = jax.device_put(rand(104, (8, 4, D)), NamedSharding(mesh, PartitionSpec("data")))
-    jaxpr = str(jax.make_jaxpr(lambda p, x: apply_attention(p, x, CFG))(p, x))
-    assert "scan" not in jaxpr and "while" not in jaxpr
-    y = jax.jit(lambda p, x: apply_attention(p, x, CFG))(p, x)
-    x64 = np.asarray(x, np.float64)
-    q = (x64 @ np.asarray(p["qk"].q.w, np.float64)).reshape(8, 4, 3, 2)
-    k = (x64 @ np.asarray(p["qk"].k.w, np.float64)).reshape(8, 4, 3, 2)
-    v = (x64 @ np.asarray(p["v"].w, np.float64)).reshape(8, 4, 3, 2)
-    att = np_softmax(np.einsum("bqhd,bkhd->bhqk", q, k) * 0.5)
-    out = np.einsum("bhqk,bkhd->bqhd", att, v).reshape(8, 4, 6) @ np.asarray(p["o"].w, np.float64)
-    assert max_err(y, out) <= TOL
-    assert y.sharding.spec == PartitionSpec("data")
+    with execution.settings(attention_chunk_above_bytes=0,  # any size would be chunked
+                            attention_chunk_bytes=1):
+        assert strategy.batch_chunk(8, 3, 4, 4) is None
+        p = {"qk": QueryKey(q=Dense(rand(100, (D, 6), 0.4)), k=Dense(rand(101, (D, 6), 0.4)),
+                            widths=(2, 2, 2)),
+             "v": Dense(rand(102, (D, 6), 0.4)), "o": Dense(rand(103, (6, D_OUT), 0.4)),
+             "heads": HeadLayout.uniform(3, 2, 0.5)}
+        mesh = Mesh(np.array(jax.devices()), ("data",))
+        x = jax.device_put(rand(104, (8, 4, D)), NamedSharding(mesh, PartitionSpec("data")))
+        jaxpr = str(jax.make_jaxpr(lambda p, x: apply_attention(p, x, CFG))(p, x))
+        assert "scan" not in jaxpr and "while" not in jaxpr
+        y = jax.jit(lambda p, x: apply_attention(p, x, CFG))(p, x)
+        x64 = np.asarray(x, np.float64)
+        q = (x64 @ np.asarray(p["qk"].q.w, np.float64)).reshape(8, 4, 3, 2)
+        k = (x64 @ np.asarray(p["qk"].k.w, np.float64)).reshape(8, 4, 3, 2)
+        v = (x64 @ np.asarray(p["v"].w, np.float64)).reshape(8, 4, 3, 2)
+        att = np_softmax(np.einsum("bqhd,bkhd->bhqk", q, k) * 0.5)
+        out = np.einsum("bhqk,bkhd->bqhd", att, v).reshape(8, 4, 6) @ np.asarray(p["o"].w, np.float64)
+        assert max_err(y, out) <= TOL
+        assert y.sharding.spec == PartitionSpec("data")
 
 
 # ---------------------------------------------------------------------------------------------
 # Keys and values folded into the queries (few queries, many keys).
 
+_APPLY = jax.jit(apply_attention, static_argnames=("cfg", "layer_index"))
+
+
 def unjitted(monkeypatch, fold, *args, **kwargs):
-    """``apply_attention`` with ``FOLD_KEYS`` set, traced afresh (no cached trace)."""
-    monkeypatch.setattr(attn, "FOLD_KEYS", fold)
-    return jax.jit(apply_attention, static_argnames=("cfg", "layer_index"))(*args, **kwargs)
+    """``apply_attention`` jitted once, called with the setting ``fold_keys``: the setting is
+    part of the trace's key, so the same jitted function runs both paths."""
+    del monkeypatch
+    with execution.settings(fold_keys=fold):
+        return _APPLY(*args, **kwargs)
 
 
 def test_fold_keys_policy(monkeypatch):
@@ -1004,8 +1019,8 @@ def test_fold_keys_policy(monkeypatch):
     plain = {**shapes, "qk": QueryKey(jnp.zeros((768, 768)), jnp.zeros((768, 768)),
                                       shapes["qk"].widths), "v": jnp.zeros((768, 768))}
     assert attn.fold_keys(plain, 1, 33)  # plain weight arrays are dense weights too
-    monkeypatch.setattr(attn, "FOLD_KEYS", False)
-    assert not attn.fold_keys(shapes, 1, 33)
+    with execution.settings(fold_keys=False):
+        assert not attn.fold_keys(shapes, 1, 33)
 
 
 @pytest.mark.parametrize("use_bias", [False, True])
@@ -1065,9 +1080,10 @@ def test_folded_gradient_equals_projected(monkeypatch, kind):
         return jnp.sum(jnp.sin(apply_attention(params, x, CFG, kv=enc, mask=mask)))
 
     grads = {}
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
     for fold in (True, False):
-        monkeypatch.setattr(attn, "FOLD_KEYS", fold)
-        grads[fold] = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p, x, enc)
+        with execution.settings(fold_keys=fold):
+            grads[fold] = grad(p, x, enc)
     for a, b in zip(jax.tree.leaves(grads[True]), jax.tree.leaves(grads[False]), strict=True):
         # float32 round-off of two association orders grows with the values: some LowRank
         # factor gradients reach 12 here, so the block tolerance applies per unit of them

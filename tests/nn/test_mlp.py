@@ -8,9 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lowrank_jax import execution
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import Dense, LowRank, MaskedBinary, keep_inputs, keep_outputs, materialize
 from lowrank_jax.nn import MLPConfig, apply_mlp, init_mlp
+from lowrank_jax.nn import execution as strategy
 
 TOL = 1e-5
 
@@ -219,8 +221,6 @@ def test_token_chunks_match_reference(monkeypatch, gated, activation):
     """An MLP run a chunk of tokens at a time (lax.map; forced here by the byte thresholds,
     with 10 tokens in 3 chunks of 4, two padding rows) equals the NumPy MLP, keeps the input's
     leading shape, and compressed leaves give what they give unchunked."""
-    from lowrank_jax.nn import mlp as mlp_mod
-
     cfg = MLPConfig(activation=activation, gated=gated, use_bias=True)
     p = dense_params(40, cfg)
     x = rand(41, (2, 5, 8))
@@ -228,64 +228,59 @@ def test_token_chunks_match_reference(monkeypatch, gated, activation):
     first = "wi_0" if gated else "wi"
     comp[first] = LowRank(u=rand(42, (8, 3), 0.5), v=rand(43, (3, 12), 0.5), b=rand(44, (12,)))
     comp["wo"] = MaskedBinary(w=rand(45, (12, 8)), s=rand(46, (12, 8)), b=None, keep=0.6)
-    whole = jax.jit(lambda p, x: apply_mlp(p, x, cfg))(comp, x)
-    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
-    monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 0)
-    monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 200)  # 10 tokens x 12 x 4 bytes = 480: 3 chunks
-    assert mlp_mod.token_chunks(10, 12) == 3
-    run = jax.jit(lambda p, x: apply_mlp(p, x, cfg))  # traced under the patched thresholds
-    y = run(p, x)
+    run = jax.jit(lambda p, x: apply_mlp(p, x, cfg))
+    whole = run(comp, x)
+    chunks = execution.settings(cpu_chunks=True, mlp_chunk_above_bytes=0,
+                                mlp_chunk_bytes=200)  # 10 tokens x 12 x 4 bytes = 480: 3 chunks
+    with chunks:
+        assert strategy.token_chunks(10, 12) == 3
+        y = run(p, x)  # traced again: the settings are part of the trace's key
+        got = run(comp, x)
+        jaxpr = str(jax.make_jaxpr(lambda p, x: apply_mlp(p, x, cfg))(p, x))
     assert y.shape == (2, 5, 8)
     assert max_err(y, np_mlp(p, x, activation, gated)) <= TOL
     u, v = (np.asarray(a, np.float64) for a in (comp[first].u, comp[first].v))
     ref = dict(p, **{first: Dense(jnp.asarray((u @ v).astype(np.float32)), comp[first].b)})
     ref["wo"] = Dense(materialize(comp["wo"]), None)
-    got = run(comp, x)
     assert max_err(got, np_mlp(ref, x, activation, gated)) <= TOL
     assert max_err(got, whole) <= TOL
-    jaxpr = str(jax.make_jaxpr(lambda p, x: apply_mlp(p, x, cfg))(p, x))
     assert "while" in jaxpr or "scan" in jaxpr  # the chunks really run as a loop
 
 
 def test_token_chunk_gradient_matches_reference(monkeypatch):
-    from lowrank_jax.nn import mlp as mlp_mod
-
     cfg = MLPConfig(activation="relu")
     p = {"wi": Dense(rand(50, (8, 12), 0.4)), "wo": Dense(rand(51, (12, 8), 0.3))}
     x = rand(52, (7, 8))
-    monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)  # see cpu_chunks
-    monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 0)
-    monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 100)  # 7 x 12 x 4 = 336 bytes: 4 chunks of 2
-    assert mlp_mod.token_chunks(7, 12) == 4
-    gp, gx = jax.jit(jax.grad(lambda p, x: jnp.sum(apply_mlp(p, x, cfg) ** 2),
-                              argnums=(0, 1)))(p, x)
+    with execution.settings(cpu_chunks=True, mlp_chunk_above_bytes=0,
+                            mlp_chunk_bytes=100):  # 7 x 12 x 4 = 336 bytes: 4 chunks of 2
+        assert strategy.token_chunks(7, 12) == 4
+        gp, gx = jax.jit(jax.grad(lambda p, x: jnp.sum(apply_mlp(p, x, cfg) ** 2),
+                                  argnums=(0, 1)))(p, x)
     want = np_relu_mlp_grads(*(np.asarray(a, np.float64) for a in (p["wi"].w, p["wo"].w, x)))
     for got, ref in zip((gp["wi"].w, gp["wo"].w, gx), want, strict=True):
         assert max_err(got, ref) <= 1e-4 * max(1.0, float(np.max(np.abs(ref))))
 
 
 def test_token_chunks_policy(monkeypatch):
-    from lowrank_jax.nn import mlp as mlp_mod
-
-    monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 16 << 20)
-    monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 8 << 20)
+    # the defaults: above 16 MiB, chunks of at most 8 MiB
     assert jax.default_backend() == "cpu" and jax.device_count() > 1  # tests/conftest.py: 8
-    assert mlp_mod.token_chunks(16384, 3072) is None  # several devices: never chunked
+    assert strategy.token_chunks(16384, 3072) is None  # several devices: never chunked
     monkeypatch.setattr(jax, "device_count", lambda *a, **k: 1)
     # Chronos-Bolt-base batch: 1056 tokens x 3072 x 4 bytes = 12.4 MiB, below the threshold.
-    assert mlp_mod.token_chunks(1056, 3072) is None
+    assert strategy.token_chunks(1056, 3072) is None
     # ViT-Base, 32 images: 6304 x 3072 x 4 = 73.9 MiB -> 10 chunks of at most 8 MiB.
-    assert mlp_mod.token_chunks(6304, 3072) == 10
-    assert mlp_mod.token_chunks(16384, 3072) == 24
-    assert mlp_mod.token_chunks(6304, 3072, itemsize=2) == 5  # bf16 activations: half the bytes
-    assert mlp_mod.token_chunks(1, 1 << 24) is None  # one token cannot be split
-    monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 1)
-    assert mlp_mod.token_chunks(6304, 3072) == 6304  # at most one chunk per token
-    monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", None)
-    assert mlp_mod.token_chunks(16384, 3072) is None
+    assert strategy.token_chunks(6304, 3072) == 10
+    assert strategy.token_chunks(16384, 3072) == 24
+    assert strategy.token_chunks(6304, 3072, itemsize=2) == 5  # bf16 activations: half the bytes
+    assert strategy.token_chunks(1, 1 << 24) is None  # one token cannot be split
+    with execution.settings(mlp_chunk_bytes=1):
+        assert strategy.token_chunks(6304, 3072) == 6304  # at most one chunk per token
+    with execution.settings(mlp_chunk_above_bytes=None):
+        assert strategy.token_chunks(16384, 3072) is None
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 16 << 20)
-    assert mlp_mod.token_chunks(16384, 3072) is None
+    assert strategy.token_chunks(16384, 3072) is None
+    with execution.settings(cpu_chunks=True):  # forced on any backend
+        assert strategy.token_chunks(16384, 3072) == 24
 
 
 def test_no_token_chunks_with_several_devices(monkeypatch):
@@ -293,18 +288,16 @@ def test_no_token_chunks_with_several_devices(monkeypatch):
     would gather the input onto every device) and its output stays sharded."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from lowrank_jax.nn import mlp as mlp_mod
-
     assert jax.device_count() == 8  # tests/conftest.py
-    monkeypatch.setattr(mlp_mod, "CHUNK_ABOVE_BYTES", 0)  # any size would be chunked
-    monkeypatch.setattr(mlp_mod, "CHUNK_BYTES", 64)
     cfg = MLPConfig(activation="gelu")
     p = dense_params(60, cfg)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     x = jax.device_put(rand(61, (8, 3, 8)), NamedSharding(mesh, PartitionSpec("data")))
     run = jax.jit(lambda p, x: apply_mlp(p, x, cfg))
-    jaxpr = str(jax.make_jaxpr(lambda p, x: apply_mlp(p, x, cfg))(p, x))
+    with execution.settings(mlp_chunk_above_bytes=0,  # any size would be chunked
+                            mlp_chunk_bytes=64):
+        jaxpr = str(jax.make_jaxpr(lambda p, x: apply_mlp(p, x, cfg))(p, x))
+        y = run(p, x)
     assert "scan" not in jaxpr and "while" not in jaxpr
-    y = run(p, x)
     assert max_err(y, np_mlp(p, x, "gelu", False)) <= TOL
     assert y.sharding.spec == PartitionSpec("data")

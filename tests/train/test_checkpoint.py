@@ -1,5 +1,6 @@
 """Train-state checkpoints: round trip, keep-N, exact resume (model state included), device
-counts, damaged files, and a checkpoint written by lowrank_jax 0.1 (format version 1)."""
+counts, damaged files; a step is a lowrank_jax.io checkpoint and an io checkpoint starts a run;
+steps of the earlier CRC32 format and of lowrank_jax 0.1 (format version 1) still restore."""
 
 import glob
 import os
@@ -12,6 +13,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from lowrank_jax import io as lio
 from lowrank_jax.errors import (
     CheckpointError,
     ConfigError,
@@ -19,6 +21,7 @@ from lowrank_jax.errors import (
     MissingFileError,
     OutputExistsError,
 )
+from lowrank_jax.io import files
 from lowrank_jax.leaves import (
     HeadLowRank,
     combine,
@@ -29,10 +32,12 @@ from lowrank_jax.leaves import (
     linear,
     path_str,
 )
+from lowrank_jax.train import default_optimizer, fit, full_params
 from lowrank_jax.train.checkpoint import (
     Checkpointer,
     CorruptCheckpointError,
     IncompatibleCheckpointError,
+    load_train_state,
 )
 from lowrank_jax.train.data import WindowConfig, WindowSampler
 from lowrank_jax.train.state import TrainState, init_train_state
@@ -202,22 +207,41 @@ def _two_steps(path):
     return ckpt, s1, s2
 
 
-def _data_files(step_dir):
-    return [p for p in glob.glob(os.path.join(step_dir, "state", "**", "d", "*"), recursive=True)
-            if os.path.isfile(p)]
+#: Where a step keeps its arrays and its description: this format (a lowrank_jax.io
+#: checkpoint) and the earlier CRC32 one (orbax CheckpointManager items).
+ARRAYS = {"current": "arrays", "crc32": "state"}
+DESCRIPTION = {"current": "tree.json", "crc32": os.path.join("meta", "metadata")}
 
 
+def _data_files(step_dir, fmt="current"):
+    return [p for p in glob.glob(os.path.join(step_dir, ARRAYS[fmt], "**", "d", "*"),
+                                 recursive=True) if os.path.isfile(p)]
+
+
+def _two_steps_of(fmt, path):
+    """Steps 1 and 2 in ``path``, written now or by the earlier format (a fixture); the
+    ``like`` and the states of both steps."""
+    if fmt == "current":
+        ckpt, s1, s2 = _two_steps(path)
+        return ckpt, jax.eval_shape(lambda: _state()), s1, s2
+    shutil.copytree(os.path.join(DATA, "train_state_v2"), path, dirs_exist_ok=True)
+    like = jax.eval_shape(_v2_state)
+    return (Checkpointer(path, max_to_keep=3), like, _expected(like, "train_state_v2/1"),
+            _expected(like, "train_state_v2/2"))
+
+
+@pytest.mark.parametrize("fmt", ["current", "crc32"])
 @pytest.mark.parametrize("damage", ["truncate", "delete", "flip", "swap", "meta"])
-def test_corrupt_latest_gives_clear_error_and_previous_survives(tmp_path, damage):
-    ckpt, s1, _ = _two_steps(tmp_path)
+def test_corrupt_latest_gives_clear_error_and_previous_survives(tmp_path, damage, fmt):
+    ckpt, like, s1, _ = _two_steps_of(fmt, tmp_path)
     step_dir = str(tmp_path / "2")
     if damage == "meta":
-        os.remove(os.path.join(step_dir, "meta", "metadata"))
+        os.remove(os.path.join(step_dir, DESCRIPTION[fmt]))
     elif damage == "swap":  # readable files with other contents: only the checksums tell
-        shutil.rmtree(os.path.join(step_dir, "state"))
-        shutil.copytree(str(tmp_path / "1" / "state"), os.path.join(step_dir, "state"))
+        shutil.rmtree(os.path.join(step_dir, ARRAYS[fmt]))
+        shutil.copytree(str(tmp_path / "1" / ARRAYS[fmt]), os.path.join(step_dir, ARRAYS[fmt]))
     else:
-        files = _data_files(step_dir)
+        files = _data_files(step_dir, fmt)
         assert files
         for f in files:
             if damage == "truncate":
@@ -230,7 +254,6 @@ def test_corrupt_latest_gives_clear_error_and_previous_survives(tmp_path, damage
                 for i in range(len(b) // 3, len(b), 7):
                     b[i] ^= 0x5A
                 open(f, "wb").write(bytes(b))
-    like = jax.eval_shape(lambda: _state())
     fresh = Checkpointer(tmp_path, max_to_keep=3)
     with pytest.raises(CorruptCheckpointError, match=rf"checkpoint {step_dir}\b") as err:
         fresh.restore(like=like)
@@ -241,7 +264,9 @@ def test_corrupt_latest_gives_clear_error_and_previous_survives(tmp_path, damage
     assert "\n" not in msg and "TensorStore(" not in msg and "tensorstore_spec" not in msg
     assert msg.startswith(f"Checkpointer: checkpoint {step_dir} is damaged: ")
     if damage == "meta":
-        assert f"its metadata {step_dir}/meta cannot be read" in msg and not err.value.arrays
+        said = {"current": f"its skeleton {step_dir}/tree.json is missing",
+                "crc32": f"its metadata {step_dir}/meta cannot be read"}[fmt]
+        assert said in msg and not err.value.arrays
     else:
         paths = {path_str(kp) for kp, _ in jax.tree_util.tree_flatten_with_path(s1)[0]}
         assert err.value.arrays and set(err.value.arrays) <= paths
@@ -369,11 +394,250 @@ def test_reads_version_1_checkpoints(tmp_path):
         ckpt.restore(like=with_state)
 
 
-def test_checkpoint_errors_are_checkpoint_errors_naming_the_step(tmp_path):
-    ckpt, _, _ = _two_steps(tmp_path)
-    os.remove(os.path.join(str(tmp_path / "2"), "meta", "metadata"))
+# -- the earlier CRC32 format (fixtures written by it, tests/train/data/make_v2_fixtures.py) ---
+
+def _v2_params(key):
+    """The parameters of the fixtures train_state_v2* (structure; values come from them)."""
+    k = jax.random.split(key, 4)
+    return {"inp": init_lowrank(k[0], 6, 4, 2, bias=True),
+            "heads": init_head_lowrank(k[1], 4, 2, 2, 2),
+            "bin": init_masked_binary(k[2], 4, 4, 0.5), "out": init_dense(k[3], 4, 3),
+            "scale": jnp.ones((4,))}
+
+
+def _v2_state():
+    return init_train_state(_v2_params(jax.random.key(0)), optax.adam(1e-2),
+                            key=jax.random.key(1))
+
+
+def _v2_model_state():
+    return {"bn": {"mean": jnp.zeros((4,)), "var": jnp.ones((4,))},
+            "count": jnp.asarray(0, jnp.int32)}
+
+
+def _v2_stateful():
+    return init_train_state(_v2_params(jax.random.key(2)),
+                            default_optimizer(learning_rate=1e-2, total_steps=10, warmup_steps=1),
+                            key=jax.random.key(3), model_state=_v2_model_state())
+
+
+def _v2_tree():
+    return {"np": np.arange(6, dtype=np.int16).reshape(2, 3), "npscalar": np.float32(2.5),
+            "py": 3, "empty": jnp.zeros((0, 4)), "none": None,
+            "keys": jax.random.split(jax.random.key(1), 3), "old_key": jax.random.PRNGKey(5)}
+
+
+def _expected(like, prefix):
+    """``like`` filled with the arrays the fixture's writer dumped under ``prefix``."""
+    npz = np.load(os.path.join(DATA, "train_state_v2_expected.npz"))
+
+    def value(kp, x):
+        a = npz[f"{prefix}/{path_str(kp) or '<root>'}"]
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            return jax.random.wrap_key_data(jnp.asarray(a), impl=str(jax.random.key_impl(
+                jax.random.key(0))))
+        return jnp.asarray(a)
+
+    flat = jax.tree_util.tree_flatten_with_path(like)[0]
+    assert {f"{prefix}/{path_str(kp) or '<root>'}" for kp, _ in flat} == {
+        f for f in npz.files if f.startswith(prefix + "/")}
+    return jax.tree_util.tree_map_with_path(value, like)
+
+
+def test_crc32_fixtures_restore_bit_exactly(tmp_path):
+    """Steps written by the earlier format (CRC32, orbax CheckpointManager, version 2) restore
+    into today's structures with the same bits, step, data position, optimizer state and
+    metadata."""
+    shutil.copytree(DATA, tmp_path / "data")
+    ck = Checkpointer(tmp_path / "data" / "train_state_v2")
+    assert ck.all_steps() == [1, 2] and ck.removed_temporaries == []
+    like = jax.eval_shape(_v2_state)
+    for step in (1, 2):
+        meta = ck.metadata(step)
+        assert (meta["format"], meta["version"]) == ("lowrank_jax.train_state", 2)
+        assert (meta["step"], meta["data_position"]) == (step, 5 * step)
+        got = ck.restore(step, like=like)
+        assert isinstance(got, TrainState) and got.model_state is None
+        assert type(got.opt_state[0]) is type(like.opt_state[0])  # optax's own class
+        _assert_trees_equal(got, _expected(like, f"train_state_v2/{step}"))
+        assert int(got.step) == step and int(got.data_position) == 5 * step
+    # the Adam moments were saved after real updates: not all zero
+    assert np.abs(np.asarray(got.opt_state[0].mu["inp"].u)).min() > 0
+
+    ck = Checkpointer(tmp_path / "data" / "train_state_v2_stateful")
+    meta = ck.metadata()
+    assert meta["step"] == 3 and meta["config"] == {"lr": 0.01, "steps": 10}
+    assert meta["metadata"] == {"written_by": "the CRC32 train-state format (version 2)"}
+    like = jax.eval_shape(_v2_stateful)
+    got = ck.restore(like=like)
+    _assert_trees_equal(got, _expected(like, "train_state_v2_stateful/3"))
+    assert float(got.model_state["bn"]["mean"][0]) == 0.75  # three updates of +0.25
+    assert float(got.opt_state.hyperparams["learning_rate"]) > 0
+
+    tree = _v2_tree()
+    got = Checkpointer(tmp_path / "data" / "tree_v2").restore(like=tree)
+    _assert_trees_equal(got, tree)
+    assert type(got["py"]) is int and type(got["npscalar"]) is np.float32
+    assert got["none"] is None and got["empty"].shape == (0, 4)
+
+
+def test_a_run_resumes_from_crc32_steps_and_continues_in_this_format(tmp_path):
+    """``fit`` resumes from a step of the earlier format; its new steps are io checkpoints, and
+    keep-N removes the old steps in turn."""
+    directory = tmp_path / "run"
+    shutil.copytree(os.path.join(DATA, "train_state_v2"), directory)
+    series = [np.sin(np.arange(300) / 7.0) * 3 + 5, np.cos(np.arange(200) / 5.0) + 2]
+    sampler = WindowSampler(series, WindowConfig(6, 3, stride=2), batch_size=4, seed=3)
+
+    def loss(p, batch, key):
+        del key
+        h = jnp.tanh(linear(p["inp"], batch["context"]))
+        h = h + linear(p["bin"], h) * p["scale"] + linear(p["heads"], h)
+        return jnp.mean((linear(p["out"], h) - batch["target"]) ** 2), {}
+
+    kw = dict(steps=4, key=jax.random.key(1), optimizer=optax.adam(1e-2), checkpoint_every=1,
+              progress=False)
+    state, hist = fit(loss, _v2_params(jax.random.key(0)), sampler,
+                      checkpointer=Checkpointer(directory, max_to_keep=3), **kw)
+    assert [h["step"] for h in hist] == [3, 4]  # resumed from step 2
+    assert Checkpointer(directory).all_steps() == [2, 3, 4]
+    assert sorted(os.listdir(directory / "3")) == ["arrays", "tree.json"]
+    assert os.path.isdir(directory / "2" / "meta")  # the old step, still readable
+    _assert_trees_equal(lio.load_params(directory / "4"), full_params(state))
+    like = jax.eval_shape(_v2_state)
+    _assert_trees_equal(Checkpointer(directory).restore(2, like=like),
+                        _expected(like, "train_state_v2/2"))
+
+
+# -- a step is a lowrank_jax.io checkpoint, and an io checkpoint starts a run -----------------
+
+def test_a_step_is_an_io_checkpoint(tmp_path):
+    model_state = {"bn": {"mean": jnp.arange(4.0), "var": jnp.full((4,), 2.0)}}
+    state = init_train_state(_params(jax.random.key(3)),
+                             default_optimizer(learning_rate=1e-2, total_steps=10, warmup_steps=1),
+                             key=jax.random.key(4), model_state=model_state)
+    state = state._replace(step=jnp.asarray(5, jnp.int32), data_position=jnp.asarray(9, jnp.int32))
+    ck = Checkpointer(tmp_path)
+    ck.save(state, metadata={"note": "x"}, config={"lr": 0.01})
+    step_dir = ck.step_dir(5)
+    assert lio.is_checkpoint(step_dir)
+    # the parameters (trainable and frozen rejoined), the model state and the metadata
+    _assert_trees_equal(lio.load_params(step_dir), full_params(state))
+    _assert_trees_equal(lio.load_state(step_dir), model_state)
+    assert lio.load_metadata(step_dir) == {"note": "x"}
+    # ... and the whole state, without `like`: the optimizer's NamedTuples keep their names
+    # and fields, the values their bits
+    got = load_train_state(step_dir)
+    assert isinstance(got, TrainState)
+    for field in ("step", "params", "frozen", "rng", "data_position", "model_state"):
+        _assert_trees_equal(getattr(got, field), getattr(state, field))
+    names = lambda t: [(type(x).__name__, getattr(type(x), "_fields", None))  # noqa: E731
+                       for x in jax.tree_util.tree_leaves(
+                           t, is_leaf=lambda y: isinstance(y, tuple) and hasattr(y, "_fields"))]
+    assert names(got.opt_state) == names(state.opt_state)
+    for a, b in zip(jax.tree_util.tree_leaves(got.opt_state),
+                    jax.tree_util.tree_leaves(state.opt_state), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b)) and a.dtype == b.dtype
+    # a parameter checkpoint is not a train state
+    lio.save_params(tmp_path / "p", full_params(state))
+    with pytest.raises(CheckpointError, match="holds parameters, not a train state"):
+        load_train_state(tmp_path / "p")
+
+
+def test_an_io_checkpoint_starts_fit_with_a_fresh_optimizer(tmp_path):
+    series = [np.sin(np.arange(300) / 7.0) * 3 + 5, np.cos(np.arange(200) / 5.0) + 2]
+    make_sampler = lambda: WindowSampler(series, WindowConfig(CTX, H, stride=2), batch_size=8,
+                                         seed=3)
+
+    def loss(p, batch, key):
+        del key
+        return _loss(p, batch), {}
+
+    params = _params(jax.random.key(6))
+    lio.save_params(tmp_path / "pre", params)
+    kw = dict(steps=3, key=jax.random.key(7), optimizer=optax.adam(1e-2), progress=False)
+    want, want_hist = fit(loss, params, make_sampler(), **kw)
+    got, got_hist = fit(loss, str(tmp_path / "pre"), make_sampler(), **kw)
+    assert [h["loss"] for h in got_hist] == [h["loss"] for h in want_hist]
+    _assert_trees_equal(got, want)
+    # a trained step starts a new run too (fine-tuning: its parameters, a fresh optimizer)
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(want)
+    again, hist = fit(loss, ck.step_dir(3), make_sampler(), **kw)
+    assert [h["step"] for h in hist] == [1, 2, 3]
+    assert not np.array_equal(np.asarray(again.params["inp"].u), np.asarray(want.params["inp"].u))
+    with pytest.raises(MissingFileError, match="no checkpoint at"):
+        fit(loss, str(tmp_path / "nothing"), make_sampler(), **kw)
+
+
+def test_optimizer_states_and_other_pytree_nodes_round_trip(tmp_path):
+    from jax.tree_util import register_pytree_with_keys_class
+
+    @register_pytree_with_keys_class
+    class Box:
+        def __init__(self, a, b, tag):
+            self.a, self.b, self.tag = a, b, tag
+
+        def tree_flatten_with_keys(self):
+            return ((jax.tree_util.GetAttrKey("a"), self.a),
+                    (jax.tree_util.GetAttrKey("b"), self.b)), self.tag
+
+        @classmethod
+        def tree_unflatten(cls, tag, children):
+            return cls(*children, tag)
+
+        def __repr__(self):
+            return f"Box({self.tag})"
+
+    opt = optax.chain(optax.clip_by_global_norm(1.0),
+                      optax.inject_hyperparams(optax.adamw)(learning_rate=1e-2))
+    tree = {"opt": opt.init({"w": jnp.ones((3, 2))}), "box": Box(jnp.arange(3.0), None, "t"),
+            "t": (1.5, True)}
+    ck = Checkpointer(tmp_path)
+    ck.save(tree, step=1)
+    got = ck.restore(like=jax.eval_shape(lambda: tree))
+    _assert_trees_equal(got, tree)
+    assert got["box"].tag == "t" and type(got["t"][0]) is float and got["t"][1] is True
+    with pytest.raises(IncompatibleCheckpointError, match=r"another tree structure.*'box'"):
+        ck.restore(like=dict(tree, box=Box(jnp.arange(3.0), None, "other")))
+    # without `like` a node type io cannot rebuild is named
+    with pytest.raises(CheckpointError, match=r"Box node at 'box'.*like="):
+        load_train_state(ck.step_dir(1))
+    with pytest.raises(CheckpointError, match=r"Box node at 'box'.*like="):
+        lio.load_params(ck.step_dir(1))
+
+
+def test_temporaries_of_killed_saves_in_this_format_are_removed(tmp_path):
+    ck = Checkpointer(tmp_path / "ck")
+    ck.save(_state(), step=1)
+    dead = 2**22 + 12345  # above Linux's default pid_max: no such process
+    stale = files.temp_path(ck.step_dir(2), pid=dead)
+    live = files.temp_path(ck.step_dir(3))
+    for d in (stale, live):
+        os.makedirs(os.path.join(d, "arrays"))
+    again = Checkpointer(tmp_path / "ck")
+    assert again.removed_temporaries == [stale]
+    assert os.path.isdir(live) and again.all_steps() == [1]
+    shutil.rmtree(live)
+
+
+def test_async_save_is_complete_after_waiting(tmp_path):
+    state = _state()
+    with Checkpointer(tmp_path, async_save=True) as ck:
+        ck.save(state, step=1)
+        donated = jax.jit(lambda s: s, donate_argnums=0)(state)  # the buffers are reused
+        ck.save(donated._replace(step=jnp.asarray(2, jnp.int32)))  # waits for step 1 first
+    assert Checkpointer(tmp_path).all_steps() == [1, 2]
+    like = jax.eval_shape(lambda: _state())
+    _assert_trees_equal(Checkpointer(tmp_path).restore(1, like=like), _state())
+
+
+@pytest.mark.parametrize("fmt", ["current", "crc32"])
+def test_checkpoint_errors_are_checkpoint_errors_naming_the_step(tmp_path, fmt):
+    _, like, _, _ = _two_steps_of(fmt, tmp_path)
+    os.remove(os.path.join(str(tmp_path / "2"), DESCRIPTION[fmt]))
     with pytest.raises(CheckpointError) as err:
-        Checkpointer(tmp_path).restore(like=jax.eval_shape(lambda: _state()))
+        Checkpointer(tmp_path).restore(like=like)
     assert isinstance(err.value, CorruptCheckpointError)
     assert err.value.where == str(tmp_path / "2")
     with pytest.raises(ConfigError, match="max_to_keep"):
@@ -412,13 +676,13 @@ def test_ctrl_c_during_a_save_takes_effect_after_the_save(tmp_path, default_sigi
     import signal
 
     ck = Checkpointer(tmp_path / "ck")
-    save = ck._manager.save
+    save = ck._write_step
 
     def interrupted_save(*args, **kwargs):
         signal.raise_signal(signal.SIGINT)  # Ctrl-C arrives in the middle of the save
         return save(*args, **kwargs)
 
-    ck._manager.save = interrupted_save
+    ck._write_step = interrupted_save
     state = _state()
     with pytest.raises(KeyboardInterrupt):
         ck.save(state, step=3)

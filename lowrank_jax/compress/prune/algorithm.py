@@ -21,7 +21,9 @@ to reach the scheduled fraction
   paper's fixed ratio per epoch).
 
 ``K_j`` is the smallest number of units that reaches ``f_j`` (found by bisection, since the
-measured fraction only grows with the units removed); it is recorded in the history. After
+measured fraction only grows with the units removed; the ranking is
+:func:`~lowrank_jax.compress.prune.select_removed`, shared with the Flax interop); it is
+recorded in the history. After
 batch ``B`` the target is reached exactly up to one unit.
 """
 
@@ -37,7 +39,8 @@ import numpy as np
 
 from lowrank_jax import runtime
 from lowrank_jax._progress import progress_bar
-from lowrank_jax.compress.prune.importance import make_scorer, mask_paths
+from lowrank_jax.compress.prune.groups import UnitTable, check_target, select_removed
+from lowrank_jax.compress.prune.importance import ema, make_scorer, mask_paths
 from lowrank_jax.compress.prune.structure import Removal, Structure
 from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves.channel_masked import mask_partition, with_channel_masks
@@ -94,9 +97,7 @@ class PruneResult:
 
 
 def _check(target, steps, alpha, by) -> None:
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 <= target < 1:
-        raise ConfigError(f"prune: target must be a fraction in [0, 1), got {target!r}",
-                          where="target", expected="[0, 1)", actual=target)
+    check_target(target)
     if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1:
         raise ConfigError(f"prune: steps (pruning batches) must be an int >= 1, got {steps!r}",
                           where="steps", expected="int >= 1", actual=steps)
@@ -106,39 +107,6 @@ def _check(target, steps, alpha, by) -> None:
     if by not in MEASURES:
         raise ConfigError(f"prune: by must be one of {MEASURES}, got {by!r}", where="by",
                           expected=MEASURES, actual=by)
-
-
-class _Units:
-    """Pruning units: every mask array split into units of its granularity, flattened."""
-
-    def __init__(self, struct: Structure, paths: list[str]):
-        self.paths = paths
-        self.owner, self.side, self.size, self.count = [], [], [], []
-        for p in paths:
-            weight, side = p.rsplit("/", 1)
-            g_in, g_out = struct.granularity(weight)
-            d_in, d_out = struct.members[weight].shape
-            g, d = (g_in, d_in) if side == "m_in" else (g_out, d_out)
-            self.owner.append(weight)
-            self.side.append(side)
-            self.size.append(g)
-            self.count.append(d // g)
-        self.offsets = np.concatenate([[0], np.cumsum(self.count)]).astype(np.int64)
-        self.total = int(self.offsets[-1])
-
-    def split(self, flat: np.ndarray) -> list[np.ndarray]:
-        return [flat[self.offsets[i]:self.offsets[i + 1]] for i in range(len(self.paths))]
-
-    def keep(self, alive: np.ndarray) -> dict[str, list]:
-        out: dict[str, list] = {}
-        for i, a in enumerate(self.split(alive)):
-            pair = out.setdefault(self.owner[i], [None, None])
-            pair[0 if self.side[i] == "m_in" else 1] = np.repeat(a, self.size[i])
-        return out
-
-    def label(self, u: int) -> list:
-        i = int(np.searchsorted(self.offsets, u, side="right") - 1)
-        return [self.paths[i], int(u - self.offsets[i])]
 
 
 def progressive_prune(params: Any, loss_fn: Callable, batches: Callable[[int], dict] | Iterable,
@@ -189,18 +157,18 @@ def progressive_prune(params: Any, loss_fn: Callable, batches: Callable[[int], d
     struct = Structure(params, tokens=tokens, config=config)
     masks, rest = mask_partition(params)
     paths = mask_paths(masks)
-    units = _Units(struct, paths)
-    scorer = make_scorer(loss_fn, units.size)
+    units = UnitTable.of_masks(struct.groups, paths)
+    scorer = make_scorer(loss_fn, units.sizes)
     key = jax.random.PRNGKey(0) if key is None else key
     # masks already at zero (a model pruned before) stay removed
     start = [np.asarray(m).reshape(-1, g).any(1)
-             for m, g in zip(jax.tree_util.tree_leaves(masks), units.size, strict=True)]
+             for m, g in zip(jax.tree_util.tree_leaves(masks), units.sizes, strict=True)]
     alive = np.concatenate(start) if start else np.zeros(0, bool)
     ema_flat = np.zeros(units.total, np.float64)
     measure = 0 if by == "params" else 1
 
     def fractions(alive_now: np.ndarray) -> tuple[Removal, float, float]:
-        removal = struct.removal(units.keep(alive_now))
+        removal = struct.removal(units.channel_keep(alive_now))
         fp, ff = struct.fractions(removal)
         return removal, fp, ff
 
@@ -218,34 +186,19 @@ def progressive_prune(params: Any, loss_fn: Callable, batches: Callable[[int], d
                                   "the data and the model", where=f"batch {j}",
                                   expected="a finite loss", actual=float(loss))
             s = np.concatenate([np.asarray(x, np.float64) for x in scores])
-            ema_flat = alpha * s + (1.0 - alpha) * ema_flat
+            ema_flat = ema(ema_flat, s, alpha)
             goal = scheduled_fraction(j, steps, float(target), schedule)
-            idx = np.flatnonzero(alive)
-            order = idx[np.argsort(ema_flat[idx], kind="stable")]
-
-            def reached(k: int, order=order, goal=goal) -> bool:
-                trial = alive.copy()
-                trial[order[:k]] = False
-                return fractions(trial)[1 + measure] >= goal - 1e-12
-
-            lo, hi = 0, order.size
-            if not reached(hi):
-                lo = hi  # the goal cannot be reached: remove everything that is left
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if reached(mid):
-                    hi = mid
-                else:
-                    lo = mid + 1
-            k = lo
-            alive[order[:k]] = False
+            gone = select_removed(ema_flat, alive, goal=goal,
+                                  fraction=lambda a: fractions(a)[1 + measure])
+            k = gone.size
+            alive[gone] = False
             removal, fp, ff = fractions(alive)
-            keep = units.keep(alive)
+            keep = units.channel_keep(alive)
             params = with_channel_masks(params, {p: (a, b) for p, (a, b) in keep.items()})
             masks, rest = mask_partition(params)
             entry = {"step": j, "loss": float(loss), "k": int(k), "scheduled": goal,
                      "params_fraction": fp, "flops_fraction": ff,
-                     "removed": [units.label(u) for u in order[:k]]}
+                     "removed": [units.label(u) for u in gone]}
             history.append(entry)
             if callback is not None:
                 callback(entry)

@@ -16,6 +16,10 @@ Channels that must go together (the heads of a per-head factorization) form a *u
 is shared: its per-sample gradient is the sum of its channels' (chain rule), taken before
 squaring. Across batches the scores are smoothed by an exponential moving average,
 ``s~(j) = alpha s(j) + (1 - alpha) s~(j-1)`` with ``s~(0) = 0`` (sec. 4.3).
+
+:func:`mask_scorer` is the one scoring path: the plan method applies the masks inside
+:class:`~lowrank_jax.leaves.ChannelMasked` leaves (:func:`make_scorer`), the Flax interop by
+scaling the kernels of a channel group (:func:`lowrank_jax.interop.channel_groups.gradient_scores`).
 """
 
 from __future__ import annotations
@@ -82,8 +86,46 @@ def mask_paths(masks: Any) -> list[str]:
     return [path_str(p) for p, _ in flat]
 
 
+def mask_scorer(loss_of: Callable, units: Sequence[int]) -> Callable:
+    """A jitted ``scorer(masks, context, batch) -> (scores, loss)`` for eq. 6 over any way of
+    applying masks: the one scoring path of the plan method and the Flax interop.
+
+    Args:
+      loss_of: ``loss_of(masks, context, one) -> loss``: the scalar loss of ``one``, a batch of
+        one sample (every array ``[1, ...]``), with the masks applied (a tree of ``[d]``
+        arrays); ``context`` is passed through unchanged (the rest of the model, a key).
+      units: mask entries per pruning unit for every mask array, in flattening order of
+        ``masks``: the per-sample gradient of a unit is the sum over its entries
+        (:func:`unit_gradients`), taken before squaring.
+
+    Returns:
+      ``scorer``: ``batch`` a pytree of ``[N, ...]`` arrays; returns the list of per-unit scores
+      (one ``[d / units[i]]`` array per mask array) and the mean per-sample loss. Compiled once
+      per mask structure and batch shape.
+    """
+    units = tuple(int(u) for u in units)
+
+    def per_sample(masks, context, sample):
+        one = jax.tree_util.tree_map(lambda a: a[None], sample)  # a batch of one sample
+        return jax.value_and_grad(lambda m: loss_of(m, context, one))(masks)
+
+    @jax.jit
+    def scorer(masks, context, batch):
+        losses, grads = jax.vmap(per_sample, in_axes=(None, None, 0))(masks, context, batch)
+        flat = jax.tree_util.tree_leaves(grads)  # [N, d] each
+        if len(flat) != len(units):
+            raise ShapeError(f"mask_scorer: {len(flat)} mask arrays but {len(units)} unit sizes",
+                             where="units", expected=len(flat), actual=len(units))
+        scores = [importance(unit_gradients(g, u)) for g, u in zip(flat, units, strict=True)]
+        return scores, jnp.mean(losses)
+
+    return scorer
+
+
 def make_scorer(loss_fn: Callable, units: Sequence[int]) -> Callable:
-    """A jitted ``scorer(masks, rest, batch, key) -> (scores, loss)`` for eq. 6.
+    """A jitted ``scorer(masks, rest, batch, key) -> (scores, loss)`` for eq. 6 on a tree with
+    :class:`~lowrank_jax.leaves.ChannelMasked` weights (:func:`mask_scorer` with the masks put
+    back into the tree).
 
     Args:
       loss_fn: ``loss_fn(params, batch, key) -> (loss, aux)`` whose loss is the mean of the
@@ -107,23 +149,14 @@ def make_scorer(loss_fn: Callable, units: Sequence[int]) -> Callable:
 
 
 def _build_scorer(loss_fn: Callable, units: tuple[int, ...]) -> Callable:
-    def per_sample(masks, rest, sample, key):
-        one = jax.tree_util.tree_map(lambda a: a[None], sample)  # a batch of one sample
+    def loss_of(masks, context, one):
+        rest, key = context
+        return loss_fn(combine(masks, rest), one, key)[0]
 
-        def loss_of(m):
-            return loss_fn(combine(m, rest), one, key)[0]
+    core = mask_scorer(loss_of, units)
 
-        return jax.value_and_grad(loss_of)(masks)
-
-    @jax.jit
     def scorer(masks, rest, batch, key):
-        losses, grads = jax.vmap(per_sample, in_axes=(None, None, 0, None))(masks, rest, batch,
-                                                                           key)
-        flat = jax.tree_util.tree_leaves(grads)  # [N, d] each
-        if len(flat) != len(units):
-            raise ShapeError(f"make_scorer: {len(flat)} mask arrays but {len(units)} unit sizes")
-        scores = [importance(unit_gradients(g, u)) for g, u in zip(flat, units, strict=True)]
-        return scores, jnp.mean(losses)
+        return core(masks, (rest, key), batch)
 
     return scorer
 
@@ -155,5 +188,5 @@ def batch_importance(loss_fn: Callable, params: Any, batch: dict, *, key=None,
     return {p: np.asarray(s) for p, s in zip(paths, scores, strict=True)}
 
 
-__all__ = ["batch_importance", "ema", "importance", "make_scorer", "mask_paths",
+__all__ = ["batch_importance", "ema", "importance", "make_scorer", "mask_paths", "mask_scorer",
            "unit_gradients"]

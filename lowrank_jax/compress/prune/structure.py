@@ -28,8 +28,12 @@ dependencies between layers:
   column it no longer computes (written as zero): a
   :class:`~lowrank_jax.leaves.ChannelPruned` leaf.
 
-A leaf that can only lose whole heads of outputs (a :class:`~lowrank_jax.HeadLowRank`) makes
-the masks of its group act per head (:meth:`Structure.granularity`). Chronos-Bolt's decoder
+These dependencies are :class:`~lowrank_jax.compress.prune.groups.PruneGroup` s
+(:attr:`Structure.groups`: ``'qk'``, ``'vo'``, ``'hidden'``, and ``'residual'`` for a weight's
+own channels), the description the Flax interop builds from its declared channel groups too. A
+leaf that can only lose whole heads of outputs (a :class:`~lowrank_jax.HeadLowRank`) makes the
+masks of its group act per head (:meth:`Structure.granularity`: the group's unit is the least
+common multiple of its weights' granularities). Chronos-Bolt's decoder
 attends over a single step: its self-attention queries and keys get exactly zero gradient and
 can go (the head then "attends uniformly" over its one key, which changes nothing), while its
 values and output projection carry the decoder's input and are scored like any other weight.
@@ -49,14 +53,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.compress.prune.groups import PruneGroup, Span
 from lowrank_jax.errors import PlanError, ShapeError
 from lowrank_jax.leaves import (
-    QK,
     HeadLayout,
-    Leaf,
     QueryKey,
     get_path,
     head_offsets,
+    is_leaf,
+    is_query_key,
     keep_inputs,
     keep_outputs,
     named_leaves,
@@ -85,8 +90,6 @@ class Member:
     leaf: Any          # the unmasked leaf
     count_leaf: Any    # its surgery form (for counts)
     masked: bool
-    g_in: int = 1
-    g_out: int = 1
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -153,12 +156,12 @@ def find_blocks(tree: Any) -> tuple[list[tuple[str, dict]], list[tuple[str, dict
 
     def walk(node, prefix):
         if isinstance(node, dict):
-            if isinstance(node.get("heads"), HeadLayout) and isinstance(node.get("qk"), QK) \
+            if isinstance(node.get("heads"), HeadLayout) and is_query_key(node.get("qk")) \
                     and {"v", "o"} <= set(node):
                 attn.append((prefix, node))
                 return
-            names = [n for n in MLP_INPUTS if isinstance(node.get(n), Leaf)]
-            if isinstance(node.get("wo"), Leaf) and (names == ["wi"] or names == ["wi_0", "wi_1"]):
+            names = [n for n in MLP_INPUTS if is_leaf(node.get(n))]
+            if is_leaf(node.get("wo")) and (names == ["wi"] or names == ["wi_0", "wi_1"]):
                 mlp.append((prefix, node))
                 return
             for k in node:
@@ -206,6 +209,14 @@ class Structure:
     Raises:
       PlanError: a masked leaf that cannot lose channels (a partitioned leaf), or masks on an
         attention block whose config uses fixed activation masks.
+
+    Attributes:
+      members: ``{path: Member}`` the masked weights and their block partners, in tree order.
+      attention, mlp: the blocks that hold members.
+      groups: the :class:`~lowrank_jax.compress.prune.groups.PruneGroup` s: per attention
+        block ``'<path>/qk'`` (QueryKey blocks) and ``'<path>/vo'``, per MLP
+        ``'<path>/hidden'``, then ``'<weight>/in'`` / ``'<weight>/out'`` (``'residual'``) for
+        every member side no block group spans; each span's ``size`` is its unit.
     """
 
     def __init__(self, tree: Any, *, tokens: dict | None = None, config: Any = None):
@@ -223,7 +234,8 @@ class Structure:
         for path, block in attn:
             names = {"v": _join(path, "v"), "o": _join(path, "o")}
             qk = block["qk"]
-            is_qk = isinstance(qk, QueryKey)
+            proj = qk.projections()
+            is_qk = proj is not None
             if is_qk:
                 names["q"], names["k"] = _join(path, "qk/q"), _join(path, "qk/k")
             paths = list(names.values())
@@ -233,7 +245,7 @@ class Structure:
             self.attention.append(Attention(
                 path=path, q=names.get("q", ""), k=names.get("k", ""), v=names["v"],
                 o=names["o"], query_key=is_qk,
-                qk_widths=tuple(qk.widths) if is_qk else (), heads=block["heads"], qk=qk))
+                qk_widths=tuple(proj.widths) if is_qk else (), heads=block["heads"], qk=qk))
             in_blocks.update(paths)
         for path, block in mlp:
             wi = tuple(_join(path, n) for n in MLP_INPUTS if n in block)
@@ -246,7 +258,12 @@ class Structure:
         for p in sorted(in_blocks | masked, key=list(leaves).index):
             leaf = leaves[p]
             self.members[p] = Member(path=p, leaf=leaf, count_leaf=None, masked=p in masked)
-        self._granularities()
+        self.groups = self._build_groups()
+        self._sizes = {(sp.path, sp.side): sp.size for g in self.groups for sp in g.spans}
+        for m, form in zip(self.members.values(), _surgery_forms([m.leaf for m in
+                                                                   self.members.values()]),
+                           strict=True):
+            m.count_leaf = form
         if config is not None and any(self.members[p].masked for a in self.attention
                                       for p in (a.q, a.k, a.v, a.o) if p):
             names = attention_with_activation_masks(config)
@@ -265,7 +282,8 @@ class Structure:
 
     # -- structure --------------------------------------------------------------------------
 
-    def _granularities(self) -> None:
+    def _build_groups(self) -> list[PruneGroup]:
+        own = {}  # (path, side): channels the leaf can lose at a time
         for m in self.members.values():
             gi, go = input_granularity(m.leaf), output_granularity(m.leaf)
             if m.masked and (gi is None or go is None):
@@ -273,37 +291,48 @@ class Structure:
                                 "lose single channels; leave it out of the rules",
                                 where=m.path, expected="a prunable weight leaf",
                                 actual=type(m.leaf).__name__)
-            m.g_in, m.g_out = gi or 1, go or 1
+            own[m.path, "in"], own[m.path, "out"] = gi or 1, go or 1
+
+        def tied(block: str, kind: str, sides: list[tuple[str, str]]) -> PruneGroup:
+            g = _lcm(own[side] for side in sides)
+            path, side = sides[0]
+            d = self.members[path].shape[0 if side == "in" else 1]
+            group = PruneGroup(_join(block, kind), tuple(Span(p, s, g) for p, s in sides),
+                               d // g, kind)
+            self._tied[block, kind] = group
+            return group
+
+        self._tied: dict[tuple[str, str], PruneGroup] = {}
+        groups = []
         for a in self.attention:
             if a.query_key:
-                g = _lcm(self.members[p].g_out for p in (a.q, a.k))
+                groups.append(tied(a.path, "qk", [(a.q, "out"), (a.k, "out")]))
+                g = groups[-1].spans[0].size
                 if any(w % g for w in a.qk_widths):
                     raise PlanError(f"prune: {a.path}: query/key outputs can only go {g} at a "
                                     f"time, which does not divide the head widths "
                                     f"{a.qk_widths}", where=a.path)
-                for p in (a.q, a.k):
-                    self.members[p].g_out = g
-            g = _lcm((self.members[a.v].g_out, self.members[a.o].g_in))
+            groups.append(tied(a.path, "vo", [(a.v, "out"), (a.o, "in")]))
+            g = groups[-1].spans[0].size
             if any(w % g for w in a.heads.v):
                 raise PlanError(f"prune: {a.path}: value channels can only go {g} at a time, "
                                 f"which does not divide the value widths {a.heads.v}",
                                 where=a.path)
-            self.members[a.v].g_out = self.members[a.o].g_in = g
         for b in self.mlp:
-            g = _lcm([self.members[p].g_out for p in b.wi] + [self.members[b.wo].g_in])
-            for p in b.wi:
-                self.members[p].g_out = g
-            self.members[b.wo].g_in = g
-        for m, form in zip(self.members.values(), _surgery_forms([m.leaf for m in
-                                                                   self.members.values()]),
-                           strict=True):
-            m.count_leaf = form
+            groups.append(tied(b.path, "hidden", [(p, "out") for p in b.wi] + [(b.wo, "in")]))
+        spanned = {(sp.path, sp.side) for g in groups for sp in g.spans}
+        for m in self.members.values():
+            for side, d in zip(("in", "out"), m.shape, strict=True):
+                if (m.path, side) not in spanned:
+                    g = own[m.path, side]
+                    groups.append(PruneGroup(f"{m.path}/{side}", (Span(m.path, side, g),),
+                                             d // g, "residual"))
+        return groups
 
     def granularity(self, path: str) -> tuple[int, int]:
         """``(input, output)`` channels per pruning unit of the weight at ``path``: 1, or a
         whole head where a leaf of the group can only lose heads."""
-        m = self.members[path]
-        return m.g_in, m.g_out
+        return self._sizes[path, "in"], self._sizes[path, "out"]
 
     # -- removal ----------------------------------------------------------------------------
 
@@ -326,26 +355,19 @@ class Structure:
             r, c = keep.get(p, (None, None))
             rows[p] = np.ones(m.shape[0], bool) if r is None else np.asarray(r, bool).copy()
             cols[p] = np.ones(m.shape[1], bool) if c is None else np.asarray(c, bool).copy()
-        heads, qk, vo, hidden = {}, {}, {}, {}
+        shared = {key: _shared_channels(g, rows, cols) for key, g in self._tied.items()}
+        heads, qk, vo = {}, {}, {}
         for a in self.attention:
-            v_keep = cols[a.v] & rows[a.o]
+            v_keep = shared[a.path, "vo"]
             off = head_offsets(a.heads.v)
             v_width = np.array([v_keep[off[h]:off[h + 1]].sum() for h in range(len(a.heads.v))])
             h_keep = v_width > 0
             heads[a.path], vo[a.path] = h_keep, v_keep
-            cols[a.v], rows[a.o] = v_keep.copy(), v_keep.copy()
-            if a.query_key:
-                c = cols[a.q] & cols[a.k] & np.repeat(h_keep, a.qk_widths)
+            if a.query_key:  # a head with no value channels loses its query/key channels
+                c = shared[a.path, "qk"] & np.repeat(h_keep, a.qk_widths)
                 qk[a.path] = c
                 cols[a.q], cols[a.k] = c.copy(), c.copy()
-        for b in self.mlp:
-            h = rows[b.wo].copy()
-            for p in b.wi:
-                h &= cols[p]
-            hidden[b.path] = h
-            rows[b.wo] = h.copy()
-            for p in b.wi:
-                cols[p] = h.copy()
+        hidden = {b.path: shared[b.path, "hidden"] for b in self.mlp}
         for p in self.members:  # a leaf with no outputs reads nothing
             if not cols[p].any():
                 rows[p][:] = False
@@ -470,7 +492,7 @@ class Structure:
         """``leaf`` on the kept channels. Kept rows are gathered from the full input width
         (``gather``) or the leaf's input simply shrinks (the previous layer shrank too); kept
         columns are scattered into the full output width (``scatter``) or the output shrinks.
-        With the member ``path``, its surgery form (computed once, in :meth:`_granularities`)
+        With the member ``path``, its surgery form (computed once, when the structure is built)
         is sliced instead of the leaf when channels go: the same result without computing the
         form again. A leaf that keeps everything stays as it is."""
         d_in, d_out = leaf.shape
@@ -486,6 +508,16 @@ class Structure:
             return leaf
         return pruned_leaf(base, r if gather else None, c if scatter else None,
                            d_in if gather else base.d_in, d_out if scatter else base.d_out)
+
+
+def _shared_channels(group: PruneGroup, rows: dict, cols: dict) -> np.ndarray:
+    """Channel ``c`` of a block's group goes from every weight it spans when any of their masks
+    removes it: the channels all spans keep, written back to each span (as copies)."""
+    sides = [(rows if sp.side == "in" else cols, sp.path) for sp in group.spans]
+    keep = np.logical_and.reduce([kept[p] for kept, p in sides])
+    for kept, p in sides:
+        kept[p] = keep.copy()
+    return keep
 
 
 _compiled_forms = jax.jit(lambda leaves: [surgery_form(leaf) for leaf in leaves])
