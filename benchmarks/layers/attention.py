@@ -19,35 +19,17 @@ Each figure is the median of ``--runs`` interleaved calls (order reversed every 
 
 Usage::
 
-    python benchmarks/attention.py --json attention.json    # about 2 minutes
-    python benchmarks/attention.py --quick                  # 512 and 2048 tokens, no ViT
+    python -m benchmarks.layers attention --json attention.json    # about 2 minutes
+    python -m benchmarks.layers attention --quick                  # 512 and 2048 tokens, no ViT
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import statistics
-import sys
-
 import jax
 import jax.numpy as jnp
-import numpy as np
-from _machine import (  # benchmarks/_machine.py
-    chunked_speedup_goal,
-    compile_with,
-    cpu_snapshot,
-    other_load,
-    time_interleaved,
-    write_json,
-)
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
+import lowrank_jax as lj
+from benchmarks import _harness as H
 from lowrank_jax import execution, nn
 from lowrank_jax.leaves.qk_factorized import CPQueryKey
 from lowrank_jax.models import vit
@@ -72,37 +54,33 @@ def block_params(kind: str, key) -> dict:
 
 def compile_both(fn, args):
     """``fn`` compiled for ``args`` with batch chunking on (the default) and off."""
-    return {"chunked": compile_with(fn, args),
-            "whole": compile_with(fn, args, attention_chunk_above_bytes=None)}
+    return {"chunked": H.compile_with(fn, args),
+            "whole": H.compile_with(fn, args, attention_chunk_above_bytes=None)}
 
 
 def bench_blocks(seq: int, tokens: int, runs: int) -> list[dict]:
     batch = max(1, tokens // seq)
     x = jax.random.normal(jax.random.key(1), (batch, seq, D), jnp.float32)
     cfg = nn.AttentionConfig(use_bias=True)
-    rows, calls, names, outs, chunks = [], [], [], {}, {}
-    for kind in ("dense", "truncatt r16", "cp R74"):
+    kinds = ("dense", "truncatt r16", "cp R74")
+    calls, chunks = {}, {}
+    for kind in kinds:
         p = block_params(kind, jax.random.key(2))
         chunks[kind] = strategy.batch_chunk(batch, HEADS, seq, seq,
                                             factored=p["qk"].projections() is None)
         comp = compile_both(lambda p, x: nn.apply_attention(p, x, cfg), (p, x))
         for mode, c in comp.items():
-            names.append((kind, mode))
-            calls.append(lambda c=c, p=p: jax.block_until_ready(c(p, x)))
-            outs[(kind, mode)] = np.asarray(c(p, x))
-    before = cpu_snapshot()
-    times = time_interleaved(calls, runs, 1)
-    load = other_load(before, cpu_snapshot())
-    med = {n: statistics.median(t) for n, t in zip(names, times, strict=True)}
-    for kind in ("dense", "truncatt r16", "cp R74"):
-        w, c = med[(kind, "whole")], med[(kind, "chunked")]
+            calls[f"{kind}, {mode}"] = lambda c=c, p=p: c(p, x)
+    m = H.measure(calls, runs=runs, warmup=1,
+                  check={f"{k}, chunked": f"{k}, whole" for k in kinds})
+    rows = []
+    for kind in kinds:
+        w, c = f"{kind}, whole", f"{kind}, chunked"
         rows.append({"what": f"block {kind}", "seq": seq, "batch": batch, "tokens": batch * seq,
                      "chunk": chunks[kind],
                      "logits_mb": 4 * batch * HEADS * seq * seq / 1e6,
-                     "whole_ms": w * 1e3, "chunked_ms": c * 1e3, "speedup": w / c,
-                     "max_abs_diff": float(np.max(np.abs(outs[(kind, "whole")]
-                                                         - outs[(kind, "chunked")]))),
-                     "other_load": load})
+                     "whole_ms": m.ms(w), "chunked_ms": m.ms(c), "speedup": m.ratio(w, c),
+                     "max_abs_diff": m.max_abs_error[c], "other_load": m.load})
     return rows
 
 
@@ -112,70 +90,54 @@ def bench_vit(runs: int, batch: int = 32, layers: int = 4) -> dict:
     px = jax.random.normal(jax.random.key(4), (batch, 3, 224, 224), jnp.float32)
     comp = compile_both(lambda p, px: vit.apply(p, {"pixel_values": px}, cfg)
                         ["last_hidden_state"], (params, px))
-    calls = [lambda c=c: jax.block_until_ready(c(params, px)) for c in comp.values()]
-    before = cpu_snapshot()
-    times = time_interleaved(calls, runs, 1)
-    load = other_load(before, cpu_snapshot())
-    med = dict(zip(comp, (statistics.median(t) for t in times), strict=True))
-    diff = float(np.max(np.abs(np.asarray(comp["whole"](params, px))
-                               - np.asarray(comp["chunked"](params, px)))))
+    m = H.measure({k: (lambda c=c: c(params, px)) for k, c in comp.items()}, runs=runs,
+                  warmup=1, check={"chunked": "whole"})
     n = (224 // 16) ** 2 + 1
     return {"what": f"ViT-Base width, {layers} layers", "seq": n, "batch": batch,
             "tokens": batch * n, "chunk": strategy.batch_chunk(batch, HEADS, n, n),
-            "logits_mb": 4 * batch * HEADS * n * n / 1e6, "whole_ms": med["whole"] * 1e3,
-            "chunked_ms": med["chunked"] * 1e3, "speedup": med["whole"] / med["chunked"],
-            "max_abs_diff": diff, "other_load": load}
+            "logits_mb": 4 * batch * HEADS * n * n / 1e6, "whole_ms": m.ms("whole"),
+            "chunked_ms": m.ms("chunked"), "speedup": m.ratio("whole", "chunked"),
+            "max_abs_diff": m.max_abs_error["chunked"], "other_load": m.load}
 
 
-HEADER = (f"{'what':<28} {'N':>4} {'batch':>5} {'chunk':>5} {'logits MB':>9} {'whole ms':>9} "
-          f"{'chunked ms':>10} {'speed-up':>8} {'max|diff|':>9} {'load':>5}")
-
-
-def format_row(r: dict) -> str:
-    load = "n/a" if r["other_load"] is None else f"{100 * r['other_load']:.0f}%"
-    return (f"{r['what']:<28} {r['seq']:>4} {r['batch']:>5} {str(r['chunk']):>5} "
-            f"{r['logits_mb']:>9.1f} {r['whole_ms']:>9.2f} {r['chunked_ms']:>10.2f} "
-            f"{r['speedup']:>8.2f} {r['max_abs_diff']:>9.1e} {load:>5}")
+TABLE = H.Table(
+    H.Col("what", "what", width=28), H.Col("N", "seq", width=4), H.Col("batch", "batch"),
+    H.Col("chunk", lambda r: str(r["chunk"])), H.Col("logits MB", "logits_mb", ".1f"),
+    H.Col("whole ms", "whole_ms", ".2f", 9), H.Col("chunked ms", "chunked_ms", ".2f"),
+    H.Col("speed-up", "speedup", ".2f"), H.Col("max|diff|", "max_abs_diff", ".1e"),
+    H.Col("load", "other_load", "%", 5))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = H.parser(__doc__, quick="fewer sizes and runs, no ViT")
     p.add_argument("--seq", type=int, nargs="+", default=[256], help="tokens per sequence")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="tokens per call (default 512 2048 8192; quick 512 2048)")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 15; quick 5)")
     p.add_argument("--no-vit", action="store_true", help="skip the ViT rows")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and runs, no ViT")
-    p.add_argument("--json", metavar="PATH", help="write the setup and rows as JSON")
     args = p.parse_args(argv)
     tokens = args.tokens or ([512, 2048] if args.quick else [512, 2048, 8192])
     runs = args.runs if args.runs is not None else (5 if args.quick else 15)
-    setup = {"jax": jax.__version__, "backend": jax.default_backend(),
-             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-             "runs": runs, "chunk_above_bytes": execution.current().attention_chunk_above_bytes,
-             "chunk_bytes": execution.current().attention_chunk_bytes,
-             "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs); median of "
-          f"{runs} interleaved runs; chunks when the logits exceed "
-          f"{execution.current().attention_chunk_above_bytes} bytes, of at most "
-          f"{execution.current().attention_chunk_bytes} bytes")
-    print(HEADER)
+    ex = execution.current()
+    run = H.Run(__name__, argv, runs=runs, chunk_above_bytes=ex.attention_chunk_above_bytes,
+                chunk_bytes=ex.attention_chunk_bytes)
+    print(f"# {run.describe()}; median of {runs} interleaved runs; chunks when the logits "
+          f"exceed {ex.attention_chunk_above_bytes} bytes, of at most "
+          f"{ex.attention_chunk_bytes} bytes")
+    print(TABLE.header())
     rows = []
     for seq in args.seq:
         for n in tokens:
             for r in bench_blocks(seq, n, runs):
-                print(format_row(r), flush=True)
+                print(TABLE.line(r), flush=True)
                 rows.append(r)
     if not (args.quick or args.no_vit):
-        r = bench_vit(runs)
-        print(format_row(r), flush=True)
-        rows.append(r)
-    goals = chunked_speedup_goal("attention_chunked_vs_whole_speedup", rows, "chunk")
-    result = {"setup": setup, "rows": rows, "goals": goals}
-    if args.json:
-        write_json(args.json, result)
-    return result
+        rows.append(bench_vit(runs))
+        print(TABLE.line(rows[-1]), flush=True)
+    goals = H.chunked_speedup_goal("attention on CPU in batch chunks against the whole batch: "
+                                   "speed-up", rows, "chunk")
+    return run.finish(args.json, rows=rows, goals=goals)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

@@ -1,7 +1,7 @@
 """Time the query-key leaves of irregular attention against the dense query-key they replace.
 
-Issue 15, goal 1, for the low-rank leaves of "Vision Transformer with Irregular Attention"
-(arXiv:2306.16440): every compressed query-key object's time ratio to the dense
+For the low-rank leaves of "Vision Transformer with Irregular Attention" (arXiv:2306.16440):
+every compressed query-key object's time ratio to the dense
 :class:`~lowrank_jax.QueryKey` should be within 1.15x of its FLOP ratio. The work of a
 query-key object is what it owns in an attention block: the query and key projections and the
 logits ``[batch, heads, N, N]``; the softmax and the value side are the same for all of them and
@@ -50,29 +50,19 @@ order reversed on every other run; median of ``--runs`` calls after warm-up, eac
 
 Usage::
 
-    python benchmarks/query_key.py                       # d 768 and 512, N 256, 512-8192 tokens
-    python benchmarks/query_key.py --quick               # fewer runs and sizes: a smoke test
-    python benchmarks/query_key.py --seq 197 --d 768 --json qk.json
+    python -m benchmarks.layers query_key                   # d 768 and 512, N 256, 512-8192 tokens
+    python -m benchmarks.layers query_key --quick           # fewer runs and sizes: a smoke test
+    python -m benchmarks.layers query_key --seq 197 --d 768 --json qk.json
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import statistics
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
+import lowrank_jax as lj
+from benchmarks import _harness as H
 from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey
 from lowrank_jax.nn import execution as strategy
 
@@ -109,7 +99,7 @@ def make_qk(kind: str, key, d: int, heads: int, rank: int):
                            k=lj.init_dense(kk, d, heads * rank),
                            mix=jax.random.normal(km, (heads, heads), jnp.float32),
                            ranks=(rank,) * heads)
-    raise ValueError(f"query_key.py: unknown kind {kind!r}; expected one of {KINDS}")
+    raise ValueError(f"query_key: unknown kind {kind!r}; expected one of {KINDS}")
 
 
 def qk_flops(qk, batch: int, seq: int) -> int:
@@ -163,13 +153,12 @@ def bench(d: int, seq: int, n_tokens: int, ratios: list[float], *, runs: int, wa
     chunks = [strategy.batch_chunk(batch, heads, seq, seq,
                                    factored=o.projections() is None) or batch
               for o in everything]
-    calls = [lambda o=o: jax.block_until_ready(fn(o, x)) for o in everything]
-    calls += [lambda o=o, c=c: jax.block_until_ready(fa(o, x, c))
-              for o, c in zip(everything, chunks, strict=True)]
-    before = cpu_snapshot()
-    times = time_interleaved(calls, runs, warmup)
-    load = other_load(before, cpu_snapshot())
-    med = [statistics.median(t) for t in times]
+    calls = {f"whole {i}": (lambda o=o: fn(o, x)) for i, o in enumerate(everything)}
+    calls.update({f"attention {i}": (lambda o=o, c=c: fa(o, x, c))
+                  for i, (o, c) in enumerate(zip(everything, chunks, strict=True))})
+    m = H.measure(calls, runs=runs, warmup=warmup)
+    load = m.load
+    med = [m.timings.median(n) for n in calls]
     n = len(everything)
     rows = []
     for i, (kind, q, r, o) in enumerate(objs, start=1):
@@ -193,23 +182,39 @@ def judged(row: dict) -> float:
     return row["attention_time_per_flop_ratio"]
 
 
-HEADER = (f"{'kind':<12} {'d':>4} {'N':>4} {'tokens':>6} {'target':>6} {'rank':>4} "
-          f"{'flop ratio':>10} {'dense ms':>9} {'ms':>8} {'time/flop':>9} {'att dense':>9} "
-          f"{'att ms':>8} {'att t/f':>7} {'other load':>10}")
+TABLE = H.Table(
+    H.Col("kind", "kind", width=12), H.Col("d", "d", width=4), H.Col("N", "seq", width=4),
+    H.Col("tokens", "tokens"), H.Col("target", "target_ratio", ".2f"), H.Col("rank", "rank"),
+    H.Col("flop ratio", "flop_ratio", ".4f"), H.Col("dense ms", "dense_ms", ".3f", 9),
+    H.Col("ms", "ms", ".3f", 8), H.Col("time/flop", "time_per_flop_ratio", ".2f"),
+    H.Col("att dense", "attention_dense_ms", ".3f"), H.Col("att ms", "attention_ms", ".3f", 8),
+    H.Col("att t/f", "attention_time_per_flop_ratio", ".2f"),
+    H.Col("other load", "other_load", "%"),
+    H.Col("", lambda r: "" if judged(r) <= GOAL else "> goal"))
 
 
-def format_row(row: dict) -> str:
-    flag = "" if judged(row) <= GOAL else "  > goal"
-    load = "n/a" if row["other_load"] is None else f"{100 * row['other_load']:.0f}%"
-    return (f"{row['kind']:<12} {row['d']:>4} {row['seq']:>4} {row['tokens']:>6} "
-            f"{row['target_ratio']:>6.2f} {row['rank']:>4} {row['flop_ratio']:>10.4f} "
-            f"{row['dense_ms']:>9.3f} {row['ms']:>8.3f} {row['time_per_flop_ratio']:>9.2f} "
-            f"{row['attention_dense_ms']:>9.3f} {row['attention_ms']:>8.3f} "
-            f"{row['attention_time_per_flop_ratio']:>7.2f} {load:>10}{flag}")
+def goals(rows: list[dict]) -> dict:
+    """The worst time/FLOP ratio as attention runs the logits (judged), per kind, and on the
+    whole batch's logits."""
+    worst = {k: max((r for r in rows if r["kind"] == k), key=judged) for k in REPORTED}
+    w = max(rows, key=judged)
+    met = sum(judged(r) <= GOAL for r in rows)
+    whole = max(r["time_per_flop_ratio"] for r in rows)
+    whole_met = sum(r["time_per_flop_ratio"] <= GOAL for r in rows)
+    by_kind = ", ".join(f"{k}: {judged(r):.2f}" for k, r in worst.items())
+    return H.goal(
+        "irregular-attention query-keys (TruncAtt, CP, BTD) time/FLOP, FLOP ratio 0.1-0.5",
+        judged(w), target=f"<= {GOAL}", holds=judged(w) <= GOAL,
+        measured=f"as attention runs the logits: worst {judged(w):.2f} ({w['kind']}, d {w['d']}, "
+                 f"{w['tokens']} tokens, flop ratio {w['flop_ratio']:.2f}; worst per kind "
+                 f"{by_kind}); {met}/{len(rows)} rows meet it; whole-batch logits: worst "
+                 f"{whole:.2f}, {whole_met}/{len(rows)}",
+        detail={k: judged(r) for k, r in worst.items()}, rows_meeting=met, rows=len(rows),
+        whole_logits={"value": whole, "rows_meeting": whole_met})
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = H.parser(__doc__, quick="d 512, 512 and 2048 tokens, 5 runs")
     p.add_argument("--d", type=int, nargs="+", default=None,
                    help=f"model widths, multiples of {HEAD_DIM} (default 768 512; quick 512)")
     p.add_argument("--seq", type=int, nargs="+", default=[256], help="sequence lengths N")
@@ -220,8 +225,6 @@ def main(argv: list[str] | None = None) -> dict:
                    help="target FLOP ratios to the dense query-key")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 30; quick 5)")
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--quick", action="store_true", help="d 512, 512 and 2048 tokens, 5 runs")
-    p.add_argument("--json", metavar="PATH", help="write the setup, rows and goal as JSON")
     args = p.parse_args(argv)
     for d in args.d or []:
         if d % HEAD_DIM:
@@ -230,21 +233,18 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = args.tokens or ([512, 2048] if args.quick else [512, 2048, 8192])
     runs = args.runs if args.runs is not None else (5 if args.quick else 30)
     warmup = 1 if args.quick else args.warmup
-
-    setup = {"jax": jax.__version__, "backend": jax.default_backend(),
-             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-             "runs": runs, "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs), median of "
-          f"{runs} interleaved runs; ms: qk.logits(x, x) on the whole batch; att: as attention "
-          f"runs the logits (chunks, max over keys; judged); time/flop = (ms / dense ms) / flop "
-          f"ratio, goal <= {GOAL}; other load = CPU share used by other processes meanwhile")
-    print(HEADER)
+    run = H.Run(__name__, argv, runs=runs, warmup=warmup)
+    print(f"# {run.describe()}; median of {runs} interleaved runs; ms: qk.logits(x, x) on the "
+          "whole batch; att: as attention runs the logits (chunks, max over keys; judged); "
+          f"time/flop = (ms / dense ms) / flop ratio, goal <= {GOAL}; other load = CPU share "
+          "used by other processes meanwhile")
+    print(TABLE.header())
     rows = []
     for d in d_list:
         for seq in args.seq:
             for n in tokens:
                 for row in bench(d, seq, n, args.ratios, runs=runs, warmup=warmup):
-                    print(format_row(row), flush=True)
+                    print(TABLE.line(row), flush=True)
                     rows.append(row)
     for name, key in (("whole logits", "time_per_flop_ratio"),
                       ("as attention", "attention_time_per_flop_ratio")):
@@ -254,21 +254,8 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"# {name}, {k}: worst time/flop {w[key]:.2f} (d {w['d']}, {w['tokens']} tokens, "
                   f"flop ratio {w['flop_ratio']:.2f}); {sum(r[key] <= GOAL for r in mine)}/"
                   f"{len(mine)} rows meet {GOAL}")
-    worst = {k: max((r for r in rows if r["kind"] == k), key=judged) for k in REPORTED}
-    w = max(rows, key=judged)
-    goals = {"qk_time_per_flop": {
-        "value": judged(w), "goal": f"<= {GOAL}", "holds": judged(w) <= GOAL,
-        "measured": "as attention runs the logits (chunks of batch_chunk sequences)",
-        "detail": {k: judged(r) for k, r in worst.items()},
-        "rows_meeting": sum(judged(r) <= GOAL for r in rows), "rows": len(rows),
-        "whole_logits": {
-            "value": max(r["time_per_flop_ratio"] for r in rows),
-            "rows_meeting": sum(r["time_per_flop_ratio"] <= GOAL for r in rows)}}}
-    result = {"setup": setup, "rows": rows, "goals": goals}
-    if args.json:
-        write_json(args.json, result)
-    return result
+    return run.finish(args.json, rows=rows, goals=goals(rows))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

@@ -21,35 +21,19 @@ the dense product's speed per multiply-add; the goal is ``<= 1.15``. It is measu
 
 Usage::
 
-    python benchmarks/linear.py                 # d = 1024, 768, 512; 512, 2048, 8192 tokens
-    python benchmarks/linear.py --quick         # fewer runs, for a smoke test
-    python benchmarks/linear.py --json out.json --d 768 --tokens 8192 --runs 60
-    python benchmarks/linear.py --chain 0       # single calls only (the table before 2026-11-28)
+    python -m benchmarks.layers linear            # d = 1024, 768, 512; 512, 2048, 8192 tokens
+    python -m benchmarks.layers linear --quick    # fewer runs, for a smoke test
+    python -m benchmarks.layers linear --json out.json --d 768 --tokens 8192 --runs 60
+    python -m benchmarks.layers linear --chain 0  # single calls only (the table before 2026-11-28)
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import statistics
-import sys
-
 import jax
 import jax.numpy as jnp
-from _machine import (  # benchmarks/_machine.py
-    cpu_snapshot,
-    malloc_setting,
-    other_load,
-    time_interleaved,
-    write_json,
-)
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
+import lowrank_jax as lj
+from benchmarks import _harness as H
 
 GOAL = 1.15
 
@@ -77,12 +61,13 @@ def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
         return x
 
     prog = jax.jit(program)
-    calls = [lambda lf=leaves[0]: jax.block_until_ready(fn(lf, x)) for leaves in kinds]
+    calls = {f"single {i}": (lambda lf=leaves[0]: fn(lf, x)) for i, leaves in enumerate(kinds)}
     if chain:
-        calls += [lambda lv=leaves: jax.block_until_ready(prog(lv, x)) for leaves in kinds]
-    before = cpu_snapshot()
-    med = [statistics.median(t) for t in time_interleaved(calls, runs, warmup)]
-    load = other_load(before, cpu_snapshot())
+        calls.update({f"program {i}": (lambda lv=leaves: prog(lv, x))
+                      for i, leaves in enumerate(kinds)})
+    m = H.measure(calls, runs=runs, warmup=warmup)
+    med = [m.timings.median(n) for n in calls]
+    load = m.load
     dense_flops = lj.flops(kinds[0][0], n_tokens)
     rows = []
     for i, (q, r) in enumerate(zip(ratios, ranks, strict=True)):
@@ -110,25 +95,44 @@ def judged(row: dict) -> float:
     return row.get("program_time_per_flop_ratio", row["time_per_flop_ratio"])
 
 
-HEADER = (f"{'d':>4} {'tokens':>6} {'target':>6} {'rank':>4} {'flop ratio':>10} "
-          f"{'dense ms':>9} {'lowrank ms':>10} {'time ratio':>10} {'time/flop':>9} "
-          f"{'prog dense':>10} {'prog lowrank':>12} {'prog t/f':>8} {'other load':>10}")
+TABLE = H.Table(
+    H.Col("d", "d", width=4), H.Col("tokens", "tokens"), H.Col("target", "target_ratio", ".2f"),
+    H.Col("rank", "rank"), H.Col("flop ratio", "flop_ratio", ".4f"),
+    H.Col("dense ms", "dense_ms", ".3f", 9), H.Col("lowrank ms", "lowrank_ms", ".3f"),
+    H.Col("time ratio", "time_ratio", ".3f"), H.Col("time/flop", "time_per_flop_ratio", ".2f"),
+    H.Col("prog dense", "program_dense_ms", ".3f"),
+    H.Col("prog lowrank", "program_lowrank_ms", ".3f"),
+    H.Col("prog t/f", "program_time_per_flop_ratio", ".2f"),
+    H.Col("other load", "other_load", "%"),
+    H.Col("", lambda r: "" if judged(r) <= GOAL else "> goal"))
 
 
-def format_row(row: dict) -> str:
-    flag = "" if judged(row) <= GOAL else "  > goal"
-    load = "n/a" if row["other_load"] is None else f"{100 * row['other_load']:.0f}%"
-    prog = (f"{row['program_dense_ms']:>10.3f} {row['program_lowrank_ms']:>12.3f} "
-            f"{row['program_time_per_flop_ratio']:>8.2f}" if "program_time_ratio" in row
-            else f"{'-':>10} {'-':>12} {'-':>8}")
-    return (f"{row['d']:>4} {row['tokens']:>6} {row['target_ratio']:>6.2f} {row['rank']:>4} "
-            f"{row['flop_ratio']:>10.4f} {row['dense_ms']:>9.3f} {row['lowrank_ms']:>10.3f} "
-            f"{row['time_ratio']:>10.3f} {row['time_per_flop_ratio']:>9.2f} {prog} "
-            f"{load:>10}{flag}")
+def goals(rows: list[dict]) -> dict:
+    """Per target FLOP ratio: the worst time/FLOP ratio, judged in a program of several
+    products when measured (a leaf in a model), else on single calls."""
+    key = ("program_time_per_flop_ratio" if all("program_time_per_flop_ratio" in r for r in rows)
+           else "time_per_flop_ratio")
+    where = "in a program" if key != "time_per_flop_ratio" else "single calls"
+    out = {}
+    for q in sorted({r["target_ratio"] for r in rows}):
+        sel = [r for r in rows if r["target_ratio"] == q]
+        worst = max(sel, key=lambda r: r[key])
+        ok = sum(r[key] <= GOAL for r in sel)
+        extra = ""
+        if key != "time_per_flop_ratio":
+            single = max(r["time_per_flop_ratio"] for r in sel)
+            extra = (f"; single calls: worst {single:.2f}, "
+                     f"{sum(r['time_per_flop_ratio'] <= GOAL for r in sel)}/{len(sel)}")
+        out.update(H.goal(
+            f"LowRank leaf time/FLOP at FLOP ratio ~{q:g}", worst[key], target=f"<= {GOAL}",
+            holds=ok == len(sel),
+            measured=f"{where}: worst {worst[key]:.2f} (d {worst['d']}, {worst['tokens']} tokens); "
+                     f"{ok}/{len(sel)} sizes meet it{extra}"))
+    return out
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> dict:
+    p = H.parser(__doc__, quick="5 runs, 1 warm-up: a smoke test")
     p.add_argument("--d", type=int, nargs="+", default=[1024, 768, 512], help="model widths")
     p.add_argument("--tokens", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.1, 0.25, 0.5],
@@ -137,43 +141,23 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--chain", type=int, default=4,
                    help="products per program for the 'in program' figures (0: single calls only)")
-    p.add_argument("--quick", action="store_true", help="5 runs, 1 warm-up: a smoke test")
-    p.add_argument("--json", metavar="PATH", help="write the rows (and the setup) as JSON")
     args = p.parse_args(argv)
     runs = args.runs if args.runs is not None else (5 if args.quick else 30)
     warmup = 1 if args.quick else args.warmup
-
-    setup = {
-        "jax": jax.__version__, "backend": jax.default_backend(),
-        "devices": [str(dv) for dv in jax.devices()], "cpu_count": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(), "runs": runs, "chain": args.chain,
-        "xla_flags": os.environ.get("XLA_FLAGS", ""),
-        "keep_freed_memory": lj.runtime.freed_memory_kept(), "malloc": malloc_setting(),
-    }
-    print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs), median of "
-          f"{runs} interleaved runs; time/flop = (lowrank ms / dense ms) / flop ratio, one "
-          f"product per call; prog = per product in a program of {args.chain} (judged), "
-          f"goal <= {GOAL}; other load = CPU share used by other processes meanwhile; malloc: "
-          f"{setup['malloc']}")
-    print(HEADER)
+    run = H.Run(__name__, argv, runs=runs, warmup=warmup, chain=args.chain)
+    print(f"# {run.describe()}; median of {runs} interleaved runs; time/flop = (lowrank ms / "
+          f"dense ms) / flop ratio, one product per call; prog = per product in a program of "
+          f"{args.chain} (judged), goal <= {GOAL}; other load = CPU share used by other "
+          "processes meanwhile")
+    print(TABLE.header())
     rows = []
     for d in args.d:
         for n in args.tokens:
             for row in bench(d, n, args.ratios, runs=runs, warmup=warmup, chain=args.chain):
-                print(format_row(row), flush=True)
+                print(TABLE.line(row), flush=True)
                 rows.append(row)
-    for name, key in (("single call", "time_per_flop_ratio"),
-                      ("in a program", "program_time_per_flop_ratio")):
-        got = [r for r in rows if key in r]
-        if got:
-            worst = max(got, key=lambda r: r[key])
-            print(f"# {name}: worst time/flop ratio {worst[key]:.2f} (d {worst['d']}, "
-                  f"{worst['tokens']} tokens, rank {worst['rank']}; goal <= {GOAL}): "
-                  f"{sum(r[key] <= GOAL for r in got)}/{len(got)} rows meet it")
-    if args.json:
-        write_json(args.json, {"setup": setup, "rows": rows})
-    return rows
+    return run.finish(args.json, rows=rows, goals=goals(rows))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

@@ -22,42 +22,19 @@ max |output|.
 
 Usage::
 
-    python benchmarks/mlp.py --json mlp.json     # about 2 minutes
-    python benchmarks/mlp.py --quick             # three sizes, no gradient, no ViT
+    python -m benchmarks.layers mlp --json mlp.json     # about 2 minutes
+    python -m benchmarks.layers mlp --quick             # three sizes, no gradient, no ViT
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import statistics
-import sys
-
 import jax
 import jax.numpy as jnp
-import numpy as np
-from _machine import (  # benchmarks/_machine.py
-    chunked_speedup_goal,
-    compile_with,
-    cpu_snapshot,
-    malloc_setting,
-    other_load,
-    time_interleaved,
-    write_json,
-)  # benchmarks/_machine.py
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
-from lowrank_jax import (
-    execution,  # noqa: E402
-    nn,  # noqa: E402
-)
-from lowrank_jax.models import vit  # noqa: E402
-from lowrank_jax.nn import execution as strategy  # noqa: E402
+from benchmarks import _harness as H
+from lowrank_jax import execution, nn
+from lowrank_jax.models import vit
+from lowrank_jax.nn import execution as strategy
 
 # (d_model, d_ff, tokens, activation, gated)
 SIZES = [
@@ -74,29 +51,18 @@ QUICK_SIZES = [SIZES[1], (512, 2048, 4096, "relu", False), SIZES[-1]]
 
 def compile_both(fn, args):
     """``fn`` compiled for ``args`` with token chunks on (the default) and off."""
-    return {"chunked": compile_with(fn, args),
-            "whole": compile_with(fn, args, mlp_chunk_above_bytes=None)}
-
-
-def rel_diff(a, b) -> float:
-    a, b = (np.asarray(t, np.float64) for t in (a, b))
-    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+    return {"chunked": H.compile_with(fn, args),
+            "whole": H.compile_with(fn, args, mlp_chunk_above_bytes=None)}
 
 
 def timed_row(what: str, comp: dict, args, *, tokens: int, d_ff: int, runs: int) -> dict:
-    calls = [lambda c=c: jax.block_until_ready(c(*args)) for c in comp.values()]
-    before = cpu_snapshot()
-    times = time_interleaved(calls, runs, 1)
-    load = other_load(before, cpu_snapshot())
-    med = dict(zip(comp, (statistics.median(t) for t in times), strict=True))
-    diff = max(rel_diff(a, b) for a, b in zip(jax.tree_util.tree_leaves(comp["chunked"](*args)),
-                                             jax.tree_util.tree_leaves(comp["whole"](*args)),
-                                             strict=True))
+    m = H.measure({k: (lambda c=c: c(*args)) for k, c in comp.items()}, runs=runs, warmup=1,
+                  check={"chunked": "whole"})
     return {"what": what, "tokens": tokens, "d_ff": d_ff,
             "chunks": strategy.token_chunks(tokens, d_ff),
-            "hidden_mb": 4 * tokens * d_ff / 2**20, "whole_ms": med["whole"] * 1e3,
-            "chunked_ms": med["chunked"] * 1e3, "speedup": med["whole"] / med["chunked"],
-            "rel_diff": diff, "other_load": load}
+            "hidden_mb": 4 * tokens * d_ff / 2**20, "whole_ms": m.ms("whole"),
+            "chunked_ms": m.ms("chunked"), "speedup": m.ratio("whole", "chunked"),
+            "rel_diff": m.rel_error["chunked"], "other_load": m.load}
 
 
 def bench_mlp(d: int, d_ff: int, tokens: int, activation: str, gated: bool, runs: int,
@@ -124,53 +90,41 @@ def bench_vit(runs: int, batch: int = 32, layers: int = 4) -> dict:
                      d_ff=cfg.intermediate_size, runs=runs)
 
 
-HEADER = (f"{'what':<34} {'tokens':>6} {'hidden MB':>9} {'chunks':>6} {'whole ms':>9} "
-          f"{'chunked ms':>10} {'speed-up':>8} {'rel diff':>8} {'load':>5}")
-
-
-def format_row(r: dict) -> str:
-    load = "n/a" if r["other_load"] is None else f"{100 * r['other_load']:.0f}%"
-    return (f"{r['what']:<34} {r['tokens']:>6} {r['hidden_mb']:>9.1f} {str(r['chunks']):>6} "
-            f"{r['whole_ms']:>9.2f} {r['chunked_ms']:>10.2f} {r['speedup']:>8.2f} "
-            f"{r['rel_diff']:>8.1e} {load:>5}")
+TABLE = H.Table(
+    H.Col("what", "what", width=34), H.Col("tokens", "tokens"),
+    H.Col("hidden MB", "hidden_mb", ".1f"), H.Col("chunks", lambda r: str(r["chunks"])),
+    H.Col("whole ms", "whole_ms", ".2f", 9), H.Col("chunked ms", "chunked_ms", ".2f"),
+    H.Col("speed-up", "speedup", ".2f"), H.Col("rel diff", "rel_diff", ".1e"),
+    H.Col("load", "other_load", "%", 5))
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = H.parser(__doc__, quick="three sizes, no gradient, no ViT")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 9; quick 5)")
     p.add_argument("--no-vit", action="store_true", help="skip the ViT row")
-    p.add_argument("--quick", action="store_true", help="three sizes, no gradient, no ViT")
-    p.add_argument("--json", metavar="PATH", help="write the setup and rows as JSON")
     args = p.parse_args(argv)
     runs = args.runs if args.runs is not None else (5 if args.quick else 9)
-    setup = {"jax": jax.__version__, "backend": jax.default_backend(),
-             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-             "runs": runs, "chunk_above_bytes": execution.current().mlp_chunk_above_bytes,
-             "chunk_bytes": execution.current().mlp_chunk_bytes,
-             "keep_freed_memory": lj.runtime.freed_memory_kept(), "malloc": malloc_setting(),
-             "xla_flags": os.environ.get("XLA_FLAGS", "")}
-    print(f"# jax {setup['jax']} on {setup['backend']} ({setup['cpu_count']} CPUs); median of "
-          f"{runs} interleaved runs; chunks when the hidden activations exceed "
-          f"{execution.current().mlp_chunk_above_bytes} bytes, of at most "
-          f"{execution.current().mlp_chunk_bytes} bytes; malloc: "
-          f"{setup['malloc']}")
-    print(HEADER)
+    ex = execution.current()
+    run = H.Run(__name__, argv, runs=runs, chunk_above_bytes=ex.mlp_chunk_above_bytes,
+                chunk_bytes=ex.mlp_chunk_bytes)
+    print(f"# {run.describe()}; median of {runs} interleaved runs; chunks when the hidden "
+          f"activations exceed {ex.mlp_chunk_above_bytes} bytes, of at most "
+          f"{ex.mlp_chunk_bytes} bytes")
+    print(TABLE.header())
     rows = []
     for size in (QUICK_SIZES if args.quick else SIZES):
         rows.append(bench_mlp(*size, runs))
-        print(format_row(rows[-1]), flush=True)
+        print(TABLE.line(rows[-1]), flush=True)
     if not args.quick:
         rows.append(bench_mlp(*SIZES[1], runs, grad=True))
-        print(format_row(rows[-1]), flush=True)
+        print(TABLE.line(rows[-1]), flush=True)
     if not (args.quick or args.no_vit):
         rows.append(bench_vit(runs))
-        print(format_row(rows[-1]), flush=True)
-    goals = chunked_speedup_goal("mlp_chunked_vs_whole_speedup", rows, "chunks")
-    result = {"setup": setup, "rows": rows, "goals": goals}
-    if args.json:
-        write_json(args.json, result)
-    return result
+        print(TABLE.line(rows[-1]), flush=True)
+    goals = H.chunked_speedup_goal("MLP on CPU in token chunks against all tokens at once: "
+                                   "speed-up", rows, "chunks")
+    return run.finish(args.json, rows=rows, goals=goals)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

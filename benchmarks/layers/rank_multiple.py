@@ -11,29 +11,20 @@ larger rank is faster) next to the FLOP factor ``rounded / r`` it pays for it.
 
 Usage::
 
-    python benchmarks/rank_multiple.py                      # d 512/768/1024, 2048 + 8192 tokens
-    python benchmarks/rank_multiple.py --quick              # d 768, 2048 tokens, fewer ranks
-    python benchmarks/rank_multiple.py --json rank_multiple.json --runs 40
+    python -m benchmarks.layers rank_multiple               # d 512/768/1024, 2048 + 8192 tokens
+    python -m benchmarks.layers rank_multiple --quick       # d 768, 2048 tokens, fewer ranks
+    python -m benchmarks.layers rank_multiple --json rank_multiple.json --runs 40
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
-
+import lowrank_jax as lj
+from benchmarks import _harness as H
 from lowrank_jax.compress.svd_method import round_up
 
 RANKS = [20, 22, 26, 28, 30, 36, 40, 44, 52, 58, 62]
@@ -48,12 +39,10 @@ def bench(d: int, n_tokens: int, r: int, *, runs: int, warmup: int, seed: int = 
     x = jax.random.normal(kx, (n_tokens, d), jnp.float32)
     leaves = {q: lj.init_lowrank(k, d, d, q) for k, q in zip(kl, ranks, strict=True)}
     fn = jax.jit(lambda leaf, x: lj.linear(leaf, x))
-    before = cpu_snapshot()
-    calls = [lambda lf=lf: jax.block_until_ready(fn(lf, x)) for lf in leaves.values()]
-    med = dict(zip(ranks, (statistics.median(t) for t in time_interleaved(calls, runs, warmup)),
-                   strict=True))
-    row = {"d": d, "tokens": n_tokens, "rank": r, "ms": 1e3 * med[r],
-           "other_load": other_load(before, cpu_snapshot())}
+    m = H.measure({q: (lambda lf=lf: fn(lf, x)) for q, lf in leaves.items()}, runs=runs,
+                  warmup=warmup)
+    med = {q: m.timings.median(str(q)) for q in ranks}
+    row = {"d": d, "tokens": n_tokens, "rank": r, "ms": 1e3 * med[r], "other_load": m.load}
     for k in MULTIPLES:
         q = round_up(r, k, d)
         row[f"rank_{k}"] = q
@@ -76,55 +65,51 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+TABLE = H.Table(
+    H.Col("d", "d", width=5), H.Col("tokens", "tokens"), H.Col("rank", "rank"),
+    H.Col("ms", "ms", ".3f", 8),
+    *(c for k in MULTIPLES for c in (
+        H.Col(f"| r{k}", f"rank_{k}", width=5), H.Col("ms", f"ms_{k}", ".3f", 8),
+        H.Col("speed-up", f"speedup_{k}", ".2f"), H.Col("FLOPs", f"flops_{k}", ".2f"))),
+    H.Col("| load", "other_load", "%"))
+
+
+def main(argv=None) -> dict:
+    p = H.parser(__doc__, quick="d 768, 2048 tokens, 5 ranks, 10 runs")
     p.add_argument("--d", type=int, nargs="+", default=None)
     p.add_argument("--tokens", type=int, nargs="+", default=None)
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--runs", type=int, default=None)
-    p.add_argument("--quick", action="store_true", help="d 768, 2048 tokens, 5 ranks, 10 runs")
-    p.add_argument("--json", help="write the rows and the summary here")
     args = p.parse_args(argv)
     d_list = args.d or ([768] if args.quick else [512, 768, 1024])
     tokens = args.tokens or ([2048] if args.quick else [2048, 8192])
     ranks = args.ranks or (QUICK_RANKS if args.quick else RANKS)
     runs = args.runs or (10 if args.quick else 30)
-    print(f"# jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} CPUs), median "
-          f"of {runs} interleaved runs; speed-up = time(rank) / time(rounded rank), FLOPs = "
-          "rounded / rank; other load = CPU share used by other processes meanwhile")
-    print(f"{'d':>5} {'tokens':>6} {'rank':>4} {'ms':>8} | {'r8':>3} {'ms':>8} {'speed-up':>8} "
-          f"{'FLOPs':>5} | {'r16':>3} {'ms':>8} {'speed-up':>8} {'FLOPs':>5} | load")
+    run = H.Run(__name__, argv, runs=runs, multiples=list(MULTIPLES))
+    print(f"# {run.describe()}; median of {runs} interleaved runs; speed-up = time(rank) / "
+          "time(rounded rank), FLOPs = rounded / rank; other load = CPU share used by other "
+          "processes meanwhile")
+    print(TABLE.header())
     rows = []
     for d in d_list:
         for n in tokens:
             for r in ranks:
                 if r >= d:
                     continue
-                row = bench(d, n, r, runs=runs, warmup=3)
-                rows.append(row)
-                print(f"{d:5d} {n:6d} {r:4d} {row['ms']:8.3f} | "
-                      + " | ".join(f"{row[f'rank_{k}']:3d} {row[f'ms_{k}']:8.3f} "
-                                   f"{row[f'speedup_{k}']:8.2f} {row[f'flops_{k}']:5.2f}"
-                                   for k in MULTIPLES)
-                      + f" | {row['other_load']:.0%}", flush=True)
+                rows.append(bench(d, n, r, runs=runs, warmup=3))
+                print(TABLE.line(rows[-1]), flush=True)
     summ = summary(rows)
+    goals = {}
     for k, s in summ.items():
         med = "-" if s["median_speedup"] is None else f"{s['median_speedup']:.2f}"
-        print(f"# rank_multiple={k}: faster in {s['faster']}/{s['rounded']} rounded rows, median "
-              f"speed-up {med}; faster at ranks {s['faster_ranks']}")
-    goals = {  # rows of benchmarks/run_all.py's table: reported, no target
-        f"LowRank leaf, rank rounded up to a multiple of {k} (compress rank_multiple={k}): "
-        "median speed-up over the ranks it changes": {
-            "value": s["median_speedup"], "goal": "reported", "holds": None,
-            "faster": f"{s['faster']}/{s['rounded']}"}
-        for k, s in summ.items()}
-    if args.json:
-        write_json(args.json, {"machine": platform.processor() or platform.machine(),
-                               "jax": jax.__version__, "runs": runs, "rows": rows,
-                               "summary": {str(k): v for k, v in summ.items()},
-                               "goals": goals})
-    return 0
+        goals.update(H.goal(
+            f"LowRank leaf, rank rounded up to a multiple of {k} (compress rank_multiple={k}): "
+            "median speed-up over the ranks it changes", s["median_speedup"],
+            measured=f"median {med}; faster in {s['faster']}/{s['rounded']} rounded rows, at "
+                     f"ranks {s['faster_ranks']}", faster=f"{s['faster']}/{s['rounded']}"))
+    return run.finish(args.json, rows=rows, goals=goals,
+                      summary={str(k): v for k, v in summ.items()})
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    H.run_as_main(__spec__)

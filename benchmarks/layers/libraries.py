@@ -1,7 +1,7 @@
 """Do other libraries run a ``LowRank`` leaf's skinny products faster than XLA:CPU?
 
-Goal 1 of the performance issue asks a ``LowRank`` leaf's time ratio to the dense ``[d, d]``
-leaf to be within 1.15x of its FLOP ratio. At FLOP ratio 0.1 (rank ``0.05 d``) XLA:CPU misses
+A ``LowRank`` leaf's time ratio to the dense ``[d, d]``
+leaf should be within 1.15x of its FLOP ratio. At FLOP ratio 0.1 (rank ``0.05 d``) XLA:CPU misses
 it (``linear.py``): the first product ``x @ u`` has only ``r`` output columns and the second
 ``t @ v`` an inner dimension of ``r``, shapes a matrix-multiply kernel runs below its square
 rate. This script asks whether that is XLA's kernel or the shapes: it times the same two
@@ -28,18 +28,15 @@ test machine (d 768, 2048 tokens).
 
 Usage::
 
-    python benchmarks/libraries.py --json libraries.json     # d 1024/768/512 x 512/2048/8192
-    python benchmarks/libraries.py --quick                    # d 768, 2048 tokens, 5 runs
-    python benchmarks/libraries.py --no-head                  # LowRank rows only
+    python -m benchmarks.layers libraries --json libraries.json   # d 1024/768/512 x 512/2048/8192
+    python -m benchmarks.layers libraries --quick                 # d 768, 2048 tokens, 5 runs
+    python -m benchmarks.layers libraries --no-head               # LowRank rows only
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import statistics
-import sys
 
 # Before torch and numpy are imported: their worker threads otherwise spin after each product
 # and take the cores from the next call in the interleaved loop (docstring).
@@ -49,20 +46,10 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from _machine import (  # noqa: E402 (benchmarks/_machine.py)
-    cpu_snapshot,
-    malloc_setting,
-    other_load,
-    time_interleaved,
-    write_json,
-)
-from head_lowrank import RANK_SETS  # noqa: E402 (benchmarks/head_lowrank.py)
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
+import lowrank_jax as lj  # noqa: E402
+from benchmarks import _harness as H  # noqa: E402
+from benchmarks.layers.head_lowrank import RANK_SETS  # noqa: E402
 
 LIBRARIES = ("jax", "torch", "numpy")
 
@@ -86,20 +73,15 @@ def check_and_time(calls: dict, runs: int, warmup: int, what: str) -> tuple[dict
     call in one interleaved loop. ``calls``: ``{library: [zero-argument call, ...]}``, the same
     products in the same order for every library. Returns ``({library: [median ms, ...]},
     other load)``."""
-    for i, numpy_call in enumerate(calls["numpy"]):
-        ref = np.asarray(numpy_call(), np.float64)
-        for lib in ("jax", "torch"):
-            err = np.max(np.abs(np.asarray(calls[lib][i]()) - ref)) / np.max(np.abs(ref))
-            if not err < 1e-4:
-                raise AssertionError(f"{what}: {lib} differs from numpy on product {i}: "
-                                     f"{err:.2e}")
-    flat = [c for lib in LIBRARIES for c in calls[lib]]
-    before = cpu_snapshot()
-    med = [statistics.median(t) for t in time_interleaved(flat, runs, warmup)]
-    load = other_load(before, cpu_snapshot())
     k = len(calls["numpy"])
-    return ({lib: [1e3 * m for m in med[j * k:(j + 1) * k]] for j, lib in enumerate(LIBRARIES)},
-            load)
+    flat = {f"{lib} {i}": c for lib in LIBRARIES for i, c in enumerate(calls[lib])}
+    m = H.measure(flat, runs=runs, warmup=warmup,
+                  check={f"{lib} {i}": f"numpy {i}" for lib in ("jax", "torch") for i in range(k)})
+    for name, err in m.rel_error.items():
+        if not err < 1e-4:
+            raise AssertionError(f"{what}: {name.split()[0]} differs from numpy on product "
+                                 f"{name.split()[1]}: {err:.2e}")
+    return {lib: [m.ms(f"{lib} {i}") for i in range(k)] for lib in LIBRARIES}, m.load
 
 
 def bench(d: int, n_tokens: int, ratios: list[float], *, runs: int, warmup: int,
@@ -203,18 +185,18 @@ def bench_head(name: str, ranks: tuple, n_tokens: int, *, runs: int, warmup: int
 HEAD_RANKS = {k: v for k, v in RANK_SETS.items() if k.startswith("spread")}
 
 
-HEADER = (f"{'d':>4} {'tokens':>6} {'rank':>4} {'flop ratio':>10} "
-          + " ".join(f"{lib + ' ms':>9} {lib + ' t/f':>9}" for lib in LIBRARIES)
-          + f" {'jax/best lr':>11} {'jax/best dense':>14} {'load':>5}")
-
-
-def format_row(row: dict) -> str:
-    load = "n/a" if row["other_load"] is None else f"{100 * row['other_load']:.0f}%"
-    libs = " ".join(f"{row[lib + '_lowrank_ms']:>9.3f} {row[lib + '_time_per_flop_ratio']:>9.2f}"
-                    for lib in LIBRARIES)
-    return (f"{row['d']:>4} {row['tokens']:>6} {row['rank']:>4} {row['flop_ratio']:>10.4f} "
-            f"{libs} {row['jax_over_best_lowrank']:>11.2f} {row['jax_over_best_dense']:>14.2f} "
-            f"{load:>5}")
+TABLE = H.Table(
+    H.Col("d", "d", width=4), H.Col("tokens", "tokens"), H.Col("rank", "rank"),
+    H.Col("flop ratio", "flop_ratio", ".4f"),
+    *(c for lib in LIBRARIES for c in (H.Col(f"{lib} ms", f"{lib}_lowrank_ms", ".3f", 9),
+                                       H.Col(f"{lib} t/f", f"{lib}_time_per_flop_ratio", ".2f", 9))),
+    H.Col("jax/best lr", "jax_over_best_lowrank", ".2f"),
+    H.Col("jax/best dense", "jax_over_best_dense", ".2f"), H.Col("load", "other_load", "%", 5))
+HEAD_TABLE = H.Table(
+    H.Col("ranks", "ranks_name", width=14), H.Col("tokens", "tokens"),
+    H.Col("flop ratio", "flop_ratio", ".3f"),
+    *(H.Col(f"{lib} t/f", f"{lib}_time_per_flop_ratio", ".2f", 9) for lib in LIBRARIES),
+    H.Col("jax/best", "jax_over_best", ".2f"))
 
 
 def summary(rows: list[dict], target: float) -> dict:
@@ -231,8 +213,37 @@ def summary(rows: list[dict], target: float) -> dict:
     return out
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def goals(rows: list[dict], summaries: list[dict], head_rows: list[dict]) -> dict:
+    """Reported: each library's time/FLOP at the lowest FLOP ratio, JAX against the fastest
+    other library, and the same for the HeadLowRank rows."""
+    low = min(summaries, key=lambda s: s["target_ratio"])
+    libs = ", ".join(f"{lib} {low[lib][0]:.2f}-{low[lib][1]:.2f}" for lib in LIBRARIES)
+    none = all(low[lib][0] > 1.15 for lib in ("torch", "numpy"))
+    ratio = sorted(r["jax_over_best_lowrank"] for r in rows)
+    med = ratio[len(ratio) // 2]
+    out = {
+        **H.goal(f"LowRank products at FLOP ratio ~{low['target_ratio']:g} in other libraries: "
+                 "time/FLOP against each library's dense product", low["torch"][0],
+                 measured=f"{libs} over {low['rows']} sizes"
+                          + (" (none meets 1.15 in any library)" if none else "")),
+        **H.goal("LowRank leaf: JAX time / fastest of PyTorch and NumPy, same products", med,
+                 measured=f"median {med:.2f} ({ratio[0]:.2f}-{ratio[-1]:.2f}) over "
+                          f"{len(ratio)} rows"),
+    }
+    if head_rows:
+        rng = {lib: (min(r[f"{lib}_time_per_flop_ratio"] for r in head_rows),
+                     max(r[f"{lib}_time_per_flop_ratio"] for r in head_rows))
+               for lib in LIBRARIES}
+        out.update(H.goal(
+            "HeadLowRank, irregular ranks, in other libraries: time/FLOP against each library's "
+            "dense product", rng["torch"][0],
+            measured=", ".join(f"{lib} {lo:.2f}-{hi:.2f}" for lib, (lo, hi) in rng.items())
+                     + f" over {len(head_rows)} rows"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = H.parser(__doc__, quick="one size, 5 runs: a smoke test")
     p.add_argument("--d", type=int, nargs="+", default=None,
                    help="model widths (default 1024 768 512; quick 768)")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
@@ -244,8 +255,6 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--head-tokens", type=int, nargs="+", default=None,
                    help="token counts of the HeadLowRank rows (default 2048 8192; quick 2048)")
     p.add_argument("--no-head", action="store_true", help="skip the HeadLowRank rows")
-    p.add_argument("--quick", action="store_true", help="one size, 5 runs: a smoke test")
-    p.add_argument("--json", metavar="PATH", help="write the rows, summary and setup as JSON")
     args = p.parse_args(argv)
     import torch
 
@@ -255,48 +264,41 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ds = args.d or ([768] if args.quick else [1024, 768, 512])
     tokens = args.tokens or ([2048] if args.quick else [512, 2048, 8192])
     head_tokens = args.head_tokens or ([2048] if args.quick else [2048, 8192])
-    setup = {"jax": jax.__version__, "torch": torch.__version__, "numpy": np.__version__,
-             "openblas_thread_timeout": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
-             "numpy_blas": blas_name(), "torch_threads": torch.get_num_threads(),
-             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-             "runs": runs, "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-             "keep_freed_memory": lj.runtime.freed_memory_kept(), "malloc": malloc_setting()}
-    print(f"# jax {setup['jax']}, torch {setup['torch']} ({setup['torch_threads']} threads), "
-          f"numpy {setup['numpy']} ({setup['numpy_blas']}); median of {runs} interleaved runs; "
-          "t/f = (lowrank ms / dense ms) / flop ratio within each library; jax/best = JAX's "
-          "time over the fastest of torch and numpy; malloc: " + setup["malloc"])
-    print(HEADER)
+    run = H.Run(__name__, argv, torch=torch.__version__, numpy=np.__version__,
+                openblas_thread_timeout=os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
+                numpy_blas=blas_name(), torch_threads=torch.get_num_threads(), runs=runs,
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"))
+    s = run.setup
+    print(f"# {run.describe()}; torch {s['torch']} ({s['torch_threads']} threads), numpy "
+          f"{s['numpy']} ({s['numpy_blas']}); median of {runs} interleaved runs; t/f = (lowrank "
+          "ms / dense ms) / flop ratio within each library; jax/best = JAX's time over the "
+          "fastest of torch and numpy")
+    print(TABLE.header())
     rows = []
     for d in ds:
         for n in tokens:
             for row in bench(d, n, args.ratios, runs=runs, warmup=warmup):
-                print(format_row(row), flush=True)
+                print(TABLE.line(row), flush=True)
                 rows.append(row)
     head_rows = []
     if not args.no_head:
         print("# HeadLowRank, irregular ranks (d 768, 12 heads of 64): the first product on the "
               "true ranks, then each head's lift; t/f against each library's dense product")
-        print(f"{'ranks':<14} {'tokens':>6} {'flop ratio':>10} "
-              + " ".join(f"{lib + ' t/f':>9}" for lib in LIBRARIES) + f" {'jax/best':>8}")
+        print(HEAD_TABLE.header())
         for name, ranks in HEAD_RANKS.items():
             for n in head_tokens:
-                r = bench_head(name, ranks, n, runs=runs, warmup=warmup)
-                print(f"{name:<14} {n:>6} {r['flop_ratio']:>10.3f} "
-                      + " ".join(f"{r[lib + '_time_per_flop_ratio']:>9.2f}" for lib in LIBRARIES)
-                      + f" {r['jax_over_best']:>8.2f}", flush=True)
-                head_rows.append(r)
+                head_rows.append(bench_head(name, ranks, n, runs=runs, warmup=warmup))
+                print(HEAD_TABLE.line(head_rows[-1]), flush=True)
     summaries = [summary(rows, q) for q in args.ratios]
-    for s in summaries:
-        jb = s["jax_over_best_lowrank"]
-        print(f"# FLOP ratio ~{s['target_ratio']}: time/flop "
-              + ", ".join(f"{lib} {s[lib][0]:.2f}-{s[lib][1]:.2f}" for lib in LIBRARIES)
+    for sm in summaries:
+        jb = sm["jax_over_best_lowrank"]
+        print(f"# FLOP ratio ~{sm['target_ratio']}: time/flop "
+              + ", ".join(f"{lib} {sm[lib][0]:.2f}-{sm[lib][1]:.2f}" for lib in LIBRARIES)
               + f"; jax / fastest other {jb['median']:.2f} ({jb['range'][0]:.2f}-"
               f"{jb['range'][1]:.2f})")
-    if args.json:
-        write_json(args.json, {"setup": setup, "rows": rows, "summary": summaries,
-                               "head_rows": head_rows})
-    return rows
+    return run.finish(args.json, rows=rows, goals=goals(rows, summaries, head_rows),
+                      summary=summaries, head_rows=head_rows)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

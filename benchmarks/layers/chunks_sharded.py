@@ -11,7 +11,7 @@ output is replicated instead of sharded.
 
 Usage::
 
-    python benchmarks/chunks_sharded.py --json chunks_sharded.json    # about 30 s
+    python -m benchmarks.layers chunks_sharded --json chunks_sharded.json    # about 30 s
 """
 
 from __future__ import annotations
@@ -21,47 +21,43 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
-from _machine import compile_with, write_json  # noqa: E402  (benchmarks/_machine.py)
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-try:
-    import lowrank_jax  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _harness as H  # noqa: E402
 from lowrank_jax import nn  # noqa: E402
 
 
 def row(what: str, fn, args, runs: int) -> dict:
+    """Whole and chunked, each timed on its own (median of ``runs`` after two warm-up calls):
+    the two programs hold every device, so they run one after the other, not interleaved."""
     out = {"what": what}
     ys = {}
     for mode in ("whole", "chunked"):
-        c = compile_with(fn, args, cpu_chunks=True if mode == "chunked" else None)
-        for _ in range(2):
-            jax.block_until_ready(c(*args))
-        ts = []
-        for _ in range(runs):
-            t0 = time.perf_counter()
-            ys[mode] = jax.block_until_ready(c(*args))
-            ts.append(time.perf_counter() - t0)
-        out[f"{mode}_ms"] = statistics.median(ts) * 1e3
+        c = H.compile_with(fn, args, cpu_chunks=True if mode == "chunked" else None)
+        t = H.time_calls({mode: lambda c=c: jax.block_until_ready(c(*args))}, runs=runs,
+                         warmup=2)
+        ys[mode] = c(*args)
+        out[f"{mode}_ms"] = 1e3 * t.median(mode)
         out[f"{mode}_output_spec"] = str(ys[mode].sharding.spec)
     out["slowdown"] = out["chunked_ms"] / out["whole_ms"]
     out["max_abs_diff"] = float(np.max(np.abs(np.asarray(ys["whole"]) - np.asarray(ys["chunked"]))))
     return out
 
 
+TABLE = H.Table(
+    H.Col("what", "what", width=42), H.Col("whole ms", "whole_ms", ".1f", 9),
+    H.Col("chunked ms", "chunked_ms", ".1f"), H.Col("slower", "slowdown", ".1f"),
+    H.Col("whole out", "whole_output_spec", width=10),
+    H.Col("chunked out", "chunked_output_spec"))
+
+
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = H.parser(__doc__, quick="the same (it is short)")
     p.add_argument("--runs", type=int, default=5)
-    p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    run = H.Run(__name__, argv, runs=args.runs)
     mesh = Mesh(np.array(jax.devices()), ("data",))
     shard = NamedSharding(mesh, PartitionSpec("data"))
     rows = []
@@ -75,17 +71,19 @@ def main(argv=None) -> dict:
     xm = jax.device_put(jax.random.normal(jax.random.key(4), (32, 200, 512)), shard)
     rows.append(row("MLP 512 / 2048, 32 x 200 tokens", lambda p, x: nn.apply_mlp(p, x, mcfg),
                     (pm, xm), args.runs))
-    print(f"# {jax.device_count()} CPU devices, batch sharded over them; median of {args.runs}")
-    print(f"{'what':<42} {'whole ms':>9} {'chunked ms':>10} {'slower':>6} {'whole out':>10} "
-          f"{'chunked out':>11}")
+    print(f"# {run.describe()}; batch sharded over the devices; median of {args.runs}")
+    print(TABLE.header())
     for r in rows:
-        print(f"{r['what']:<42} {r['whole_ms']:>9.1f} {r['chunked_ms']:>10.1f} "
-              f"{r['slowdown']:>6.1f} {r['whole_output_spec']:>10} {r['chunked_output_spec']:>11}")
-    result = {"devices": jax.device_count(), "runs": args.runs, "rows": rows}
-    if args.json:
-        write_json(args.json, result)
-    return result
+        print(TABLE.line(r))
+    goals = {}
+    for r in rows:
+        goals.update(H.goal(f"{r['what']} on {jax.device_count()} CPU devices: chunked time / "
+                            "whole time", r["slowdown"],
+                            measured=f"{r['slowdown']:.1f}x slower chunked, output "
+                                     f"{r['chunked_output_spec']} instead of "
+                                     f"{r['whole_output_spec']}"))
+    return run.finish(args.json, rows=rows, goals=goals)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)
