@@ -168,11 +168,11 @@ class Run:
         return (f"jax {s['jax']} on {s['backend']} ({s['cpu_count']} CPUs, {s['devices']} "
                 f"devices), {s['machine']}; malloc: {s['malloc']}")
 
-    def finish(self, path: str | None, *, rows: list, goals: Mapping | None = None,
+    def finish(self, json_path: str | None, /, *, rows: list, goals: Mapping | None = None,
                **extra) -> dict:
         """The result ``{"setup", "rows", "goals", **extra}``: the run's seconds and the share of
         the machine's CPU other processes used since it started go into the setup; the goals
-        are printed; with ``path`` the result is written there as JSON."""
+        are printed; with ``json_path`` the result is written there as JSON."""
         from lowrank_jax import timing
 
         self.setup["seconds"] = time.perf_counter() - self.t0
@@ -185,8 +185,8 @@ class Run:
         print(f"# {self.setup['seconds']:.0f} s; other processes used "
               f"{percent(self.setup['other_load'])} of the machine's CPU meanwhile", flush=True)
         result = {"setup": self.setup, "rows": rows, "goals": goals, **extra}
-        if path:
-            write_json(path, result)
+        if json_path:
+            write_json(json_path, result)
         return result
 
 
@@ -317,7 +317,8 @@ def fmt_value(v) -> str:
 @dataclasses.dataclass(frozen=True)
 class Col:
     """A column of a printed table: its header, the row key or a function of the row, and the
-    format of the value (``None`` prints as ``-``; ``"%"`` a share as a percentage)."""
+    format of the value (``None`` prints as ``-``; ``"%"`` a share as a percentage, ``n/a`` for
+    ``None``)."""
 
     header: str
     value: str | Callable[[dict], Any]
@@ -329,10 +330,10 @@ class Col:
 
     def cell(self, row: dict) -> str:
         v = self.get(row)
-        if v is None:
-            return "-"
         if self.fmt == "%":
             return percent(v)
+        if v is None:
+            return "-"
         return format(v, self.fmt)
 
 

@@ -23,8 +23,8 @@ small operations, like the demo's pretraining); ``linear`` of a ``LowRank`` leaf
 
 Usage::
 
-    python benchmarks/allocator.py --json allocator.json     # about 13 min, 2 rounds, 5 settings
-    python benchmarks/allocator.py --quick                   # no Chronos-Bolt-base, 1 round
+    python -m benchmarks.machine allocator --json allocator.json   # about 13 min, 2 rounds
+    python -m benchmarks.machine allocator --quick                 # no Chronos-Bolt-base, 1 round
 """
 
 from __future__ import annotations
@@ -32,14 +32,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from benchmarks import _harness as H
 
 
 def build(quick: bool) -> dict:
@@ -48,9 +46,9 @@ def build(quick: bool) -> dict:
     import jax.numpy as jnp
     import numpy as np
     import optax
-    from train import config as train_config  # benchmarks/train.py: its small config
 
     import lowrank_jax as lj
+    from benchmarks.models.train import config as train_config  # its small config
     from lowrank_jax.models import chronos_bolt, t5, vit
 
     progs = {}
@@ -131,7 +129,6 @@ def child(mode: str, quick: bool, runs: int) -> dict:
     """One process: set ``malloc`` (``mode``), time the programs, count faults and memory."""
     import resource
 
-    sys.path.insert(0, ROOT)
     os.environ["LOWRANK_JAX_KEEP_FREED_MEMORY"] = "0"  # the import must not decide
     from lowrank_jax import runtime
 
@@ -139,34 +136,28 @@ def child(mode: str, quick: bool, runs: int) -> dict:
             one_arena=mode == "one_arena"):
         raise SystemExit("keep_freed_memory() did nothing here (not glibc on Linux)")
     import jax
-    from _machine import cpu_snapshot, malloc_setting, other_load, time_interleaved
 
     progs = build(quick)
     names = list(progs)
+    m = H.measure(progs, runs=runs, warmup=1)
     calls = [lambda f=progs[n]: jax.block_until_ready(f()) for n in names]
-    before = cpu_snapshot()
-    walls = time_interleaved(calls, runs, 1)
-    load = other_load(before, cpu_snapshot())
     faults = {}
     for n, c in zip(names, calls, strict=True):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(3):
             c()
         faults[n] = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / 3
-    return {"mode": mode, "malloc": malloc_setting(), "ms": {n: 1e3 * statistics.median(w)
-                                 for n, w in zip(names, walls, strict=True)},
+    return {"mode": mode, "malloc": H.malloc_setting(), "ms": {n: m.ms(n) for n in names},
             "faults_per_call": faults,
             "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-            "other_load": load}
+            "other_load": m.load}
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true")
+    p = H.parser(__doc__, quick="no Chronos-Bolt-base, 1 round")
     p.add_argument("--rounds", type=int, default=None,
                    help="rounds of one child per setting (default 2; quick 1)")
     p.add_argument("--runs", type=int, default=None, help="timed calls (default 7; quick 5)")
-    p.add_argument("--json", help="write the children's results and the table here")
     p.add_argument("--no-preload", action="store_true",
                    help="glibc's settings only, even where tcmalloc or jemalloc is installed")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
@@ -180,6 +171,7 @@ def main(argv=None) -> int:
         return 0
 
     rounds = args.rounds or (1 if args.quick else 2)
+    run = H.Run(__name__, argv, runs=runs, rounds=rounds)
     preload = {m: find_preload(m) for m in PRELOADS}
     modes = [m for m in MODES if m in GLIBC_MODES or (preload[m] and not args.no_preload)]
     for m, path in preload.items():
@@ -194,14 +186,14 @@ def main(argv=None) -> int:
     for i, mode in enumerate(order):
         out = os.path.join(os.path.dirname(os.path.abspath(args.json or "allocator.json")),
                            f".allocator_child_{os.getpid()}_{i}.json")
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--out", out,
-               "--runs", str(runs)] + (["--quick"] if args.quick else [])
+        cmd = [sys.executable, "-m", "benchmarks.machine", "allocator", "--child", mode,
+               "--out", out, "--runs", str(runs)] + (["--quick"] if args.quick else [])
         env = dict(os.environ)
         if mode in PRELOADS:  # the allocator replaces malloc from the child's first instruction
             env["LD_PRELOAD"] = preload[mode]
         else:  # glibc's malloc, even when this script itself runs under a preloaded allocator
             env.pop("LD_PRELOAD", None)
-        subprocess.run(cmd, check=True, env=env)
+        subprocess.run(cmd, check=True, env=env, cwd=H.ROOT)
         with open(out) as f:
             results.append(json.load(f))
         os.remove(out)
@@ -212,7 +204,7 @@ def main(argv=None) -> int:
     by = {m: [r for r in results if r["mode"] == m] for m in modes}
     names = list(results[0]["ms"])
     rows = []
-    print(f"# jax, {os.cpu_count()} CPUs; median of {runs} calls per child, {rounds} rounds of "
+    print(f"# {run.describe()}; median of {runs} calls per child, {rounds} rounds of "
           "children; speed-up = default ms / ms (median over rounds); faults per call")
     print(f"{'program':40s} {'default ms':>10} "
           + " ".join(f"{m + ' x':>12}" for m in modes[1:]) + "   faults " + " / ".join(modes))
@@ -234,21 +226,17 @@ def main(argv=None) -> int:
           + ", ".join(f"{m} {v:.0f}" for m, v in rss.items()))
     labels = {"kept": "keep_freed_memory()", "one_arena": "keep_freed_memory(one_arena=True)",
               "tcmalloc": "LD_PRELOAD tcmalloc", "jemalloc": "LD_PRELOAD jemalloc"}
-    goals = {f"{labels[m]} speed-up (median over programs, default ms / ms with it)": {
-                 "value": statistics.median(r[f"{m}_speedup"] for r in rows),
-                 "goal": "reported", "holds": None,
-                 "range": [min(r[f"{m}_speedup"] for r in rows),
-                           max(r[f"{m}_speedup"] for r in rows)]}
-             for m in modes[1:]}
-    if args.json:
-        from _machine import write_json  # not at the top: it sets the malloc variable
-
-        write_json(args.json, {"machine": platform.processor() or platform.machine(),
-                               "runs": runs, "rounds": rounds, "modes": modes,
-                               "preload": preload, "rows": rows, "max_rss_mb": rss,
-                               "children": results, "goals": goals})
+    goals = {}
+    for m in modes[1:]:
+        sp = [r[f"{m}_speedup"] for r in rows]
+        goals.update(H.goal(
+            f"{labels[m]} speed-up (median over programs, default ms / ms with it)",
+            statistics.median(sp), range=[min(sp), max(sp)],
+            measured=f"{statistics.median(sp):.4g} ({min(sp):.2f}-{max(sp):.2f})"))
+    run.finish(args.json, rows=rows, goals=goals, modes=modes, preload=preload,
+               max_rss_mb=rss, children=results)
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    H.run_as_main(__spec__)

@@ -5,12 +5,12 @@ busy one.
 The SVDs of ``compress`` run in NumPy's LAPACK on the host. OpenBLAS's threads spin while they
 wait for work; when other processes hold the cores, they wait for cores instead. Each workload
 runs with the default thread count and with ``blas_threads(1)`` in one process, the two calls of
-a pair back to back and their order swapped every other run (``_machine.time_interleaved``), so
+a pair back to back and their order swapped every other run (``lowrank_jax.timing``), so
 the load of the machine hits both sides of every ratio. Two conditions, one after the other:
 "idle" (nothing started by the script) and "busy" (one busy-looping Python process per core,
 started by the script and stopped after). The machine may be shared: its load average
 (``os.getloadavg``) before and after each condition and the share of its CPU time that other
-processes than this one used meanwhile (``_machine.other_load``, the hogs included) are printed
+processes than this one used meanwhile (``lowrank_jax.timing.other_load``, the hogs included) are printed
 and written with the timings.
 
 Workloads: 48 truncated SVDs of 512 x 512 float32 matrices through the library's own path
@@ -28,22 +28,20 @@ Figures: ``benchmarks/README.md`` (one thread 1.5-15.6x faster in 17 of 18 pairs
 
 Usage::
 
-    python benchmarks/blas_threads.py --json blas_threads.json   # 5 pairs per row
-    python benchmarks/blas_threads.py --runs 3                   # 35 min on a shared 2-core CPU
-    python benchmarks/blas_threads.py --quick                    # 3 pairs, 16 SVDs, no 2048
+    python -m benchmarks.machine blas_threads --json blas_threads.json   # 5 pairs per row
+    python -m benchmarks.machine blas_threads --runs 3         # 35 min on a shared 2-core CPU
+    python -m benchmarks.machine blas_threads --quick          # 3 pairs, 16 SVDs, no 2048
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
-from _machine import cpu_snapshot, malloc_setting, other_load, time_interleaved, write_json
+from benchmarks import _harness as H
 
 
 def blas_info() -> list[dict]:
@@ -106,66 +104,74 @@ def measure(work: dict, runs: int) -> list[dict]:
             with runtime.blas_threads(1):
                 fn()
 
-        (wall, cpu) = time_interleaved([fn, one], runs, 0, cpu=True)
-        ratios = [d / o for d, o in zip(wall[0], wall[1], strict=True)]
-        rows.append({"what": name, "default_s": wall[0], "one_s": wall[1],
-                     "default_cpu_s": cpu[0], "one_cpu_s": cpu[1],
-                     "default_median_s": statistics.median(wall[0]),
-                     "one_median_s": statistics.median(wall[1]),
-                     "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-                     "ratio_max": max(ratios)})
+        t = H.time_calls({"default": fn, "one": one}, runs=runs, warmup=0)
+        ratio = t.ratio("default", "one").paired
+        rows.append({"what": name, "default_s": list(t.seconds("default")),
+                     "one_s": list(t.seconds("one")),
+                     "default_cpu_s": list(t.seconds("default", cpu=True)),
+                     "one_cpu_s": list(t.seconds("one", cpu=True)),
+                     "default_median_s": t.median("default"), "one_median_s": t.median("one"),
+                     "ratio_median": ratio.median, "ratio_min": ratio.min,
+                     "ratio_max": ratio.max})
         r = rows[-1]
         print(f"  {name:<64} {r['default_median_s']:8.2f} {r['one_median_s']:8.2f} "
               f"{r['ratio_median']:6.2f} {r['ratio_min']:6.2f}-{r['ratio_max']:.2f}", flush=True)
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the rows here")
-    ap.add_argument("--quick", action="store_true", help="3 pairs, 16 SVDs, no 2048 x 2048")
+def main(argv=None) -> int:
+    ap = H.parser(__doc__, quick="3 pairs, 16 SVDs, no 2048 x 2048")
     ap.add_argument("--runs", type=int, help="pairs per row (default 5; quick 3)")
     ap.add_argument("--hogs", type=int, default=os.cpu_count() or 1,
                     help="busy-looping processes of the busy condition (default: one per core)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     runs = args.runs or (3 if args.quick else 5)
+    run = H.Run(__name__, argv, runs=runs, hogs=args.hogs)
 
     work = workloads(args.quick)
     for fn in work.values():  # warm up (imports, the model's first jnp conversions)
         fn()
     info = blas_info()
-    print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
-          f"malloc: {malloc_setting()}; BLAS: "
+    print(f"# {run.describe()}; BLAS: "
           + ", ".join(f"{i['internal_api']} {i['version']} ({i['num_threads']} threads)"
                       for i in info))
     print(f"# {runs} pairs per row; ratio = default s / one-thread s (above 1: one thread faster)")
     print(f"  {'what':<64} {'default':>8} {'one':>8} {'ratio':>6} {'range':>9}")
+    from lowrank_jax import timing
+
     conditions = []
     for cond in ("idle", "busy"):
         hogs = start_hogs(args.hogs) if cond == "busy" else []
         try:
             if hogs:
                 time.sleep(1.0)  # let them start
-            load0, snap0 = os.getloadavg(), cpu_snapshot()
+            load0, snap0 = os.getloadavg(), timing.cpu_snapshot()
             print(f"{cond}: load average {load0[0]:.2f} (1 min) before"
                   + (f", {len(hogs)} busy-looping processes started" if hogs else ""), flush=True)
             rows = measure(work, runs)
-            load1, snap1 = os.getloadavg(), cpu_snapshot()
+            load1, snap1 = os.getloadavg(), timing.cpu_snapshot()
         finally:
             stop_hogs(hogs)
-        others = other_load(snap0, snap1)
+        others = timing.other_load(snap0, snap1)
         print(f"{cond}: load average {load1[0]:.2f} after; other processes used "
               f"{'n/a' if others is None else f'{100 * others:.0f}%'} of the machine's CPU "
               "time meanwhile", flush=True)
         conditions.append({"condition": cond, "hogs": len(hogs), "loadavg_before": load0,
                            "loadavg_after": load1, "other_load": others, "rows": rows})
-    if args.json:
-        write_json(args.json, {"runs": runs, "cores": os.cpu_count(), "blas": info,
-                               "malloc": malloc_setting(), "python": sys.version.split()[0],
-                               "note": "the machine may be shared: see each condition's load",
-                               "conditions": conditions})
+    goals = {}
+    for c in conditions:
+        ratios = [r["ratio_median"] for r in c["rows"]]
+        goals.update(H.goal(
+            f"host SVDs of compress, {c['condition']} machine: default BLAS threads time / one "
+            "thread (median over workloads)", statistics.median(ratios),
+            measured=f"{min(ratios):.2f}-{max(ratios):.2f} over {len(ratios)} workloads; other "
+                     f"load {H.percent(c['other_load'])}"))
+    rows = [{"condition": c["condition"], **r} for c in conditions for r in c["rows"]]
+    run.finish(args.json, rows=rows, goals=goals, blas=info,
+               note="the machine may be shared: see each condition's load",
+               conditions=conditions)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    H.run_as_main(__spec__)

@@ -14,21 +14,16 @@ and the work).
 
 The command's own file is counted like any other. Prints the path and writes JSON::
 
-    python benchmarks/call_path.py [--json call_path.json]
+    python -m benchmarks.machine call_path [--json call_path.json]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import tempfile
 
-try:
-    import lowrank_jax  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks import _harness as H
 
 
 def command_function():
@@ -111,11 +106,11 @@ def summarize(calls: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = H.parser(__doc__, quick="the same (it is short)")
     p.add_argument("--depth", type=int, default=1,
                    help="count calls down to this many levels below the command (default 1)")
-    p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
+    run = H.Run(__name__, argv, depth=args.depth)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = tiny_checkpoint(tmp)
         calls = trace(["compress", ckpt, "--rank", "4", "--out", os.path.join(tmp, "out"),
@@ -124,13 +119,15 @@ def main(argv: list[str] | None = None) -> dict:
     for i, f in enumerate(result["path"], 1):
         print(f"{i:3d}  {f}")
     result["depth"] = args.depth
-    print(f"compress (depth {args.depth}): {result['stops']} stops in {result['files']} files, "
-          f"{result['returns']} returns to a file already left")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    goals = {
+        **H.goal(f"lowrank-jax compress (depth {args.depth}): files on the call path",
+                 result["files"], measured=f"{result['stops']} stops in {result['files']} files"),
+        **H.goal(f"lowrank-jax compress (depth {args.depth}): returns to a file already left",
+                 result["returns"], measured=str(result["returns"])),
+    }
+    rows = [{"stop": i, "file": f} for i, f in enumerate(result["path"], 1)]
+    return run.finish(args.json, rows=rows, goals=goals, **result)
 
 
 if __name__ == "__main__":
-    main()
+    H.run_as_main(__spec__)

@@ -6,18 +6,18 @@ state holds three times as many floats) is saved ``--repeats`` times into a fres
 restored as many times; the median wall-clock times are printed, with the size on disk.
 Checksums are computed on save and verified on restore (the default).
 
-    PYTHONPATH=$PWD python benchmarks/checkpoints.py --params 4 --repeats 5
+    python -m benchmarks.machine checkpoints --params 4 --repeats 5
 """
 
-import argparse
+from __future__ import annotations
+
 import os
-import statistics
 import tempfile
-import time
 
 import jax
 import optax
 
+from benchmarks import _harness as H
 from lowrank_jax import io as lio
 from lowrank_jax.leaves import init_dense, init_lowrank
 from lowrank_jax.train import Checkpointer, full_params, init_train_state
@@ -36,19 +36,22 @@ def _size(path: str) -> int:
 
 
 def _median_s(fn, repeats: int) -> float:
-    times = []
-    for i in range(repeats):
-        t0 = time.perf_counter()
-        fn(i)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median seconds of ``fn(i)`` for ``i = 0 .. repeats - 1``, called in that order (a
+    restore reads what the save of the same ``i`` wrote, so the calls are not interleaved)."""
+    count = iter(range(repeats))
+    return H.time_calls({"call": lambda: fn(next(count))}, runs=repeats,
+                        warmup=0).median("call")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--params", type=float, default=4.0, help="millions of parameters")
-    ap.add_argument("--repeats", type=int, default=5)
-    a = ap.parse_args()
+def main(argv=None) -> dict:
+    ap = H.parser(__doc__, quick="1 M parameters, 2 repeats")
+    ap.add_argument("--params", type=float, default=None,
+                    help="millions of parameters (default 4; quick 1)")
+    ap.add_argument("--repeats", type=int, default=None, help="default 5; quick 2")
+    a = ap.parse_args(argv)
+    a.params = a.params or (1.0 if a.quick else 4.0)
+    a.repeats = a.repeats or (2 if a.quick else 5)
+    run = H.Run(__name__, argv, params_millions=a.params, repeats=a.repeats)
     params = _params(a.params)
     state = init_train_state(params, optax.adam(1e-3), key=jax.random.key(1))
     jax.block_until_ready(state)
@@ -64,12 +67,17 @@ def main() -> None:
         psave = _median_s(lambda i: lio.save_params(os.path.join(tmp, f"p{i}"), p), a.repeats)
         pload = _median_s(lambda i: jax.block_until_ready(lio.load_params(
             os.path.join(tmp, f"p{i}"))), a.repeats)
-    print(f"train state: {n / 1e6:.1f} M values, {step_bytes / 2**20:.1f} MiB per step")
+    print(f"# {run.describe()}; train state: {n / 1e6:.1f} M values, "
+          f"{step_bytes / 2**20:.1f} MiB per step")
+    rows = [{"what": "Checkpointer.save", "median_s": save},
+            {"what": "Checkpointer.restore", "median_s": restore},
+            {"what": "io.save_params (parameters only)", "median_s": psave},
+            {"what": "io.load_params (parameters only)", "median_s": pload}]
     print(f"| what | median s ({a.repeats} runs) |\n|---|---|")
-    print(f"| Checkpointer.save | {save:.3f} |\n| Checkpointer.restore | {restore:.3f} |")
-    print(f"| io.save_params (parameters only) | {psave:.3f} |")
-    print(f"| io.load_params (parameters only) | {pload:.3f} |")
+    for r in rows:
+        print(f"| {r['what']} | {r['median_s']:.3f} |")
+    return run.finish(a.json, rows=rows, state_values=n, step_bytes=step_bytes)
 
 
 if __name__ == "__main__":
-    main()
+    H.run_as_main(__spec__)

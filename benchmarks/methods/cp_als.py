@@ -15,9 +15,9 @@ attention weights are random (every slice then has rank 64, as a trained one doe
 
 Usage::
 
-    python benchmarks/cp_als.py --json cp_als.json           # both sizes
-    python benchmarks/cp_als.py --quick                      # DeiT-S size, few iterations
-    python benchmarks/cp_als.py --blas-threads 1 --json cp_als_1thread.json
+    python -m benchmarks.methods cp_als --json cp_als.json        # both sizes
+    python -m benchmarks.methods cp_als --quick                   # DeiT-S size, few iterations
+    python -m benchmarks.methods cp_als --blas-threads 1 --json cp_als_1thread.json
 """
 
 from __future__ import annotations
@@ -28,28 +28,19 @@ import sys
 # OpenBLAS (NumPy, hence tensorly) reads its thread count when NumPy is imported: set it first.
 # On a busy machine its default threads can make the skinny products of ALS many times slower
 # (measured here: 6 x 148225 @ 148225 x 96 takes 0.08 s with 1 thread, 0.9 s with 2, 5-7 s with
-# the default under load), so the benchmark is run both ways.
+# the default under load), so the benchmark is run both ways. This works when NumPy is not
+# imported yet (python -m benchmarks.methods cp_als imports nothing else first).
 if "--blas-threads" in sys.argv:
     _n = sys.argv[sys.argv.index("--blas-threads") + 1]
     for _v in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
         os.environ[_v] = _n
 
-import argparse
-import platform
-import statistics
-import time
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-from _machine import cpu_snapshot, other_load, write_json  # benchmarks/_machine.py
-
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
-
+import lowrank_jax as lj  # noqa: E402
+from benchmarks import _harness as H  # noqa: E402
 from lowrank_jax import nn  # noqa: E402
 from lowrank_jax.decomp import cp_als, cp_to_tensor, init_cp  # noqa: E402
 from lowrank_jax.leaves import Dense, QueryKey, augmented_joint  # noqa: E402
@@ -91,17 +82,17 @@ def run_case(name: str, iters: int, runs: int) -> dict:
         return parafac(t64, rank, init=(np.ones(rank), [f.copy() for f in init64]),
                        n_iter_max=iters, tol=0, return_errors=True)
 
+    out = {}
+
+    def keep(name, fn):
+        def call():
+            out[name] = fn()
+        return call
+
     ours()  # compile
-    t_ours, t_theirs = [], []
-    res = ref = None
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        res = ours()
-        t_ours.append((time.perf_counter() - t0) / iters)
-        t0 = time.perf_counter()
-        ref = theirs()
-        t_theirs.append((time.perf_counter() - t0) / iters)
-    (_, ref_factors), ref_errors = ref
+    t = H.time_calls({"ours": keep("ours", ours), "theirs": keep("theirs", theirs)}, runs=runs,
+                     warmup=0)
+    res, ((_, ref_factors), ref_errors) = out["ours"], out["theirs"]
     err_ours = float(res.errors[iters - 1])
     err_theirs = float(ref_errors[-1])
     # the reported errors, checked against the factors (NumPy, float64)
@@ -109,7 +100,7 @@ def run_case(name: str, iters: int, runs: int) -> dict:
     err_check = float(np.linalg.norm(t64 - rec) / np.linalg.norm(t64))
     err_ref_check = float(np.linalg.norm(t64 - tl.cp_to_tensor((np.ones(rank), ref_factors))) /
                           np.linalg.norm(t64))
-    so, st = statistics.median(t_ours), statistics.median(t_theirs)
+    so, st = t.median("ours") / iters, t.median("theirs") / iters
     return {
         "case": name, "shape": list(t64.shape), "rank": rank, "iterations": iters, "runs": runs,
         "seconds_per_iter_lowrank_jax": so, "seconds_per_iter_tensorly": st,
@@ -122,10 +113,18 @@ def run_case(name: str, iters: int, runs: int) -> dict:
     }
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="DeiT-S size only, 5 iterations, 1 run")
+TABLE = H.Table(
+    H.Col("case", "case", width=8), H.Col("shape", lambda r: "x".join(map(str, r["shape"])),
+                                          width=14),
+    H.Col("R", "rank", width=4), H.Col("ours s/it", "seconds_per_iter_lowrank_jax", ".4f"),
+    H.Col("tensorly s/it", "seconds_per_iter_tensorly", ".4f", 14),
+    H.Col("speedup", "speedup", ".2f", 8), H.Col("err ours", "final_error_lowrank_jax", ".6f"),
+    H.Col("err tensorly", "final_error_tensorly", ".6f"),
+    H.Col("|diff|", "error_difference", ".2e", 9))
+
+
+def main(argv=None) -> dict:
+    ap = H.parser(__doc__, quick="DeiT-S size only, 5 iterations, 1 run")
     ap.add_argument("--iters", type=int, help="ALS iterations per run (default: 10 for "
                                                "deit-s, 4 for deit-b)")
     ap.add_argument("--runs", type=int, help="interleaved runs, medians reported (default: 3 "
@@ -138,27 +137,23 @@ def main(argv=None) -> int:
         plan = [("deit-s", 5, 1)]
     else:
         plan = [(c, args.iters or DEFAULTS[c][0], args.runs or DEFAULTS[c][1]) for c in args.cases]
-    before = cpu_snapshot()
+    run = H.Run(__name__, argv, lowrank_jax=lj.__version__,
+                blas_threads=os.environ.get("OPENBLAS_NUM_THREADS", "default"))
     rows = [run_case(c, iters, runs) for c, iters, runs in plan]
-    load = other_load(before, cpu_snapshot())
-    head = (f"{'case':8} {'shape':>14} {'R':>4} {'ours s/it':>10} {'tensorly s/it':>14} "
-            f"{'speedup':>8} {'err ours':>10} {'err tensorly':>13} {'|diff|':>9}")
-    print(head)
+    print(TABLE.header())
     for r in rows:
-        print(f"{r['case']:8} {'x'.join(map(str, r['shape'])):>14} {r['rank']:>4} "
-              f"{r['seconds_per_iter_lowrank_jax']:>10.4f} {r['seconds_per_iter_tensorly']:>14.4f} "
-              f"{r['speedup']:>8.2f} {r['final_error_lowrank_jax']:>10.6f} "
-              f"{r['final_error_tensorly']:>13.6f} {r['error_difference']:>9.2e}")
-    if load is not None:
-        print(f"other processes used {100 * load:.0f}% of the machine's CPU during the run")
-    out = {"rows": rows, "other_load": load, "machine": platform.platform(),
-           "cpus": os.cpu_count(), "jax": jax.__version__, "lowrank_jax": lj.__version__,
-           "blas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"),
-           "command": " ".join(sys.argv)}
-    if args.json:
-        write_json(args.json, out, indent=2)
-    return 0
+        print(TABLE.line(r))
+    goals = {}
+    for r in rows:
+        goals.update(H.goal(
+            f"CP-ALS {r['case']} ({'x'.join(map(str, r['shape']))}, rank {r['rank']}): "
+            "seconds per iteration, tensorly / lowrank_jax", r["speedup"],
+            target="> 1, final errors within 1e-4",
+            holds=r["speedup"] > 1 and r["error_difference"] <= 1e-4,
+            measured=f"{r['speedup']:.2f}x, final errors {r['final_error_lowrank_jax']:.6f} vs "
+                     f"{r['final_error_tensorly']:.6f}"))
+    return run.finish(args.json, rows=rows, goals=goals)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    H.run_as_main(__spec__)

@@ -1,5 +1,5 @@
 """A user's own linen ViT (big_vision style), trained on scikit-learn's digits, compressed by SVD
-at several ranks without touching its model code (issue 16).
+at several ranks without touching its model code.
 
 The model below is written as big_vision writes ``vit.py`` (patch embedding by ``nn.Conv``,
 learned position embedding, ``Encoder1DBlock`` = pre-LN ``nn.MultiHeadDotProductAttention`` +
@@ -11,29 +11,24 @@ paths; the unchanged model runs on the factors through ``nn.intercept_methods``
 the compressed kernels, and the forward time relative to the dense model (one jit per variant,
 interleaved runs, median).
 
-    python benchmarks/flax_vit_digits.py --json out.json [--quick]
+    python -m benchmarks.methods flax_vit_digits --json out.json [--quick]
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from sklearn.datasets import load_digits
+from sklearn.model_selection import train_test_split
 
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # noqa: E402  (benchmarks/_machine.py)
-from sklearn.datasets import load_digits  # noqa: E402
-from sklearn.model_selection import train_test_split  # noqa: E402
-
-import lowrank_jax as lj  # noqa: E402
-from lowrank_jax.interop import linen as ljl  # noqa: E402
+import lowrank_jax as lj
+from benchmarks import _harness as H
+from lowrank_jax.interop import linen as ljl
 
 # --------------------------------------------------------------------------------------------
 # The user's model (big_vision style; nothing here knows lowrank_jax).
@@ -164,9 +159,7 @@ def accuracy(fn, params, x, y) -> float:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--json", required=True, help="output file")
-    ap.add_argument("--quick", action="store_true", help="fewer epochs, ranks and timing reps")
+    ap = H.parser(__doc__, quick="fewer epochs, ranks and timing reps", json_required=True)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
 
@@ -175,6 +168,8 @@ def main(argv=None) -> dict:
     ranks = (8, 32) if args.quick else (4, 8, 16, 32, 64)
     reps = 7 if args.quick else 21
     ft_epochs = 1 if args.quick else 3
+    run = H.Run(__name__, argv, epochs=epochs, ranks=list(ranks), timing_reps=reps,
+                finetune_epochs=ft_epochs, seed=args.seed)
     xtr, xte, ytr, yte = data(args.seed)
     t0 = time.perf_counter()
     params, last_loss = train(model, xtr, ytr, epochs=epochs, seed=args.seed)
@@ -205,35 +200,32 @@ def main(argv=None) -> dict:
                 np.asarray(fn(p, xte)) - np.asarray(dense_fn(ljl.materialize(p), xte))).max())
         rows.append(row)
 
-    snap = cpu_snapshot()
-    times = dict(zip(variants, time_interleaved(  # every variant once per round
-        [lambda fn=fn, p=p: fn(p, xbig).block_until_ready() for fn, p, _ in variants.values()],
-        reps, 0), strict=True))
-    load = other_load(snap, cpu_snapshot())
-    med = {k: float(np.median(v)) for k, v in times.items()}
+    m = H.measure({k: (lambda fn=fn, p=p: fn(p, xbig)) for k, (fn, p, _) in variants.items()},
+                  runs=reps, warmup=0)  # every variant once per round; compiled above
     for row in rows:
-        row["forward_ms"] = 1e3 * med[row["variant"]]
-        row["time_ratio"] = med[row["variant"]] / med["dense"]
+        row["forward_ms"] = m.ms(row["variant"])
+        row["time_ratio"] = m.ratio(row["variant"], "dense")
 
-    out = {"command": "python benchmarks/flax_vit_digits.py --json OUT" +
-           (" --quick" if args.quick else ""),
-           "model": {"width": model.width, "depth": model.depth, "mlp_dim": model.mlp_dim,
-                     "num_heads": model.num_heads, "patch": list(model.patch_size),
-                     "params": lj.param_count(params)},
-           "rules": list(RULES), "epochs": epochs, "finetune_epochs": ft_epochs, "train_seconds": train_s,
-           "last_train_loss": last_loss, "n_test": int(len(yte)), "timed_batch": int(len(xbig)),
-           "timing_reps": reps, "other_load": load, "jax": jax.__version__,
-           "device": str(jax.devices()[0].platform), "rows": rows}
-    write_json(args.json, out, indent=2)
     print(f"{'variant':>9} {'acc':>6} {'ft acc':>6} {'params':>7} {'flops':>7} {'time':>6} "
           f"{'ms':>8}")
     for r in rows:
         ft = r.get("test_accuracy_finetuned", r["test_accuracy"])
         print(f"{r['variant']:>9} {r['test_accuracy']:6.3f} {ft:6.3f} {r.get('params_ratio', 1):7.3f} "
               f"{r.get('flops_ratio', 1):7.3f} {r['time_ratio']:6.3f} {r['forward_ms']:8.2f}")
-    print(f"other processes' CPU load during timing: {load if load is None else round(load, 2)}")
-    return out
+    goals = {}
+    for r in rows[1:]:
+        goals.update(H.goal(
+            f"linen ViT on digits, encoder kernels SVD rank {r['rank']}: test accuracy after a "
+            "short fine-tune minus dense", r["test_accuracy_finetuned"] - rows[0]["test_accuracy"],
+            measured=f"{r['test_accuracy_finetuned']:.3f} vs dense {rows[0]['test_accuracy']:.3f}; "
+                     f"time ratio {r['time_ratio']:.3f}, FLOP ratio {r['flops_ratio']:.3f}"))
+    return run.finish(args.json, rows=rows, goals=goals, model={
+        "width": model.width, "depth": model.depth, "mlp_dim": model.mlp_dim,
+        "num_heads": model.num_heads, "patch": list(model.patch_size),
+        "params": lj.param_count(params)}, rules=list(RULES), train_seconds=train_s,
+        last_train_loss=last_loss, n_test=int(len(yte)), timed_batch=int(len(xbig)),
+        loop_other_load=m.load)
 
 
 if __name__ == "__main__":
-    main()
+    H.run_as_main(__spec__)

@@ -21,36 +21,26 @@ pipeline, not a reproduction of the paper's ImageNet numbers.
 
 Usage::
 
-    python benchmarks/irregular_attention.py --json out.json        # 3 seeds
-    python benchmarks/irregular_attention.py --quick                # 1 seed, short training
+    python -m benchmarks.methods irregular_attention --json out.json   # 3 seeds
+    python -m benchmarks.methods irregular_attention --quick           # 1 seed, short training
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import os
-import platform
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load, write_json  # benchmarks/_machine.py
+import optax
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
-
-import optax  # noqa: E402
-
-from lowrank_jax import nn, train  # noqa: E402
-from lowrank_jax.compress import ATTENTION_QK  # noqa: E402
-from lowrank_jax.models import ViTConfig, vit  # noqa: E402
+import lowrank_jax as lj
+from benchmarks import _harness as H
+from lowrank_jax import nn, train
+from lowrank_jax.compress import ATTENTION_QK
+from lowrank_jax.models import ViTConfig, vit
 
 METHODS = ("truncatt", "cp", "btd")
 N_TOKENS = 17
@@ -109,7 +99,7 @@ def qk_params(params) -> int:
     return sum(lj.param_count(layer["attn"]["qk"]) for layer in params["encoder"]["layers"])
 
 
-def run(seeds, *, flops_ratio: float, epochs: int, ft_epochs: int, lr: float, ft_lr: float):
+def run_seeds(seeds, *, flops_ratio: float, epochs: int, ft_epochs: int, lr: float, ft_lr: float):
     rows = []
     for seed in seeds:
         tr, te = digits(seed)
@@ -166,10 +156,8 @@ def summarize(rows):
     return out
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="1 seed, 6 + 1 epochs")
+def main(argv=None) -> dict:
+    ap = H.parser(__doc__, quick="1 seed, 6 + 1 epochs")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--flops-ratio", type=float, default=0.6,
                     help="target attention-block MACs ratio (paper's formulas, N = 17)")
@@ -181,12 +169,13 @@ def main(argv=None) -> int:
     ap.add_argument("--ft-lr", type=float, default=5e-4)
     args = ap.parse_args(argv)
     seeds, epochs, ft = (([0], 6, 1) if args.quick else (args.seeds, args.epochs, args.ft_epochs))
-    before = cpu_snapshot()
+    run = H.Run(__name__, argv, seeds=seeds, epochs=epochs, ft_epochs=ft,
+                flops_ratio=args.flops_ratio, n_tokens=N_TOKENS,
+                config=dataclasses.asdict(CFG))
     t0 = time.perf_counter()
-    rows = run(seeds, flops_ratio=args.flops_ratio, epochs=epochs, ft_epochs=ft, lr=args.lr,
-               ft_lr=args.ft_lr)
+    rows = run_seeds(seeds, flops_ratio=args.flops_ratio, epochs=epochs, ft_epochs=ft,
+                     lr=args.lr, ft_lr=args.ft_lr)
     wall = time.perf_counter() - t0
-    load = other_load(before, cpu_snapshot())
     summary = summarize(rows)
     print(f"\n{'method':9} {'MHSA':>6} {'exec':>6} {'QK par':>7} {'err':>6} {'dense':>7} "
           f"{'before':>7} {'after':>7}   (means over {len(seeds)} seeds, +- std)")
@@ -195,17 +184,16 @@ def main(argv=None) -> int:
               f"{s['qk_params_ratio']:7.3f} {s['tensor_error']:6.3f} {s['acc_dense']:7.4f} "
               f"{s['acc_before_ft']:7.4f} {s['acc_after_ft']:7.4f}   "
               f"(+- {s['acc_before_ft_std']:.4f} / {s['acc_after_ft_std']:.4f})")
-    if load is not None:
-        print(f"other processes used {100 * load:.0f}% of the machine's CPU; wall {wall:.0f} s")
-    out = {"rows": rows, "summary": summary, "seeds": seeds, "epochs": epochs, "ft_epochs": ft,
-           "flops_ratio": args.flops_ratio, "n_tokens": N_TOKENS,
-           "config": dataclasses.asdict(CFG), "wall_seconds": wall, "other_load": load,
-           "machine": platform.platform(), "cpus": os.cpu_count(), "jax": jax.__version__,
-           "command": " ".join(sys.argv)}
-    if args.json:
-        write_json(args.json, out, indent=2)
-    return 0
+    goals = {}
+    for m, s in summary.items():
+        goals.update(H.goal(
+            f"{m} at attention FLOPs ratio {args.flops_ratio:g} on a digits ViT: test accuracy "
+            "after fine-tuning minus dense (mean over seeds)", s["acc_after_ft"] - s["acc_dense"],
+            measured=f"{s['acc_after_ft']:.4f} vs dense {s['acc_dense']:.4f} (before "
+                     f"fine-tuning {s['acc_before_ft']:.4f}; executed FLOPs ratio "
+                     f"{s['executed_flops_ratio']:.3f})"))
+    return run.finish(args.json, rows=rows, goals=goals, summary=summary, wall_seconds=wall)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    H.run_as_main(__spec__)

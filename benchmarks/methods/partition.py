@@ -23,8 +23,8 @@ Thill & Divsalar) at CPU scale, on 8 simulated devices.
 
 Usage::
 
-    python benchmarks/partition.py --json partition.json
-    python benchmarks/partition.py --quick          # fewer training steps and runs
+    python -m benchmarks.methods partition --json partition.json
+    python -m benchmarks.methods partition --quick          # fewer training steps and runs
 """
 
 from __future__ import annotations
@@ -34,24 +34,14 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_force_host_platform_device_count=8").strip()
 
-import argparse  # noqa: E402
-import platform  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # noqa: E402  (benchmarks/_machine.py)
 from jax.sharding import Mesh  # noqa: E402
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
+import lowrank_jax as lj  # noqa: E402
+from benchmarks import _harness as H  # noqa: E402
 from lowrank_jax import nn  # noqa: E402
 from lowrank_jax.compress import partition as pt  # noqa: E402
 
@@ -257,28 +247,24 @@ def timing(w: np.ndarray, rank: int, tokens: int, runs: int) -> dict:
         jax.block_until_ready(sharded(leaf, x))
     calls = {"dense": lambda: single(dense, x), "partitioned_1_device": lambda: single(leaf, x),
              "partitioned_8_devices": lambda: sharded(leaf, x)}
-    for f in calls.values():
-        jax.block_until_ready(f())
-    before = cpu_snapshot()
-    times = dict(zip(calls, time_interleaved([lambda c=c: jax.block_until_ready(c())
-                                              for c in calls.values()], runs, 0), strict=True))
-    load = other_load(before, cpu_snapshot())
-    med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    m = H.measure(calls, runs=runs, warmup=1,
+                  check={"partitioned_8_devices": "partitioned_1_device"})
+    load = m.load
+    med = {k: m.ms(k) for k in calls}
     return {"d": d, "rank": rank, "tokens": tokens, "runs": runs, "median_ms": med,
             "ratio_8_devices_to_1": med["partitioned_8_devices"] / med["partitioned_1_device"],
             "ratio_1_device_to_dense": med["partitioned_1_device"] / med["dense"],
-            "flop_ratio_to_dense": leaf.flops(1) / dense.flops(1), "other_load": load}
+            "flop_ratio_to_dense": leaf.flops(1) / dense.flops(1), "other_load": load,
+            "max_abs_diff_8_devices_to_1": m.max_abs_error["partitioned_8_devices"]}
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--quick", action="store_true", help="fewer training steps and timed runs")
+    p = H.parser(__doc__, quick="fewer training steps and timed runs")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 30, quick 5)")
     args = p.parse_args(argv)
     steps = 150 if args.quick else 600
     runs = args.runs or (5 if args.quick else 30)
-    t0 = time.time()
+    run = H.Run(__name__, argv, quick=args.quick, train_steps=steps, runs=runs)
     xtr, ytr, xte, yte = digits()
     params = train_mlp(xtr, ytr, steps)
     mlp = dense_layer(params, xtr, ytr, xte, yte)
@@ -325,16 +311,21 @@ def main(argv=None) -> dict:
               + ", ".join(f"{k} {v:.3f} ms" for k, v in tm["median_ms"].items())
               + f"; 8 devices / 1 device {tm['ratio_8_devices_to_1']:.2f}, 1 device / dense "
               f"{tm['ratio_1_device_to_dense']:.2f} (FLOP ratio {tm['flop_ratio_to_dense']:.3f})")
-    setup = {"jax": jax.__version__, "devices": len(jax.devices()), "cpu_count": os.cpu_count(),
-             "machine": platform.processor() or platform.machine(), "quick": args.quick,
-             "train_steps": steps, "seconds": time.time() - t0}
-    result = {"setup": setup, "mlp": mlp, "keys": keys, "bytes": bytes_rows, "encoder": enc,
-              "time": tms}
-    print(f"# {setup['seconds']:.0f} s")
-    if args.json:
-        write_json(args.json, result)
-    return result
+    goals = {}
+    for tm in tms:
+        goals.update(H.goal(
+            f"partitioned layer d {tm['d']}, r {tm['rank']}, {tm['tokens']} tokens on {M} "
+            "simulated devices: time / on one device", tm["ratio_8_devices_to_1"],
+            measured=f"{tm['ratio_8_devices_to_1']:.2f} (1 device / dense "
+                     f"{tm['ratio_1_device_to_dense']:.2f}, FLOP ratio "
+                     f"{tm['flop_ratio_to_dense']:.3f})"))
+    goals.update(H.goal(
+        f"partitioned encoder layer, r = {enc['rank']}: bytes per token sent, measured / formula",
+        enc["measured_bytes_per_token"] / enc["formula_bytes_per_token"],
+        measured=f"{enc['measured_bytes_per_token']:g} / {enc['formula_bytes_per_token']}"))
+    return run.finish(args.json, rows=tms, goals=goals, mlp=mlp, keys=keys, bytes=bytes_rows,
+                      encoder=enc, time=tms)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

@@ -14,30 +14,20 @@ how many seeds flow-of-ranks beats the uniform rank.
 
 Usage::
 
-    python benchmarks/pretrain_seeds.py --json seeds.json                # 600 steps, seeds 0 1 2
-    python benchmarks/pretrain_seeds.py --quick --seeds 0 1 --json q.json
+    python -m benchmarks.methods pretrain_seeds --json seeds.json        # 600 steps, seeds 0 1 2
+    python -m benchmarks.methods pretrain_seeds --quick --seeds 0 1 --json q.json
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import io
 import math
-import os
-import sys
 import time
 
 import numpy as np
 
-try:
-    import lowrank_jax  # noqa: F401
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _machine import cpu_snapshot, other_load, write_json  # noqa: E402
-
+from benchmarks import _harness as H
 from lowrank_jax.cli.pretrain_demo import run_pretraining_demo  # noqa: E402
 from lowrank_jax.datasets import builtin_datasets  # noqa: E402
 from lowrank_jax.runtime import one_blas_thread  # noqa: E402
@@ -102,12 +92,9 @@ def format_table(summary: dict, n_seeds: int) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="the demo's --quick setting (2+1 layers, 40 steps)")
+    ap = H.parser(__doc__, quick="the demo's --quick setting (2+1 layers, 40 steps)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--steps", type=int, help="training steps per model (default: the demo's)")
-    ap.add_argument("--json", help="write the per-seed rows and the summary here")
     ap.add_argument("--progress", action="store_true", help="training progress bars")
     args = ap.parse_args(argv)
     if len(set(args.seeds)) != len(args.seeds) or any(s < 0 for s in args.seeds):
@@ -116,7 +103,7 @@ def main(argv=None) -> int:
         ap.error(f"--steps must be an int >= 1, got {args.steps}")
 
     t0 = time.perf_counter()
-    before = cpu_snapshot()
+    bench = H.Run(__name__, argv, seeds=args.seeds, quick=args.quick)
     datasets = builtin_datasets()
     runs = []
     with one_blas_thread():
@@ -132,7 +119,6 @@ def main(argv=None) -> int:
                   + ", ".join(f"{method_key(r['method']).replace('pretrained ', '')} WQL "
                               f"{r['wql']:.3f}" for r in run["rows"]
                               if r["method"].startswith("pretrained")), flush=True)
-    load = other_load(before, cpu_snapshot())
     summary = summarize(runs)
     n = len(runs)
     print()
@@ -142,17 +128,17 @@ def main(argv=None) -> int:
     print(f"flow-of-ranks has the lower WQL than uniform in {counts['wql']} of {n} seeds, the "
           f"lower MASE in {counts['mase']} of {n}")
     seconds = time.perf_counter() - t0
-    print(f"{seconds:.0f} s in all; other processes used "
-          + ("?" if load is None else f"{100 * load:.0f} %") + " of the machine's CPU meanwhile")
-    if args.json:
-        doc = {"command": "python benchmarks/pretrain_seeds.py " + " ".join(argv or sys.argv[1:]),
-               "seeds": args.seeds, "quick": args.quick, "steps": runs[0]["steps"],
-               "summary": summary, "flow_beats_uniform": {**counts, "of": n},
-               "seconds": seconds, "other_load": load, "cpus": os.cpu_count(),
-               "runs": [{k: v for k, v in r.items() if k != "plots"} for r in runs]}
-        write_json(args.json, doc, indent=2, allow_nan=False)
+    goals = H.goal("demo pretraining: seeds in which flow-of-ranks has the lower WQL than a "
+                   "uniform rank", counts["wql"], measured=f"{counts['wql']} of {n} (MASE: "
+                   f"{counts['mase']} of {n})")
+    rows = [{"method": key, **{m: s[m]["mean"] for m in METRICS},
+             **{f"{m}_std": s[m]["std"] for m in METRICS}} for key, s in summary.items()]
+    bench.finish(args.json, rows=rows, goals=goals, seeds=args.seeds, quick=args.quick,
+                 steps=runs[0]["steps"], summary=summary,
+                 flow_beats_uniform={**counts, "of": n}, seconds=seconds,
+                 runs=[{k: v for k, v in r.items() if k != "plots"} for r in runs])
     return 0 if all(math.isfinite(s["wql"]["mean"]) for s in summary.values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    H.run_as_main(__spec__)

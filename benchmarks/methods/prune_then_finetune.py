@@ -30,27 +30,19 @@ Series Foundation Models via Structured Pruning", arXiv:2505.23195, the headline
 
 Usage::
 
-    python benchmarks/prune_then_finetune.py --json ptf.json
-    python benchmarks/prune_then_finetune.py --quick
+    python -m benchmarks.methods prune_then_finetune --json ptf.json
+    python -m benchmarks.methods prune_then_finetune --quick
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import sys
 import time
 
 import jax
 import numpy as np
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
+import lowrank_jax as lj
+from benchmarks import _harness as H
 from lowrank_jax.cli.pretrain_demo import demo_config  # noqa: E402
 from lowrank_jax.compress.prune import DEFAULT_RULES, register_batches  # noqa: E402
 from lowrank_jax.datasets import builtin_datasets  # noqa: E402
@@ -104,10 +96,7 @@ def summary(values: list[dict]) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--quick", action="store_true",
-                   help="2 + 1 layers, fewer pretraining and adaptation steps, 3 seeds")
+    p = H.parser(__doc__, quick="2 + 1 layers, fewer pretraining and adaptation steps, 3 seeds")
     p.add_argument("--heldout", default=HELDOUT, help=f"held-out aeon dataset (default {HELDOUT})")
     p.add_argument("--seeds", type=int, default=3, help="adaptation seeds (default 3)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="default 400, quick 150")
@@ -119,7 +108,7 @@ def main(argv=None) -> dict:
                    help="fraction of the prunable parameters removed (default 0.5)")
     p.add_argument("--lr", type=float, default=3e-4, help="fine-tuning peak learning rate")
     args = p.parse_args(argv)
-    t_start = time.time()
+    bench = H.Run(__name__, argv, quick=args.quick, heldout=args.heldout)
     cfg = demo_config(args.quick)
     pre_steps = args.pretrain_steps or (150 if args.quick else 400)
     budget = args.steps or (60 if args.quick else 120)
@@ -223,26 +212,24 @@ def main(argv=None) -> dict:
               + " ".join(f"{t[m]['mean']:>9.4f} +-{t[m]['std']:.4f}" for m in ("mse", "wql", "mase")))
     print(f"# prune-then-finetune better than fine-tune (same seed): MSE {wins['mse']}/"
           f"{args.seeds}, WQL {wins['wql']}/{args.seeds}, MASE {wins['mase']}/{args.seeds}")
-    setup = {"jax": jax.__version__, "cpu_count": os.cpu_count(),
-             "machine": platform.processor() or platform.machine(), "quick": args.quick,
-             "data": source, "heldout": args.heldout,
-             "pretrain_datasets": [n for n in groups if n != args.heldout],
-             "model": {"encoder_layers": t5.num_layers, "decoder_layers": t5.num_decoder_layers,
-                       "d_model": t5.d_model, "num_heads": t5.num_heads, "d_ff": t5.d_ff,
-                       "context_length": cfg.context_length, "prediction_length": h},
-             "pretrain_steps": pre_steps, "pretrain_batch": 64, "pretrain_seconds": pre_s,
-             "pretrain_final_loss": pre_loss[-1], "budget": budget,
-             "prune_steps": prune_steps, "batch": BATCH, "target": args.target, "lr": args.lr,
-             "seeds": args.seeds, "test_windows": int(test["context"].shape[0]),
-             "train_windows": sampler(0).num_windows, "seconds": time.time() - t_start}
-    result = {"setup": setup, "rows": rows, "ptf_wins": wins, "per_seed": per_seed,
-              "zero_shot": zero}
-    print(f"# {setup['seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    bench.setup.update({
+        "data": source, "pretrain_datasets": [n for n in groups if n != args.heldout],
+        "model": {"encoder_layers": t5.num_layers, "decoder_layers": t5.num_decoder_layers,
+                  "d_model": t5.d_model, "num_heads": t5.num_heads, "d_ff": t5.d_ff,
+                  "context_length": cfg.context_length, "prediction_length": h},
+        "pretrain_steps": pre_steps, "pretrain_batch": 64, "pretrain_seconds": pre_s,
+        "pretrain_final_loss": pre_loss[-1], "budget": budget,
+        "prune_steps": prune_steps, "batch": BATCH, "target": args.target, "lr": args.lr,
+        "seeds": args.seeds, "test_windows": int(test["context"].shape[0]),
+        "train_windows": sampler(0).num_windows})
+    goals = {}
+    for m in ("mse", "wql"):
+        goals.update(H.goal(
+            f"prune-then-finetune against fine-tune at the same budget: seeds with the lower "
+            f"test {m.upper()}", wins[m], measured=f"{wins[m]} of {args.seeds}"))
+    return bench.finish(args.json, rows=rows, goals=goals, ptf_wins=wins, per_seed=per_seed,
+                        zero_shot=zero)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

@@ -30,45 +30,37 @@ multiply-adds of every weight leaf with the rows it sees plus the attention scor
 one interleaved run, every round calling every model once (the order reversed on every other
 round), each call a jitted forward (parameters as arguments) ended by ``block_until_ready``;
 ``max_abs_diff_masked``: max |pruned - masked| of the quantile forecasts on the model's
-normalized scale. Goal (issue 10): ``time_ratio <= 1.2 flop_ratio``. ``other load`` is the share
+normalized scale. Goal: ``time_ratio <= 1.2 flop_ratio``. ``other load`` is the share
 of the machine's CPU time that other processes used during the timing (``/proc/stat``).
 
 Usage::
 
-    python benchmarks/pruning.py --json pruning.json
-    python benchmarks/pruning.py --quick            # 2 + 2 layers, fewer rounds: < 3 minutes
+    python -m benchmarks.methods pruning --json pruning.json
+    python -m benchmarks.methods pruning --quick            # 2 + 2 layers, fewer rounds: < 3 minutes
 """
 
 from __future__ import annotations
 
-import argparse
-import os
-import platform
-import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # benchmarks/_machine.py
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
-from lowrank_jax import nn  # noqa: E402
-from lowrank_jax.compress.prune import (  # noqa: E402
+import lowrank_jax as lj
+from benchmarks import _harness as H
+from lowrank_jax import nn
+from lowrank_jax.compress.prune import (
     add_channel_masks,
     find_blocks,
     progressive_prune,
     token_counts,
 )
-from lowrank_jax.leaves import get_path, mask_partition  # noqa: E402
-from lowrank_jax.leaves.channel_masked import count_rows  # noqa: E402
-from lowrank_jax.models import ChronosBoltConfig, T5Config, chronos_bolt  # noqa: E402
+from lowrank_jax.leaves import get_path, mask_partition
+from lowrank_jax.leaves.channel_masked import count_rows
+from lowrank_jax.models import ChronosBoltConfig, T5Config, chronos_bolt
 
+GOAL = 1.2
 FRACTIONS = (0.3, 0.5, 0.7)
 MASKS = ("Algorithm 1 (progressive_prune) on random importance scores: loss sum_i r_i m_i, "
          "r_i ~ U(0,1) per batch; random structured masks at the target")
@@ -195,31 +187,21 @@ def time_models(cfg: ChronosBoltConfig, models: dict, context, rounds: int) -> d
     """Median seconds per forward of every model, interleaved: each round calls each model once,
     the order reversed on every other round. Returns ``{'median_s': {...}, 'other_load'}``."""
     fwd = jax.jit(lambda p, c: chronos_bolt.forecast(p, c, cfg))
-    names = list(models)
-    for n in names:  # compile, and one warm call
-        jax.block_until_ready(fwd(models[n], context))
-        jax.block_until_ready(fwd(models[n], context))
-    before = cpu_snapshot()
-    all_s = time_interleaved([lambda m=models[n]: jax.block_until_ready(fwd(m, context))
-                              for n in names], rounds, 0)
-    times = dict(zip(names, all_s, strict=True))
-    load = other_load(before, cpu_snapshot())
-    return {"median_s": {n: statistics.median(v) for n, v in times.items()}, "other_load": load,
-            "all_s": times}
+    # warm-up: compile, and one warm call of each
+    m = H.measure({n: (lambda p=p: fwd(p, context)) for n, p in models.items()}, runs=rounds,
+                  warmup=2)
+    return {"median_s": {n: m.timings.median(n) for n in models}, "other_load": m.load,
+            "all_s": {n: list(m.timings.seconds(n)) for n in models}}
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--quick", action="store_true",
-                   help="2 encoder + 2 decoder layers (same widths), fewer rounds")
+    p = H.parser(__doc__, quick="2 encoder + 2 decoder layers (same widths), fewer rounds")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 11, quick 9)")
     p.add_argument("--batch", type=int, default=4, help="series per forward (default 4)")
     p.add_argument("--prune-steps", type=int, default=None,
                    help="Algorithm 1 batches (default 4, quick 2)")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    t_start = time.time()
     layers = 2 if args.quick else 12
     rounds = args.rounds or (9 if args.quick else 11)
     batch = args.batch
@@ -229,6 +211,11 @@ def main(argv=None) -> dict:
     g = np.random.default_rng(args.seed)
     context = jnp.asarray(np.cumsum(g.normal(size=(batch, cfg.context_length)), 1), jnp.float32)
     t5 = cfg.t5
+    run = H.Run(__name__, argv, quick=args.quick, encoder_layers=t5.num_layers,
+                decoder_layers=t5.num_decoder_layers, d_model=t5.d_model,
+                num_heads=t5.num_heads, d_ff=t5.d_ff, context_length=cfg.context_length,
+                prediction_length=cfg.prediction_length, batch=batch, rounds=rounds,
+                prune_steps=prune_steps, seed=args.seed, masks=MASKS)
     print(f"# Chronos-Bolt, {t5.num_layers}+{t5.num_decoder_layers} layers, d_model {t5.d_model}, "
           f"{t5.num_heads} heads, d_ff {t5.d_ff}, context {cfg.context_length} "
           f"({cfg.num_patches(cfg.context_length) + 1} encoder tokens), batch {batch}; "
@@ -249,7 +236,7 @@ def main(argv=None) -> dict:
         r["time_ratio"] = med[f"pruned {f:g}"] / med["dense"]
         r["masked_time_ratio"] = med[f"masked {f:g}"] / med["dense"]
         r["time_over_flop"] = r["time_ratio"] / r["flop_ratio"]
-        r["meets_goal"] = bool(r["time_over_flop"] <= 1.2)
+        r["meets_goal"] = bool(r["time_over_flop"] <= GOAL)
         r["dense_ms"] = 1e3 * med["dense"]
         r["pruned_ms"] = 1e3 * med[f"pruned {f:g}"]
         r["masked_ms"] = 1e3 * med[f"masked {f:g}"]
@@ -262,21 +249,20 @@ def main(argv=None) -> dict:
         print(f"{r['pruned_fraction']:>7.3f} {r['param_ratio']:>7.3f} {r['flop_ratio']:>7.3f} "
               f"{r['time_ratio']:>7.3f} {r['masked_time_ratio']:>7.3f} {r['time_over_flop']:>9.2f} "
               f"{r['pruned_ms']:>9.1f} {r['max_abs_diff_masked']:>15.2e}"
-              + ("" if r["meets_goal"] else "  > goal (1.2)"))
-    setup = {"jax": jax.__version__, "backend": jax.default_backend(),
-             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-             "quick": args.quick, "encoder_layers": t5.num_layers,
-             "decoder_layers": t5.num_decoder_layers, "d_model": t5.d_model,
-             "num_heads": t5.num_heads, "d_ff": t5.d_ff, "context_length": cfg.context_length,
-             "prediction_length": cfg.prediction_length, "batch": batch, "rounds": rounds,
-             "prune_steps": prune_steps, "seed": args.seed, "masks": MASKS,
-             "other_load": tm["other_load"], "seconds": time.time() - t_start}
-    result = {"setup": setup, "rows": rows}
-    print(f"# {setup['seconds']:.0f} s")
-    if args.json:
-        write_json(args.json, result)
-    return result
+              + ("" if r["meets_goal"] else f"  > goal ({GOAL})"))
+    run.setup["loop_other_load"] = tm["other_load"]
+    return run.finish(args.json, rows=rows, goals=goals(rows, tm["other_load"]))
+
+
+def goals(rows: list[dict], load: float | None) -> dict:
+    worst = max(rows, key=lambda r: r["time_over_flop"])
+    ok = sum(r["time_over_flop"] <= GOAL for r in rows)
+    detail = ", ".join(f"{r['target']:g}: {r['time_over_flop']:.2f}" for r in rows)
+    return H.goal("physically pruned Chronos-Bolt time/FLOP", worst["time_over_flop"],
+                  target=f"<= {GOAL}", holds=ok == len(rows),
+                  measured=f"worst {worst['time_over_flop']:.2f} (pruned {detail}); "
+                           f"{ok}/{len(rows)} meet it; load {H.percent(load)}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

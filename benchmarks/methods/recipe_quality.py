@@ -1,4 +1,4 @@
-"""Issue 15, goal 3 (quality part): the speed recipe of ``peak.py`` (truncated-SVD attention at
+"""The quality of the speed recipe of ``models/peak.py`` (truncated-SVD attention at
 eps 0.1 plus MLPs cut to 30 % of their parameters) on the demo's pretrained Chronos-Bolt, then a
 short fine-tune: is its WQL within 1 % of the dense model's?
 
@@ -25,29 +25,20 @@ the issue asks; the fine-tuned dense control is reported next to it).
 
 Usage::
 
-    python benchmarks/recipe_quality.py --json recipe.json
-    python benchmarks/recipe_quality.py --quick
+    python -m benchmarks.methods recipe_quality --json recipe.json
+    python -m benchmarks.methods recipe_quality --quick
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import sys
 import time
 
 import jax
 import numpy as np
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
-from prune_then_finetune import train  # noqa: E402  (benchmarks/: the same training loop)
-
+import lowrank_jax as lj
+from benchmarks import _harness as H
+from benchmarks.methods.prune_then_finetune import train  # the same training loop
 from lowrank_jax.cli.pretrain_demo import (  # noqa: E402
     demo_config,
     eval_windows,
@@ -70,9 +61,7 @@ def spread(values) -> dict:
 
 
 def main(argv=None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--json", metavar="PATH", help="write the results as JSON")
-    p.add_argument("--quick", action="store_true", help="2 + 1 layers, fewer steps")
+    p = H.parser(__doc__, quick="2 + 1 layers, fewer steps")
     p.add_argument("--seeds", type=int, default=3, help="fine-tuning seeds (default 3)")
     p.add_argument("--pretrain-steps", type=int, default=None, help="default 400, quick 150")
     p.add_argument("--steps", type=int, default=None, help="fine-tuning steps (default 60, quick 30)")
@@ -82,7 +71,7 @@ def main(argv=None) -> dict:
                    help="fraction of the MLP parameters pruned (default 0.7)")
     p.add_argument("--lr", type=float, default=3e-4, help="fine-tuning peak learning rate")
     args = p.parse_args(argv)
-    t_start = time.time()
+    bench = H.Run(__name__, argv, quick=args.quick)
     cfg = demo_config(args.quick)
     pre_steps = args.pretrain_steps or (150 if args.quick else 400)
     steps = args.steps or (30 if args.quick else 60)
@@ -157,33 +146,32 @@ def main(argv=None) -> dict:
     print(f"\n# recipe + fine-tune WQL / dense WQL: {ratio['mean']:.4f} +- {ratio['std']:.4f} "
           f"(max {ratio['max']:.4f}; goal <= {WQL_GOAL}: {'met' if holds else 'NOT met'}); "
           f"/ dense fine-tuned the same steps: {ratio_ft['mean']:.4f} +- {ratio_ft['std']:.4f}")
+    mean_params = float(np.mean([r["param_ratio"] for r in per_seed]))
     goals = {
-        "recipe + short fine-tune WQL / dense WQL (demo model, worst seed)": {
-            "value": ratio["max"], "goal": f"<= {WQL_GOAL}", "holds": holds},
-        "recipe + fine-tune WQL / dense fine-tuned WQL (mean)": {
-            "value": ratio_ft["mean"], "goal": "reported", "holds": None},
-        "recipe parameter ratio": {"value": float(np.mean([r["param_ratio"] for r in per_seed])),
-                                   "goal": "reported", "holds": None},
+        **H.goal("recipe + short fine-tune WQL / dense WQL (demo model, worst seed)",
+                 ratio["max"], target=f"<= {WQL_GOAL}", holds=holds,
+                 measured=f"{ratio['max']:.4g} (mean {ratio['mean']:.4f} +- {ratio['std']:.4f})"),
+        **H.goal("recipe + fine-tune WQL / dense fine-tuned WQL (mean)", ratio_ft["mean"],
+                 measured=f"{ratio_ft['mean']:.4g}"),
+        **H.goal("recipe parameter ratio", mean_params, measured=f"{mean_params:.4g}"),
     }
-    setup = {"jax": jax.__version__, "cpu_count": os.cpu_count(),
-             "machine": platform.processor() or platform.machine(), "quick": args.quick,
-             "data": source, "model": {"encoder_layers": t5.num_layers,
-                                       "decoder_layers": t5.num_decoder_layers,
-                                       "d_model": t5.d_model, "num_heads": t5.num_heads,
-                                       "d_ff": t5.d_ff, "context_length": cfg.context_length,
-                                       "prediction_length": h},
-             "pretrain_steps": pre_steps, "pretrain_seconds": pre_s,
-             "pretrain_final_loss": pre_loss[-1], "steps": steps, "prune_steps": args.prune_steps,
-             "eps": args.eps, "mlp_target": args.mlp_target, "lr": args.lr, "seeds": args.seeds,
-             "seconds": time.time() - t_start}
-    result = {"setup": setup, "dense": base, "goals": goals, "wql_ratio": ratio,
-              "wql_ratio_vs_dense_finetuned": ratio_ft, "per_seed": per_seed}
-    print(f"# {setup['seconds']:.0f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
-    return result
+    bench.setup.update({
+        "data": source, "model": {"encoder_layers": t5.num_layers,
+                                  "decoder_layers": t5.num_decoder_layers,
+                                  "d_model": t5.d_model, "num_heads": t5.num_heads,
+                                  "d_ff": t5.d_ff, "context_length": cfg.context_length,
+                                  "prediction_length": h},
+        "pretrain_steps": pre_steps, "pretrain_seconds": pre_s,
+        "pretrain_final_loss": pre_loss[-1], "steps": steps, "prune_steps": args.prune_steps,
+        "eps": args.eps, "mlp_target": args.mlp_target, "lr": args.lr, "seeds": args.seeds})
+    rows = [{"seed": r["seed"], "param_ratio": r["param_ratio"],
+             "wql_recipe": r["recipe_no_finetune"]["wql"],
+             "wql_recipe_finetuned": r["recipe_finetuned"]["wql"],
+             "wql_dense_finetuned": r["dense_finetuned"]["wql"], "wql_ratio": r["wql_ratio"]}
+            for r in per_seed]
+    return bench.finish(args.json, rows=rows, goals=goals, dense=base, wql_ratio=ratio,
+                        wql_ratio_vs_dense_finetuned=ratio_ft, per_seed=per_seed)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

@@ -19,30 +19,24 @@ Everything runs in one process, one after another, so the ratios are what to rea
 
 Usage::
 
-    python benchmarks/sweep.py                   # 12 heads x 64 ranks, loop on 2 heads
-    python benchmarks/sweep.py --quick           # smaller loop subset and fewer runs
-    python benchmarks/sweep.py --json out.json
+    python -m benchmarks.methods sweep            # 12 heads x 64 ranks, loop on 2 heads
+    python -m benchmarks.methods sweep --quick    # smaller loop subset and fewer runs
+    python -m benchmarks.methods sweep --json out.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import platform
-import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-# The checkout this file is in comes first, whatever else is installed.
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import lowrank_jax as lj  # noqa: E402
-from lowrank_jax.compress import head_rank_sweep  # noqa: E402
-from lowrank_jax.nn import AttentionConfig, apply_attention, init_attention  # noqa: E402
+import lowrank_jax as lj
+from benchmarks import _harness as H
+from lowrank_jax.compress import head_rank_sweep
+from lowrank_jax.nn import AttentionConfig, apply_attention, init_attention
 
 GOAL = 20.0
 
@@ -77,16 +71,14 @@ def _loop(params, x, cfg, y_ref, heads, ranks, dh, *, rejit: bool):
     return time.perf_counter() - t0, errs
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="loop on 1 head x 16 ranks, 3 runs")
+def main(argv=None) -> dict:
+    ap = H.parser(__doc__, quick="loop on 1 head x 16 ranks, 3 runs")
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--d-model", type=int, default=768)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--loop-heads", type=int, default=2, help="heads timed in the loops")
     ap.add_argument("--runs", type=int, default=5, help="warm calls of the sweep (median)")
-    ap.add_argument("--json", help="write the figures as JSON to this path")
     args = ap.parse_args(argv)
 
     cfg = AttentionConfig()
@@ -95,6 +87,7 @@ def main(argv=None) -> int:
     loop_heads = list(range(1 if args.quick else args.loop_heads))
     loop_ranks = ranks[:: max(1, dh // 16)] if args.quick else ranks
     runs = 3 if args.quick else args.runs
+    run = H.Run(__name__, argv, runs=runs)
 
     params = init_attention(jax.random.PRNGKey(0), cfg, d_model=args.d_model,
                             num_heads=args.heads)
@@ -104,12 +97,8 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     errs = np.asarray(jax.block_until_ready(head_rank_sweep(params, x, cfg, ranks)))
     cold = time.perf_counter() - t0
-    warm_times = []
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        jax.block_until_ready(head_rank_sweep(params, x, cfg, ranks))
-        warm_times.append(time.perf_counter() - t0)
-    warm = statistics.median(warm_times)
+    warm = H.measure({"sweep": lambda: head_rank_sweep(params, x, cfg, ranks)}, runs=runs,
+                     warmup=0).timings.median("sweep")
 
     y_ref = jax.jit(lambda p, x: apply_attention(p, x, cfg))(params, x)
     pairs_all = args.heads * len(ranks)
@@ -122,8 +111,7 @@ def main(argv=None) -> int:
     max_diff = float(np.max(np.abs(naive_errs - errs[np.ix_(loop_heads, cols)])))
 
     res = {
-        "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(),
-        "platform": platform.platform(), "jax": jax.__version__,
+        "device": str(jax.devices()[0]), "cpu_count": os.cpu_count(), "jax": jax.__version__,
         "d_model": args.d_model, "heads": args.heads, "d_head": dh,
         "tokens": [args.batch, args.seq], "ranks": [ranks[0], ranks[-1]], "pairs": pairs_all,
         "sweep_cold_s": cold, "sweep_warm_s": warm,
@@ -142,7 +130,7 @@ def main(argv=None) -> int:
     }
     print(f"one attention layer: d_model {args.d_model}, {args.heads} heads x d_head {dh}, "
           f"{args.batch} x {args.seq} tokens; {args.heads} heads x {len(ranks)} ranks = "
-          f"{pairs_all} (head, rank) pairs; {res['device']}, {os.cpu_count()} CPUs, "
+          f"{pairs_all} (head, rank) pairs; {run.describe()}, "
           f"load average {res['load_average_1min']:.1f}")
     print(f"vmap sweep, cold (SVDs + compile + run): {cold:8.2f} s")
     print(f"vmap sweep, warm (median of {runs}):       {warm:8.2f} s")
@@ -150,17 +138,17 @@ def main(argv=None) -> int:
           f"timed on {pairs_loop} pairs -> {naive_all:8.1f} s extrapolated to {pairs_all}")
     print(f"loop with one reused jit:                   {t_fixed / pairs_loop * 1e3:7.1f} ms/pair "
           f"-> {fixed_all:8.1f} s extrapolated")
-    print(f"speedup vs naive loop: {res['speedup_cold_vs_naive']:.1f}x cold, "
-          f"{res['speedup_warm_vs_naive']:.1f}x warm (goal >= {GOAL:.0f}x)")
     print(f"speedup vs reused-jit loop: {res['speedup_cold_vs_fixed_jit']:.1f}x cold, "
           f"{res['speedup_warm_vs_fixed_jit']:.1f}x warm")
     print(f"max |sweep - loop| over the timed pairs: {max_diff:.2e}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-        print(f"wrote {args.json}")
-    return 0
+    cold_speedup = res["speedup_cold_vs_naive"]
+    goals = H.goal("vmapped per-head rank sweep against a loop that re-truncates and re-jits "
+                   "per pair: speed-up, cold", cold_speedup, target=f">= {GOAL:.0f}",
+                   holds=cold_speedup >= GOAL,
+                   measured=f"{cold_speedup:.1f}x cold, {res['speedup_warm_vs_naive']:.1f}x "
+                            "warm")
+    return run.finish(args.json, rows=[res], goals=goals)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    H.run_as_main(__spec__)

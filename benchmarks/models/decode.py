@@ -1,5 +1,5 @@
 """Autoregressive decoding: tokens per second with and without the key-value cache, against
-PyTorch ``generate`` on the same CPU threads (issue 15, goal 4).
+PyTorch ``generate`` on the same CPU threads.
 
 The workload is Chronos' forecast: one full context of real data (the first series shipped with
 aeon that is long enough, via ``lowrank_jax.datasets.builtin_series``), tokenized by Chronos' mean-scale
@@ -26,26 +26,22 @@ Rows, timed in one interleaved loop (median of ``--runs``):
 call). Before timing, greedy decoding (``top_k=1``) of the JAX cached path is checked token for
 token against ``generate`` (``greedy_equal_hf`` in the JSON): the two decode the same model.
 
-Threads as in ``models.py``: ``torch.set_num_threads(N)`` and this process pinned to N CPUs
+Threads as in ``forward.py``: ``torch.set_num_threads(N)`` and this process pinned to N CPUs
 before jax is imported; ``OMP_WAIT_POLICY=PASSIVE``.
 
 Usage::
 
-    python benchmarks/decode.py --json decode.json          # small sizes, horizon 64, 20 paths
-    python benchmarks/decode.py --quick                     # tiny sizes, horizon 32
+    python -m benchmarks.models decode --json decode.json   # small sizes, horizon 64, 20 paths
+    python -m benchmarks.models decode --quick              # tiny sizes, horizon 32
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
-import statistics
-import sys
 import time
 
-import models as M  # benchmarks/models.py: imports no framework at load
-from _machine import cpu_snapshot, other_load, write_json  # benchmarks/_machine.py
+from benchmarks import _harness as H
+from benchmarks.models import forward as M  # imports no framework at load
 
 SMALL = dict(d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_heads=8, vocab_size=4096,
              context=512, horizon=64, num_samples=20)
@@ -78,14 +74,12 @@ def build_hf(c: dict, seed: int):
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, horizon 32, 3 runs")
+    p = H.parser(__doc__, quick="tiny sizes, horizon 32, 3 runs")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 5; quick 3)")
     p.add_argument("--threads", type=int, default=None, help="default: CPUs available")
     p.add_argument("--num-samples", type=int, default=None, help="sample paths (default 20)")
     p.add_argument("--horizon", type=int, default=None, help="tokens per path")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the setup, rows and goals as JSON")
     args = p.parse_args(argv)
 
     c = dict(TINY if args.quick else SMALL)
@@ -102,10 +96,6 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import torch
 
-    try:
-        import lowrank_jax  # noqa: F401
-    except ImportError:  # run from a checkout without `pip install -e .`
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from lowrank_jax.compress import compress
     from lowrank_jax.convert import load_pretrained
     from lowrank_jax.datasets import builtin_series
@@ -127,13 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
     ids, mask, _ = chronos.context_input_transform(cfg, context)
     ids_t, mask_t = torch.tensor(np.asarray(ids)), torch.tensor(np.asarray(mask))
     n, h = c["num_samples"], c["horizon"]
-    setup = {"jax": jax.__version__, "torch": torch.__version__, "threads": threads,
-             "torch_threads": torch.get_num_threads(), "xla_flags": xla_flags,
-             "cpu_count": os.cpu_count(), "machine": platform.processor() or platform.machine(),
-             "config": c, "runs": runs, "seed": args.seed, "lowrank_rank": rank,
-             "context_tokens": int(ids.shape[1])}
-    print(f"# jax {jax.__version__}, torch {torch.__version__}; {threads} threads; config {c}; "
-          f"{ids.shape[1]} context tokens", flush=True)
+    run = H.Run(__name__, argv, torch=torch.__version__, threads=threads,
+                torch_threads=torch.get_num_threads(), config=c, runs=runs, seed=args.seed,
+                lowrank_rank=rank, context_tokens=int(ids.shape[1]))
+    print(f"# {run.describe()}; torch {torch.__version__}; {threads} threads (XLA_FLAGS "
+          f"'{xla_flags}'); config {c}; {ids.shape[1]} context tokens", flush=True)
 
     def torch_generate(top_k=50):
         with torch.inference_mode():
@@ -163,16 +151,15 @@ def main(argv: list[str] | None = None) -> dict:
         f"jax cached, low-rank decoder r={rank}": lambda: jax_sample(lowrank),
     }
     names = list(contenders)
-    before = cpu_snapshot()
     t0 = time.perf_counter()
-    times = M.time_interleaved(list(contenders.values()), runs, 1)
+    m = H.measure(contenders, runs=runs, warmup=1)
     loop_s = time.perf_counter() - t0
-    load = other_load(before, cpu_snapshot())
-    med = {k: statistics.median(t) for k, t in zip(names, times, strict=True)}
+    load = m.load
+    med = {k: m.timings.median(k) for k in names}
     tokens = n * h
-    rows = [{"name": k, "median_s": med[k], "times_s": times[i], "tokens": tokens,
-             "tokens_per_s": tokens / med[k], "speedup_vs_torch": med["torch generate"] / med[k]}
-            for i, k in enumerate(names)]
+    rows = [{"name": k, "median_s": med[k], "times_s": list(m.timings.seconds(k)),
+             "tokens": tokens, "tokens_per_s": tokens / med[k],
+             "speedup_vs_torch": med["torch generate"] / med[k]} for k in names]
     ld = "n/a" if load is None else f"{100 * load:.0f}%"
     print(f"# {n} paths x {h} tokens per call; median of {runs} interleaved runs (loop "
           f"{loop_s:.0f} s, other processes used {ld} of the CPUs)")
@@ -183,29 +170,19 @@ def main(argv: list[str] | None = None) -> dict:
     cached_vs_torch = med["torch generate"] / med["jax cached"]
     cached_vs_uncached = med["jax uncached"] / med["jax cached"]
     goals = {
-        "cached decoding vs torch generate (speedup)": {
-            "value": cached_vs_torch, "goal": ">= 1", "holds": cached_vs_torch >= 1.0},
-        "cached vs uncached decoding (speedup)": {
-            "value": cached_vs_uncached, "goal": "> 1", "holds": cached_vs_uncached > 1.0},
-        "jax cached tokens/s": {"value": tokens / med["jax cached"], "goal": "reported",
-                                "holds": None},
-        "greedy tokens equal HF generate": {"value": greedy_equal, "goal": "True",
-                                            "holds": greedy_equal},
+        **H.goal("cached decoding vs torch generate (speedup)", cached_vs_torch, target=">= 1",
+                 holds=cached_vs_torch >= 1.0, measured=f"{cached_vs_torch:.3g}"),
+        **H.goal("cached vs uncached decoding (speedup)", cached_vs_uncached, target="> 1",
+                 holds=cached_vs_uncached > 1.0, measured=f"{cached_vs_uncached:.3g}"),
+        **H.goal("jax cached tokens/s", tokens / med["jax cached"],
+                 measured=f"{tokens / med['jax cached']:.4g}"),
+        **H.goal("greedy tokens equal HF generate", greedy_equal, target="True",
+                 holds=greedy_equal),
     }
-    for k, g in goals.items():
-        state = "reported" if g["holds"] is None else ("met" if g["holds"] else "NOT met")
-        v = g["value"]
-        print(f"# {k}: {v:.3g}" if isinstance(v, float) else f"# {k}: {v}",
-              f"(goal {g['goal']}: {state})")
-    total_s = time.perf_counter() - t_start
-    print(f"# total {total_s:.0f} s after imports")
-    result = {"setup": {**setup, "other_load": load, "loop_s": loop_s, "total_s": total_s,
-                        "greedy_equal_hf": greedy_equal},
-              "goals": goals, "rows": rows}
-    if args.json:
-        write_json(args.json, result)
-    return result
+    run.setup.update(loop_other_load=load, loop_s=loop_s,
+                     total_s=time.perf_counter() - t_start, greedy_equal_hf=greedy_equal)
+    return run.finish(args.json, rows=rows, goals=goals)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

@@ -34,21 +34,18 @@ is printed next to the figures: on a shared machine only the ratios of one run m
 
 Usage::
 
-    python benchmarks/models.py                      # base config, batch 32, eps 0.01 0.05 0.1
-    python benchmarks/models.py --quick              # small config, 3 runs: a smoke test
-    python benchmarks/models.py --json out.json --runs 9 --threads 2
+    python -m benchmarks.models forward             # base config, batch 32, eps 0.01 0.05 0.1
+    python -m benchmarks.models forward --quick     # small config, 3 runs: a smoke test
+    python -m benchmarks.models forward --json out.json --runs 9 --threads 2
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
-import statistics
 import sys
 import time
 
-from _machine import cpu_snapshot, other_load, time_interleaved, write_json  # noqa: F401 (peak.py, decode.py use M.time_interleaved)
+from benchmarks import _harness as H
 
 QUANTILES = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 SPEEDUP_GOAL = 2.0  # JAX at least 2x faster than PyTorch eager
@@ -68,7 +65,7 @@ QUICK = dict(d_model=256, d_kv=32, num_heads=8, d_ff=1024, num_layers=4,
 def _set_threads(n: int) -> str:
     """Pin this process to ``n`` CPUs and set the XLA flag, before jax is imported."""
     if "jax" in sys.modules:
-        raise RuntimeError("benchmarks/models.py: threads must be set before jax is imported")
+        raise RuntimeError("benchmarks.models: threads must be set before jax is imported")
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if cpus:
         if n > len(cpus):
@@ -244,9 +241,8 @@ def format_row(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="small config (d_model 256, 4+4 layers, context 256, batch 8), 3 runs")
+    p = H.parser(__doc__, quick="small config (d_model 256, 4+4 layers, context 256, batch 8), "
+                 "3 runs")
     p.add_argument("--eps", type=float, nargs="+", default=[0.01, 0.05, 0.1])
     p.add_argument("--batch", type=int, default=None, help="series per call (default 32)")
     p.add_argument("--threads", type=int, default=None,
@@ -256,7 +252,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--tau-div", type=float, default=8.0,
                    help="synthetic spectrum decay: tau = min(d_in, d_out) / TAU_DIV")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the setup and rows as JSON")
     args = p.parse_args(argv)
 
     c = dict(QUICK if args.quick else BASE)
@@ -272,27 +267,20 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import torch
 
-    try:
-        import lowrank_jax as lj
-    except ImportError:  # run from a checkout without `pip install -e .`
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import lowrank_jax as lj
+    import lowrank_jax as lj
     from lowrank_jax.convert import load_pretrained
     from lowrank_jax.models import chronos_bolt
 
     torch.set_num_threads(threads)
     t_start = time.perf_counter()
-    setup = {
-        "jax": jax.__version__, "torch": torch.__version__,
-        "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
-        "affinity": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-        "machine": platform.processor() or platform.machine(),
-        "threads": threads, "torch_threads": torch.get_num_threads(), "xla_flags": xla_flags,
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "config": c, "runs": runs, "warmup": warmup, "tau_div": args.tau_div, "eps": args.eps,
-        "seed": args.seed,
-    }
-    print(f"# jax {jax.__version__} ({jax.default_backend()}), torch {torch.__version__}; "
+    run = H.Run(__name__, argv, torch=torch.__version__,
+                affinity=(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                          else None),
+                threads=threads, torch_threads=torch.get_num_threads(),
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), config=c, runs=runs,
+                warmup=warmup, tau_div=args.tau_div, eps=args.eps, seed=args.seed)
+    setup = run.setup
+    print(f"# {run.describe()}; torch {torch.__version__}; "
           f"threads: torch.get_num_threads()={torch.get_num_threads()}, XLA pinned to CPUs "
           f"{setup['affinity']} (XLA_FLAGS='{xla_flags}'), "
           f"OMP_WAIT_POLICY={setup['omp_wait_policy']}")
@@ -352,17 +340,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     # -- timing --------------------------------------------------------------------------
     def jax_call(prm):
-        return lambda: jax.block_until_ready(fwd(prm, x))
+        return lambda: fwd(prm, x)
 
-    fns = [torch_fwd, jax_call(params)] + [jax_call(cp) for _, cp, _ in variants]
+    calls = {"torch": torch_fwd, "jax dense": jax_call(params),
+             **{f"eps={eps:g}": jax_call(cp) for eps, cp, _ in variants}}
     for _, cp, _ in variants:  # compile outside the timed loop
         jax.block_until_ready(fwd(cp, x))
-    before = cpu_snapshot()
     t0 = time.perf_counter()
-    times = time_interleaved(fns, runs, warmup)
+    m = H.measure(calls, runs=runs, warmup=warmup)
     loop_s = time.perf_counter() - t0
-    load = other_load(before, cpu_snapshot())
-    med = [statistics.median(t) for t in times]
+    load = m.load
+    med = [m.timings.median(n) for n in calls]
+    times = [m.timings.seconds(n) for n in calls]
     torch_ms, dense_ms = med[0] * 1e3, med[1] * 1e3
     speedup = med[0] / med[1]
 
@@ -429,18 +418,28 @@ def main(argv: list[str] | None = None) -> dict:
               f"{r['flop_ratio']:.3f} -> {r['time_per_flop']:.2f} (goal <= {TIME_FLOP_GOAL}: "
               f"{note})")
     total_s = time.perf_counter() - t_start
-    print(f"# total {total_s:.0f} s after imports")
-    result = {"setup": {**setup, "parity_max_abs": parity, "speedup": speedup,
-                        "tokens": tokens, "other_load": load, "loop_s": loop_s,
-                        "total_s": total_s, "goals": {
-                            "speedup_ge_2": goal1,
-                            "time_per_flop_le_1.2": {r["model"]: r["time_per_flop"] <= 1.2
-                                                     for r in comp}}},
-              "rows": rows}
-    if args.json:
-        write_json(args.json, result)
-    return result
+    setup.update(parity_max_abs=parity, speedup=speedup, tokens=tokens, loop_s=loop_s,
+                 total_s=total_s, loop_other_load=load,
+                 targets={"speedup_ge_2": goal1,
+                          "time_per_flop_le_1.2": {r["model"]: r["time_per_flop"] <= 1.2
+                                                   for r in comp}})
+    return run.finish(args.json, rows=rows, goals=goals(rows, load))
+
+
+def goals(rows: list[dict], load: float | None) -> dict:
+    """The worst time/FLOP of the models in which a matrix was factorized."""
+    comp = [r for r in rows[2:] if r.get("factorized")]
+    if not comp:
+        return H.goal("SVD-compressed Chronos-Bolt time/FLOP (attention)", None,
+                      target=f"<= {TIME_FLOP_GOAL}",
+                      measured="no matrix factorized at these eps")
+    worst = max(comp, key=lambda r: r["time_per_flop"])
+    detail = ", ".join(f"{r['model']}: {r['time_per_flop']:.2f}" for r in comp)
+    return H.goal("SVD-compressed Chronos-Bolt time/FLOP (attention)", worst["time_per_flop"],
+                  target=f"<= {TIME_FLOP_GOAL}", holds=worst["time_per_flop"] <= TIME_FLOP_GOAL,
+                  measured=f"worst {worst['time_per_flop']:.2f} ({detail}); load "
+                           f"{H.percent(load)}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

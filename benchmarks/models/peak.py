@@ -10,7 +10,7 @@ One process, one interleaved timing loop:
   is ``2 n^3 / time`` of its best run (other processes only ever slow a run down; the medians
   are in the JSON) and the machine's sustained GEMM rate is the best size's. The same product
   on bf16 operands with float32 accumulation is timed too (is bf16 faster here?).
-* **Models**: the Chronos-Bolt-base-sized model of ``benchmarks/models.py`` (random HF init,
+* **Models**: the Chronos-Bolt-base-sized model of ``benchmarks/models/forward.py`` (random HF init,
   synthetic attention spectra ``tau = d / 8``, batch 32 x context 512; ``--quick``: its small
   config), built and converted by that script's functions:
 
@@ -22,7 +22,7 @@ One process, one interleaved timing loop:
     default: the decoder's one token meets the encoder output with the cross-attention keys and
     values folded into its queries (``lowrank_jax.nn.attention.fold_keys``);
   - ``jax dense projected``: the same with the setting ``fold_keys=False``, every key and value
-    projected (PyTorch's algorithm and FLOPs). Goal 2's 90 % is taken on this program: it
+    projected (PyTorch's algorithm and FLOPs). The 90 % target is taken on this program: it
     measures how close XLA runs the standard forward's FLOPs to the GEMM rate, which the
     default program, doing less work, does not (its executed fraction and its *effective*
     fraction, this program's FLOPs over the default's time, are reported);
@@ -31,8 +31,8 @@ One process, one interleaved timing loop:
   - ``jax svd+pruned``: the same plus every MLP's hidden units cut to ``--mlp-keep`` of
     ``d_ff`` (``keep_outputs`` of ``wi``, ``keep_inputs`` of ``wo``: the units with the largest
     ``||wi[:, h]|| ||wo[h, :]||``; the structure the ``prune`` method gives hidden units, which
-    units are kept does not change the time). Issue 15 goal 3's recipe (default ``--mlp-keep
-    0.3``: its quality after a short fine-tune is ``recipe_quality.py``'s);
+    units are kept does not change the time). The speed recipe (default ``--mlp-keep 0.3``:
+    its quality after a short fine-tune is ``methods/recipe_quality.py``'s);
   - ``jax packed MLP``: every MLP weight binarized (Biprop, scores ``|W|``, keep 0.5) and
     packed into bits (``PackedBinary``);
   - ``jax bf16 dense``, ``jax bf16 svd+pruned``: those forwards through
@@ -50,7 +50,7 @@ One process, one interleaved timing loop:
   charged the FLOPs of ``jax dense projected`` (the same algorithm). ``of GEMM`` = FLOPs /
   best time / GEMM rate (the same statistic on both sides; ``fraction_of_gemm_median`` in the
   JSON uses medians).
-  ``vs eager`` = PyTorch eager time / the row's time. Memory (goal 7): ``param MB`` = bytes of
+  ``vs eager`` = PyTorch eager time / the row's time. Memory: ``param MB`` = bytes of
   the parameter arrays; from ``compiled.memory_analysis()``: ``XLA MB`` = arguments + outputs +
   temporaries (an upper bound of what the forward holds at once; XLA:CPU's own
   ``peak_memory_in_bytes`` leaves the temporaries out, it is in the JSON), ``temp MB`` the
@@ -58,28 +58,24 @@ One process, one interleaved timing loop:
   max |y - y_ref| / max |y_ref| of the quantile forecasts, against the float32 twin (bf16 rows)
   or the dense JAX model (the others).
 
-Threads as in ``models.py``: ``torch.set_num_threads(N)`` and this process pinned to N CPUs
+Threads as in ``forward.py``: ``torch.set_num_threads(N)`` and this process pinned to N CPUs
 before jax is imported (XLA sizes its pool from them); ``OMP_WAIT_POLICY=PASSIVE``.
 
 Usage::
 
-    python benchmarks/peak.py --json peak.json        # base config, 7 runs
-    python benchmarks/peak.py --quick                 # small config, 5 runs, no torch.compile
-    python benchmarks/peak.py --quick --memory-scheduler   # XLA:CPU's memory-saving scheduler
-    python benchmarks/peak.py --no-compile            # skip torch.compile
+    python -m benchmarks.models peak --json peak.json        # base config, 7 runs
+    python -m benchmarks.models peak --quick                 # small config, 5 runs, no torch.compile
+    python -m benchmarks.models peak --quick --memory-scheduler   # XLA:CPU's memory-saving scheduler
+    python -m benchmarks.models peak --no-compile            # skip torch.compile
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import platform
-import statistics
-import sys
 import time
 
-import models as M  # benchmarks/models.py: imports no framework at load
-from _machine import cpu_snapshot, other_load, write_json  # benchmarks/_machine.py
+from benchmarks import _harness as H
+from benchmarks.models import forward as M  # imports no framework at load
 
 FRACTION_GOAL = 0.9  # dense Chronos-Bolt forward (keys projected) / GEMM rate
 PROJECTED = "jax dense projected"
@@ -194,13 +190,12 @@ def format_row(r: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true",
-                   help="models.py's small config (d_model 256, 4+4 layers, batch 8), 5 runs")
+    p = H.parser(__doc__, quick="forward.py's small config (d_model 256, 4+4 layers, batch 8), "
+                 "5 runs")
     p.add_argument("--eps", type=float, default=0.1, help="attention eps of the svd rows")
     p.add_argument("--mlp-keep", type=float, default=0.3,
-                   help="MLP hidden units kept (default 0.3: goal 3's recipe, whose quality "
-                   "recipe_quality.py measures)")
+                   help="MLP hidden units kept (default 0.3: the speed recipe, whose quality "
+                   "methods/recipe_quality.py measures)")
     p.add_argument("--gemm", type=int, nargs="+", default=None,
                    help="GEMM sizes n (default 1024 2048 3072; quick 1024 2048)")
     p.add_argument("--threads", type=int, default=None, help="default: CPUs available")
@@ -213,7 +208,6 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--compile", action="store_true", help="run torch.compile in --quick too")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", metavar="PATH", help="write the setup and rows as JSON")
     args = p.parse_args(argv)
 
     c = dict(M.QUICK if args.quick else M.BASE)
@@ -231,25 +225,21 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import torch
 
-    try:
-        import lowrank_jax  # noqa: F401
-    except ImportError:  # run from a checkout without `pip install -e .`
-        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from lowrank_jax.convert import load_pretrained
     from lowrank_jax.models import chronos_bolt
     from lowrank_jax.nn.precision import bf16_forward, cast_weights
 
     torch.set_num_threads(threads)
     t_start = time.perf_counter()
-    setup = {"jax": jax.__version__, "torch": torch.__version__,
-             "backend": jax.default_backend(), "cpu_count": os.cpu_count(),
-             "machine": platform.processor() or platform.machine(), "threads": threads,
-             "torch_threads": torch.get_num_threads(), "xla_flags": xla_flags,
-             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "config": c, "runs": runs,
-             "eps": args.eps, "mlp_keep": args.mlp_keep, "seed": args.seed,
-             "memory_scheduler": args.memory_scheduler}
-    print(f"# jax {jax.__version__}, torch {torch.__version__}; {threads} threads "
-          f"(torch.get_num_threads()={torch.get_num_threads()}, XLA pinned); config {c}")
+    run = H.Run(__name__, argv, torch=torch.__version__, threads=threads,
+                torch_threads=torch.get_num_threads(),
+                omp_wait_policy=os.environ.get("OMP_WAIT_POLICY"), config=c, runs=runs,
+                eps=args.eps, mlp_keep=args.mlp_keep, seed=args.seed,
+                memory_scheduler=args.memory_scheduler)
+    setup = run.setup
+    print(f"# {run.describe()}; torch {torch.__version__}; {threads} threads "
+          f"(torch.get_num_threads()={torch.get_num_threads()}, XLA pinned, XLA_FLAGS "
+          f"'{xla_flags}'); config {c}")
 
     # -- GEMM ----------------------------------------------------------------------------
     gemm_fns = {f"GEMM n={n}": (n, gemm_call(jax, jnp, n)) for n in sizes}
@@ -327,17 +317,16 @@ def main(argv: list[str] | None = None) -> dict:
     outs["torch eager"] = torch_eager().numpy()
 
     # -- timing --------------------------------------------------------------------------
-    names = [*gemm_fns, *torch_models, *jax_models]
-    fns = [fn for _, fn in gemm_fns.values()] + list(torch_models.values())
-    for f, prm, _ in jax_models.values():
-        fns.append(lambda f=f, prm=prm: jax.block_until_ready(f(prm, x)))
-    before = cpu_snapshot()
+    calls = {k: fn for k, (_, fn) in gemm_fns.items()} | torch_models
+    for name, (f, prm, _) in jax_models.items():
+        calls[name] = lambda f=f, prm=prm: f(prm, x)
+    names = list(calls)
     t0 = time.perf_counter()
-    times = M.time_interleaved(fns, runs, args.warmup)
+    m = H.measure(calls, runs=runs, warmup=args.warmup)
     loop_s = time.perf_counter() - t0
-    load = other_load(before, cpu_snapshot())
-    med = {n: statistics.median(t) for n, t in zip(names, times, strict=True)}
-    best_t = {n: min(t) for n, t in zip(names, times, strict=True)}
+    load = m.load
+    med = {n: m.timings.median(n) for n in names}
+    best_t = {n: m.timings.spread(n).min for n in names}
     gemm = [{"name": k, "n": n, "median_ms": med[k] * 1e3, "best_ms": best_t[k] * 1e3,
              "gflops": 2 * n ** 3 / best_t[k] / 1e9,
              "gflops_median": 2 * n ** 3 / med[k] / 1e9} for k, (n, _) in gemm_fns.items()]
@@ -351,13 +340,12 @@ def main(argv: list[str] | None = None) -> dict:
     # The dense forward's two halves are timed in the same loop (where the forward's time
     # goes: the encoder's large products against the decoder's one token per series).
     parts = dense_parts(jax, chronos_bolt, cfg, dense, x)
-    solo_names = [*(k for k in gemm_fns if "bf16" not in k), "jax dense", PROJECTED, *parts]
-    solo_fns = ([fns[names.index(k)] for k in solo_names[:-len(parts)]]
-                + [fn for fn, _ in parts.values()])
-    before_solo = cpu_snapshot()
-    solo_times = M.time_interleaved(solo_fns, runs, 0)
-    solo_load = other_load(before_solo, cpu_snapshot())
-    solo_best = {k: min(t) for k, t in zip(solo_names, solo_times, strict=True)}
+    solo = {k: calls[k] for k in (*(k for k in gemm_fns if "bf16" not in k), "jax dense",
+                                  PROJECTED)}
+    solo.update({k: fn for k, (fn, _) in parts.items()})
+    ms = H.measure(solo, runs=runs, warmup=0)
+    solo_load = ms.load
+    solo_best = {k: ms.timings.spread(k).min for k in solo}
     solo_gemm = max(2 * gemm_fns[k][0] ** 3 / solo_best[k] for k in gemm_fns if "bf16" not in k)
 
     dense_flops = stats[PROJECTED]["flops"]  # what PyTorch executes: charged to its rows
@@ -379,7 +367,7 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append({
             "model": name, "gflop": flops / 1e9, "median_ms": med[name] * 1e3,
             "best_ms": best_t[name] * 1e3,
-            "times_ms": [t * 1e3 for t in times[names.index(name)]],
+            "times_ms": [t * 1e3 for t in m.timings.seconds(name)],
             "gflops": flops / best_t[name] / 1e9,
             "fraction_of_gemm": flops / best_t[name] / 1e9 / gemm_gflops,
             "fraction_of_gemm_median": flops / med[name] / 1e9 / gemm_gflops_median,
@@ -410,38 +398,6 @@ def main(argv: list[str] | None = None) -> dict:
     for r in rows:
         print(format_row(r))
     by = {r["model"]: r for r in rows}
-    proj = by[PROJECTED]
-    goals = {
-        "dense_fraction_of_gemm": {"value": proj["fraction_of_gemm"],
-                                   "goal": f">= {FRACTION_GOAL}",
-                                   "holds": proj["fraction_of_gemm"] >= FRACTION_GOAL},
-        "dense_default_fraction_of_gemm": {"value": by["jax dense"]["fraction_of_gemm"],
-                                           "goal": "reported", "holds": None},
-        "dense_default_effective_fraction_of_gemm": {
-            "value": proj["gflop"] / by["jax dense"]["best_ms"] * 1e3 / gemm_gflops,
-            "goal": "reported", "holds": None},
-        "jax_dense_vs_torch_eager": {"value": by["jax dense"]["speedup_vs_eager"],
-                                     "goal": f">= {EAGER_GOAL}",
-                                     "holds": by["jax dense"]["speedup_vs_eager"] >= EAGER_GOAL},
-        "compressed_vs_torch_eager": {"value": by["jax svd+pruned"]["speedup_vs_eager"],
-                                      "goal": f">= {COMPRESSED_GOAL}",
-                                      "holds": by["jax svd+pruned"]["speedup_vs_eager"]
-                                      >= COMPRESSED_GOAL},
-        "bf16_rel_err": {"value": max(by["jax bf16 dense"]["rel_err"],
-                                      by["jax bf16 svd+pruned"]["rel_err"]),
-                         "goal": f"< {BF16_GOAL:g}",
-                         "holds": max(by["jax bf16 dense"]["rel_err"],
-                                      by["jax bf16 svd+pruned"]["rel_err"]) < BF16_GOAL},
-    }
-    if "torch.compile" in by:
-        goals["jax_dense_vs_torch_compile"] = {
-            "value": by["torch.compile"]["median_ms"] / by["jax dense"]["median_ms"],
-            "goal": "reported", "holds": None}
-    goals["dense_fraction_of_gemm_jax_only_loop"] = {
-        "value": solo_fraction, "goal": "reported", "holds": None}
-    for k, g in goals.items():
-        state = "reported" if g["holds"] is None else ("met" if g["holds"] else "NOT met")
-        print(f"# {k}: {g['value']:.3g} (goal {g['goal']}: {state})")
     print(f"# JAX-only loop (GEMM {solo_gemm / 1e9:.1f} GFLOP/s): dense forward "
           f"{solo_best['jax dense'] * 1e3:.1f} ms; keys projected {solo_best[PROJECTED] * 1e3:.1f} "
           f"ms, {solo_fraction:.3f} of the GEMM rate; parts of the default forward:")
@@ -451,21 +407,75 @@ def main(argv: list[str] | None = None) -> dict:
               f"the GEMM rate")
     print(f"# torch.compile: {compile_note}")
     total_s = time.perf_counter() - t_start
-    print(f"# total {total_s:.0f} s after imports")
-    result = {"setup": {**setup, "gemm": gemm, "gemm_n": best["n"], "gemm_gflops": gemm_gflops,
-                        "gemm_gflops_median": gemm_gflops_median,
-                        "torch_compile": compile_note, "other_load": load, "loop_s": loop_s,
-                        "jax_only_loop": {"gemm_gflops": solo_gemm / 1e9,
-                                          "dense_ms": solo_best["jax dense"] * 1e3,
-                                          "projected_ms": solo_best[PROJECTED] * 1e3,
-                                          "fraction_of_gemm": solo_fraction,
-                                          "other_load": solo_load, "parts": part_rows},
-                        "total_s": total_s, "attention_size_ratio": rep["ratio"]},
-              "goals": goals, "rows": rows}
-    if args.json:
-        write_json(args.json, result)
-    return result
+    setup.update(gemm=gemm, gemm_n=best["n"], gemm_gflops=gemm_gflops,
+                 gemm_gflops_median=gemm_gflops_median, torch_compile=compile_note,
+                 loop_other_load=load, loop_s=loop_s,
+                 jax_only_loop={"gemm_gflops": solo_gemm / 1e9,
+                                "dense_ms": solo_best["jax dense"] * 1e3,
+                                "projected_ms": solo_best[PROJECTED] * 1e3,
+                                "fraction_of_gemm": solo_fraction, "other_load": solo_load,
+                                "parts": part_rows},
+                 total_s=total_s, attention_size_ratio=rep["ratio"])
+    return run.finish(args.json, rows=rows,
+                      goals=goals(by, setup, gemm_gflops, compile_note))
+
+
+def goals(by: dict, setup: dict, gemm_gflops: float, compile_note: str | None) -> dict:
+    """The forwards against the GEMM rate and PyTorch, the compressed one against dense
+    PyTorch eager, the bf16 error, and memory."""
+    c = setup["config"]
+    cfg = f"d_model {c['d_model']}, batch {c['batch']}"
+    dense, proj, sp = by["jax dense"], by[PROJECTED], by["jax svd+pruned"]
+    load = H.percent(setup["loop_other_load"])
+    out = H.goal(
+        f"dense Chronos-Bolt forward, keys and values projected (the standard algorithm) / GEMM "
+        f"rate ({cfg})", proj["fraction_of_gemm"], target=f">= {FRACTION_GOAL}",
+        holds=proj["fraction_of_gemm"] >= FRACTION_GOAL,
+        measured=f"{proj['fraction_of_gemm']:.2f} ({proj['gflops']:.0f} of {gemm_gflops:.0f} "
+                 f"GFLOP/s, GEMM n={setup['gemm_n']}); load {load}")
+    eff = proj["gflop"] / dense["best_ms"] * 1e3 / gemm_gflops
+    out.update(H.goal(
+        "dense forward as run by default (decoder's cross-attention keys folded into its "
+        "query): executed FLOPs / GEMM rate; effective (the projected program's FLOPs / this "
+        "time)", dense["fraction_of_gemm"], effective=eff,
+        measured=f"{dense['fraction_of_gemm']:.2f} ({dense['gflop']:.1f} GFLOP executed, "
+                 f"{dense['median_ms']:.0f} ms vs {proj['median_ms']:.0f} ms projected); "
+                 f"effective {eff:.2f}"))
+    out.update(H.goal(
+        "JAX dense forward (default) vs PyTorch eager, same threads", dense["speedup_vs_eager"],
+        target=f">= {EAGER_GOAL}", holds=dense["speedup_vs_eager"] >= EAGER_GOAL,
+        measured=f"{dense['speedup_vs_eager']:.2f}x ({by['torch eager']['median_ms']:.0f} ms vs "
+                 f"{dense['median_ms']:.0f} ms)"))
+    if "torch.compile" in by:
+        tc = by["torch.compile"]
+        out.update(H.goal("JAX dense forward vs torch.compile", tc["median_ms"] / dense["median_ms"],
+                          measured=f"{tc['median_ms'] / dense['median_ms']:.2f}x "
+                                   f"({tc['median_ms']:.0f} ms vs {dense['median_ms']:.0f} ms)"))
+    else:
+        out.update(H.goal("JAX dense forward vs torch.compile", None,
+                          measured=f"not run: {compile_note}"))
+    keep = setup["mlp_keep"]
+    mlp = "MLP halved" if keep == 0.5 else f"MLP hidden units kept {keep:g}"
+    out.update(H.goal(
+        f"compressed (SVD attention eps {setup['eps']:g} + {mlp}) vs dense PyTorch eager",
+        sp["speedup_vs_eager"], target=f">= {COMPRESSED_GOAL}",
+        holds=sp["speedup_vs_eager"] >= COMPRESSED_GOAL,
+        measured=f"{sp['speedup_vs_eager']:.2f}x ({sp['gflop']:.1f} of {proj['gflop']:.1f} "
+                 "GFLOP)"))
+    b16 = [r for r in by.values() if "bf16" in r["model"]]
+    err = max(r["rel_err"] for r in b16)
+    out.update(H.goal(
+        "bf16 forward (f32 accumulation): max error / largest forecast", err,
+        target=f"< {BF16_GOAL:g}", holds=err < BF16_GOAL,
+        measured=", ".join(f"{r['model'][9:]}: {r['rel_err']:.1e} ({r['median_ms']:.0f} ms)"
+                           for r in b16) + f"; float32 dense {dense['median_ms']:.0f} ms"))
+    out.update(H.goal(
+        "memory: parameter MB / XLA arguments+outputs+temporaries MB",
+        {r["model"]: [r["param_mb"], r["xla_mb"]] for r in by.values() if r.get("xla_mb")},
+        measured="; ".join(f"{r['model'][4:]}: {r['param_mb']:.0f} / {r['xla_mb']:.0f}"
+                           for r in by.values() if r.get("xla_mb"))))
+    return out
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    H.run_as_main(__spec__)

@@ -4,31 +4,28 @@ FLOP and bit ratios (Table 6 rules), and, for a trained JapaneseVowels SBT, the 
 size of its packed form against float32 and its inference time (float masked-binary leaves vs
 packed leaves vs the dense model), timed interleaved in one run and reported as ratios.
 
-    python benchmarks/sbt.py --json out.json            # the figures of docs/notes/issue-11.md
-    python benchmarks/sbt.py --quick --json quick.json  # a smoke run (about a minute)
-    python benchmarks/sbt.py --tasks classify --seeds 3 --json cls.json
+    python -m benchmarks.models sbt --json out.json            # the figures of docs/notes/issue-11.md
+    python -m benchmarks.models sbt --quick --json quick.json  # a smoke run (about a minute)
+    python -m benchmarks.models sbt --tasks classify --seeds 3 --json cls.json
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
 import tempfile
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax
+import jax.numpy as jnp
+import numpy as np
 
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-from lowrank_jax.analysis import sbt_accounting as acc  # noqa: E402
-from lowrank_jax.analysis import sbt_tasks as tasks  # noqa: E402
-from lowrank_jax.io import save_model  # noqa: E402
-from lowrank_jax.leaves import (  # noqa: E402
+from benchmarks import _harness as H
+from lowrank_jax.analysis import sbt_accounting as acc
+from lowrank_jax.analysis import sbt_tasks as tasks
+from lowrank_jax.io import save_model
+from lowrank_jax.leaves import (
     Dense,
     MaskedBinary,
     PackedBinary,
@@ -36,7 +33,7 @@ from lowrank_jax.leaves import (  # noqa: E402
     pack_binary_tree,
     storage_bits,
 )
-from lowrank_jax.models import sbt  # noqa: E402
+from lowrank_jax.models import sbt
 
 
 def dir_bytes(path: str, sub: str | None = None) -> int:
@@ -176,13 +173,10 @@ def storage_and_time(models: dict, repeats: int):
     outs = {k: np.asarray(f(p, s, x, v)) for k, (f, p, s) in runs.items()}
     out["packed_equals_float_exactly"] = bool(np.array_equal(outs["sbt_packed"],
                                                              outs["sbt_masked_float"]))
-    times = {k: [] for k in runs}
-    for _ in range(repeats):
-        for k, (f, p, s) in runs.items():
-            t0 = time.perf_counter()
-            f(p, s, x, v).block_until_ready()
-            times[k].append(time.perf_counter() - t0)
-    med = {k: statistics.median(t) for k, t in times.items()}
+    m = H.measure({k: (lambda f=f, p=p, s=s: f(p, s, x, v)) for k, (f, p, s) in runs.items()},
+                  runs=repeats, warmup=0)
+    med = {k: m.timings.median(k) for k in runs}
+    out["inference_other_load"] = m.load
     out["inference_median_s"] = med
     out["time_ratio_packed_over_masked_float"] = med["sbt_packed"] / med["sbt_masked_float"]
     out["time_ratio_packed_over_dense"] = med["sbt_packed"] / med["dense"]
@@ -190,10 +184,25 @@ def storage_and_time(models: dict, repeats: int):
     return out
 
 
+def result_rows(out: dict) -> list[dict]:
+    """One row per task, dataset and model: the mean and spread of each metric over seeds."""
+    rows = []
+    for task in ("classification", "anomaly", "forecast"):
+        for ds, models in out.get(task, {}).items():
+            for model, metrics in models.items():
+                if not isinstance(metrics, dict):
+                    continue
+                row = {"task": task, "dataset": ds, "model": model}
+                for k, v in metrics.items():
+                    if isinstance(v, dict) and "mean" in v:
+                        row[k] = v["mean"]
+                        row[f"{k}_std"] = v["std"]
+                rows.append(row)
+    return rows
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="tiny settings (smoke run)")
+    ap = H.parser(__doc__, quick="tiny settings (smoke run)")
     ap.add_argument("--tasks", default="classify,anomaly,forecast")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--dense-epochs", type=int, default=50)
@@ -222,9 +231,9 @@ def main(argv=None):
         args.window, args.max_windows, args.repeats = 20, 300, 5
         args.cls_datasets, args.ad_datasets = ["JapaneseVowels"], ["kdd135"]
     wanted = set(args.tasks.split(","))
-    t0 = time.perf_counter()
-    out = {"settings": {k: v for k, v in vars(args).items() if k != "json"},
-           "backend": jax.default_backend()}
+    settings = {k: v for k, v in vars(args).items() if k != "json"}
+    run = H.Run(__name__, argv, settings=settings)
+    out = {"settings": settings, "backend": jax.default_backend()}
     holder = {}
     if "classify" in wanted:
         out["classification"] = classification(args, holder)
@@ -235,15 +244,33 @@ def main(argv=None):
     out["paper_accounting"] = {n: {**acc.table6_row(n)["exact"],
                                    "note": acc.TABLE6_NOTES.get(n)}
                                for n in acc.TABLE6_CONFIGS}
+    goals = {}
     if "_models" in holder:
-        out["storage_and_inference"] = storage_and_time(holder["_models"], args.repeats)
-    out["seconds"] = round(time.perf_counter() - t0, 1)
-    text = json.dumps(out, indent=2, default=float)
-    if args.json:
-        with open(args.json, "w") as f:
-            f.write(text + "\n")
-    print(text)
+        si = storage_and_time(holder["_models"], args.repeats)
+        out["storage_and_inference"] = si
+        goals.update(H.goal(
+            "trained SBT (JapaneseVowels): float32 weights' bits / packed bits (binarized "
+            "weights)", si["binary_weights_ratio"], measured=f"{si['binary_weights_ratio']:.1f}x"))
+        goals.update(H.goal(
+            "trained SBT (JapaneseVowels): packed / float masked-binary inference time",
+            si["time_ratio_packed_over_masked_float"],
+            measured=f"{si['time_ratio_packed_over_masked_float']:.2f} (packed / dense "
+                     f"{si['time_ratio_packed_over_dense']:.2f}); outputs equal: "
+                     f"{si['packed_equals_float_exactly']}"))
+    rows = result_rows(out)
+    print(TABLE.header())
+    for r in rows:
+        print(TABLE.line(r))
+    out["seconds"] = round(time.perf_counter() - run.t0, 1)
+    return run.finish(args.json, rows=rows, goals=goals, **out)
+
+
+TABLE = H.Table(
+    H.Col("task", "task", width=14), H.Col("dataset", "dataset", width=14),
+    H.Col("model", "model", width=10), H.Col("accuracy", "accuracy", ".4f"),
+    H.Col("F1 quantile", "f1_quantile", ".3f"), H.Col("F1 POT", "f1_pot", ".3f"),
+    H.Col("MSE", "mse", ".4f", 8), H.Col("MAE", "mae", ".4f", 8))
 
 
 if __name__ == "__main__":
-    main()
+    H.run_as_main(__spec__)

@@ -10,31 +10,19 @@ parameter ratio.
 
 Usage::
 
-    python benchmarks/train.py                  # d_model 256, 4+4 layers, context 256, batch 32
-    python benchmarks/train.py --quick          # smaller, for a smoke test
-    python benchmarks/train.py --mlp --json train.json
+    python -m benchmarks.models train            # d_model 256, 4+4 layers, context 256, batch 32
+    python -m benchmarks.models train --quick    # smaller, for a smoke test
+    python -m benchmarks.models train --mlp --json train.json
 """
 
 from __future__ import annotations
-
-import argparse
-import json
-import os
-import statistics
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-try:
-    import lowrank_jax as lj
-except ImportError:  # run from a checkout without `pip install -e .`
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    import lowrank_jax as lj
-
-
+import lowrank_jax as lj
+from benchmarks import _harness as H
 from lowrank_jax.compress import factorize_init, power_schedule
 from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
@@ -50,13 +38,17 @@ def config(quick: bool) -> ChronosBoltConfig:
                              input_patch_stride=16, use_reg_token=True)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true")
+TABLE = H.Table(
+    H.Col("model", "model", width=28), H.Col("step ms", "step_ms", ".1f", 9),
+    H.Col("time ratio", "time_ratio", ".3f"), H.Col("flop ratio", "flop_ratio", ".3f"),
+    H.Col("time/flop", "time_per_flop", ".2f"), H.Col("param ratio", "param_ratio", ".3f"))
+
+
+def main(argv=None) -> dict:
+    ap = H.parser(__doc__, quick="d_model 64, 2+2 layers, context 64, 5 runs")
     ap.add_argument("--mlp", action="store_true", help="factorize the MLP weights too")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--runs", type=int, default=None)
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
     runs = args.runs or (5 if args.quick else 20)
     cfg = config(args.quick)
@@ -78,43 +70,40 @@ def main(argv=None) -> int:
     n_tokens = args.batch * (cfg.context_length // cfg.input_patch_size + 2)  # encoder + 1 decoder step
     opt = default_optimizer(learning_rate=1e-4, total_steps=10_000, warmup_steps=10)
     loss_fn = chronos_bolt.loss(cfg)
-    steps, states = {}, {}
+    states = {}
+
+    def step_of(name: str):
+        step = make_train_step(loss_fn, opt)
+
+        def call():  # one train step; the state carries over to the next call
+            states[name], metrics = step(states[name], batch, None)
+            return metrics["loss"]
+        return call
+
+    calls = {}
     for name, p in variants.items():
-        steps[name] = make_train_step(loss_fn, opt)
         states[name] = init_train_state(p, opt, key=key)
-        for _ in range(2):  # compile + warm-up
-            states[name], m = steps[name](states[name], batch, None)
-            jax.block_until_ready(m["loss"])
-    times = {name: [] for name in variants}
-    for i in range(runs):
-        order = list(variants) if i % 2 == 0 else list(reversed(variants))
-        for name in order:
-            t0 = time.perf_counter()
-            states[name], m = steps[name](states[name], batch, None)
-            jax.block_until_ready(m["loss"])
-            times[name].append(time.perf_counter() - t0)
-    base_t = statistics.median(times["dense"])
+        calls[name] = step_of(name)
+    run = H.Run(__name__, argv, runs=runs, batch=args.batch, mlp=args.mlp, d_model=d,
+                layers=n_layers, context_length=cfg.context_length)
+    m = H.measure(calls, runs=runs, warmup=2)  # warm-up: compile + one step
+    base_t = m.timings.median("dense")
     base_f = lj.flops(dense, n_tokens)
     base_p = lj.param_count(dense)
     rows = []
-    print(f"# jax {jax.__version__} on {jax.default_backend()} ({os.cpu_count()} CPUs); d_model {d}, "
+    print(f"# {run.describe()}; d_model {d}, "
           f"{n_layers}+{n_layers} layers, context {cfg.context_length}, batch {args.batch}; "
           f"factorized: {', '.join(rules)}; median of {runs} interleaved steps")
-    print(f"{'model':<28} {'step ms':>9} {'time ratio':>10} {'flop ratio':>10} {'time/flop':>9} "
-          f"{'param ratio':>11}")
+    print(TABLE.header())
     for name, p in variants.items():
-        t = statistics.median(times[name])
+        t = m.timings.median(name)
         row = {"model": name, "step_ms": 1e3 * t, "time_ratio": t / base_t,
                "flop_ratio": lj.flops(p, n_tokens) / base_f, "param_ratio": lj.param_count(p) / base_p}
         row["time_per_flop"] = row["time_ratio"] / row["flop_ratio"]
         rows.append(row)
-        print(f"{name:<28} {row['step_ms']:>9.1f} {row['time_ratio']:>10.3f} {row['flop_ratio']:>10.3f} "
-              f"{row['time_per_flop']:>9.2f} {row['param_ratio']:>11.3f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
-    return 0
+        print(TABLE.line(row))
+    return run.finish(args.json, rows=rows)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    H.run_as_main(__spec__)

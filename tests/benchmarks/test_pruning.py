@@ -1,4 +1,5 @@
-"""The row computation of ``benchmarks/pruning.py`` on a tiny Chronos-Bolt (no timings).
+"""The row computation of ``benchmarks/methods/pruning.py`` on a tiny Chronos-Bolt (no
+timings).
 
 "Less is More: Unlocking Specialization of Time Series Foundation Models via Structured Pruning"
 (arXiv:2505.23195): a model pruned to a target by Algorithm 1 (on random importance scores, as
@@ -14,8 +15,6 @@ max v width)``); and what the whole model lost must be what the pruning structur
 from __future__ import annotations
 
 import importlib
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,23 +24,9 @@ import lowrank_jax as lj
 from lowrank_jax.leaves import get_path
 from lowrank_jax.leaves.channel_masked import ChannelPruned
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                     "benchmarks")
-
 
 def load_bench():
-    if BENCH not in sys.path:
-        sys.path.insert(0, BENCH)
-    # benchmarks/_machine.py sets LOWRANK_JAX_KEEP_FREED_MEMORY for the scripts; keep this
-    # process's environment (and what its subprocesses inherit) as it was
-    env = os.environ.get("LOWRANK_JAX_KEEP_FREED_MEMORY")
-    try:
-        return importlib.import_module("pruning")
-    finally:
-        if env is None:
-            os.environ.pop("LOWRANK_JAX_KEEP_FREED_MEMORY", None)
-        else:
-            os.environ["LOWRANK_JAX_KEEP_FREED_MEMORY"] = env
+    return importlib.import_module("benchmarks.methods.pruning")
 
 
 def array_size(tree) -> int:
