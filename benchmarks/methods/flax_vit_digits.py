@@ -158,6 +158,14 @@ def accuracy(fn, params, x, y) -> float:
     return float((np.asarray(fn(params, x)).argmax(-1) == y).mean())
 
 
+TABLE = H.Table(
+    H.Col("variant", "variant", width=9), H.Col("acc", "test_accuracy", ".3f", 6),
+    H.Col("ft acc", lambda r: r.get("test_accuracy_finetuned", r["test_accuracy"]), ".3f"),
+    H.Col("params", lambda r: r.get("params_ratio", 1), ".3f", 7),
+    H.Col("flops", lambda r: r.get("flops_ratio", 1), ".3f", 7),
+    H.Col("time", "time_ratio", ".3f", 6), H.Col("ms", "forward_ms", ".2f", 8))
+
+
 def main(argv=None) -> dict:
     ap = H.parser(__doc__, quick="fewer epochs, ranks and timing reps", json_required=True)
     ap.add_argument("--seed", type=int, default=0)
@@ -206,12 +214,9 @@ def main(argv=None) -> dict:
         row["forward_ms"] = m.ms(row["variant"])
         row["time_ratio"] = m.ratio(row["variant"], "dense")
 
-    print(f"{'variant':>9} {'acc':>6} {'ft acc':>6} {'params':>7} {'flops':>7} {'time':>6} "
-          f"{'ms':>8}")
+    print(TABLE.header())
     for r in rows:
-        ft = r.get("test_accuracy_finetuned", r["test_accuracy"])
-        print(f"{r['variant']:>9} {r['test_accuracy']:6.3f} {ft:6.3f} {r.get('params_ratio', 1):7.3f} "
-              f"{r.get('flops_ratio', 1):7.3f} {r['time_ratio']:6.3f} {r['forward_ms']:8.2f}")
+        print(TABLE.line(r))
     goals = {}
     for r in rows[1:]:
         goals.update(H.goal(

@@ -156,6 +156,15 @@ def summarize(rows):
     return out
 
 
+TABLE = H.Table(
+    H.Col("method", "method", width=9), H.Col("MHSA", "mhsa_flops_ratio", ".3f", 6),
+    H.Col("exec", "executed_flops_ratio", ".3f", 6), H.Col("QK par", "qk_params_ratio", ".3f"),
+    H.Col("err", "tensor_error", ".3f", 6), H.Col("dense", "acc_dense", ".4f", 7),
+    H.Col("before", "acc_before_ft", ".4f", 7), H.Col("after", "acc_after_ft", ".4f", 7),
+    H.Col("+- before/after", lambda s: f"{s['acc_before_ft_std']:.4f} / "
+          f"{s['acc_after_ft_std']:.4f}"))
+
+
 def main(argv=None) -> dict:
     ap = H.parser(__doc__, quick="1 seed, 6 + 1 epochs")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -177,13 +186,10 @@ def main(argv=None) -> dict:
                      lr=args.lr, ft_lr=args.ft_lr)
     wall = time.perf_counter() - t0
     summary = summarize(rows)
-    print(f"\n{'method':9} {'MHSA':>6} {'exec':>6} {'QK par':>7} {'err':>6} {'dense':>7} "
-          f"{'before':>7} {'after':>7}   (means over {len(seeds)} seeds, +- std)")
+    print(f"\n# means over {len(seeds)} seeds, +- std of the accuracies before / after")
+    print(TABLE.header())
     for m, s in summary.items():
-        print(f"{m:9} {s['mhsa_flops_ratio']:6.3f} {s['executed_flops_ratio']:6.3f} "
-              f"{s['qk_params_ratio']:7.3f} {s['tensor_error']:6.3f} {s['acc_dense']:7.4f} "
-              f"{s['acc_before_ft']:7.4f} {s['acc_after_ft']:7.4f}   "
-              f"(+- {s['acc_before_ft_std']:.4f} / {s['acc_after_ft_std']:.4f})")
+        print(TABLE.line({"method": m, **s}))
     goals = {}
     for m, s in summary.items():
         goals.update(H.goal(

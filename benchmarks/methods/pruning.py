@@ -194,6 +194,14 @@ def time_models(cfg: ChronosBoltConfig, models: dict, context, rounds: int) -> d
             "all_s": {n: list(m.timings.seconds(n)) for n in models}}
 
 
+TABLE = H.Table(
+    H.Col("pruned", "pruned_fraction", ".3f", 7), H.Col("params", "param_ratio", ".3f", 7),
+    H.Col("FLOPs", "flop_ratio", ".3f", 7), H.Col("time", "time_ratio", ".3f", 7),
+    H.Col("masked", "masked_time_ratio", ".3f", 7), H.Col("time/FLOP", "time_over_flop", ".2f"),
+    H.Col("pruned ms", "pruned_ms", ".1f"), H.Col("|pruned-masked|", "max_abs_diff_masked", ".2e"),
+    H.Col("", lambda r: "" if r["meets_goal"] else f"> goal ({GOAL})"))
+
+
 def main(argv=None) -> dict:
     p = H.parser(__doc__, quick="2 encoder + 2 decoder layers (same widths), fewer rounds")
     p.add_argument("--rounds", type=int, default=None, help="timed rounds (default 11, quick 9)")
@@ -243,13 +251,9 @@ def main(argv=None) -> dict:
     load = "n/a" if tm["other_load"] is None else f"{100 * tm['other_load']:.0f}%"
     print(f"\n# median of {rounds} interleaved rounds (other load {load}); dense "
           f"{1e3 * med['dense']:.1f} ms per forward of {batch} series")
-    print(f"{'pruned':>7} {'params':>7} {'FLOPs':>7} {'time':>7} {'masked':>7} {'time/FLOP':>9} "
-          f"{'pruned ms':>9} {'|pruned-masked|':>15}")
+    print(TABLE.header())
     for r in rows:
-        print(f"{r['pruned_fraction']:>7.3f} {r['param_ratio']:>7.3f} {r['flop_ratio']:>7.3f} "
-              f"{r['time_ratio']:>7.3f} {r['masked_time_ratio']:>7.3f} {r['time_over_flop']:>9.2f} "
-              f"{r['pruned_ms']:>9.1f} {r['max_abs_diff_masked']:>15.2e}"
-              + ("" if r["meets_goal"] else f"  > goal ({GOAL})"))
+        print(TABLE.line(r))
     run.setup["loop_other_load"] = tm["other_load"]
     return run.finish(args.json, rows=rows, goals=goals(rows, tm["other_load"]))
 

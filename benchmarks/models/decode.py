@@ -73,6 +73,11 @@ def build_hf(c: dict, seed: int):
     return model
 
 
+TABLE = H.Table(
+    H.Col("decoder", "name", width=36), H.Col("s/call", "median_s", ".3f", 8),
+    H.Col("tokens/s", "tokens_per_s", ".0f", 9), H.Col("vs torch", "speedup_vs_torch", ".2f", 9))
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = H.parser(__doc__, quick="tiny sizes, horizon 32, 3 runs")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 5; quick 3)")
@@ -163,10 +168,9 @@ def main(argv: list[str] | None = None) -> dict:
     ld = "n/a" if load is None else f"{100 * load:.0f}%"
     print(f"# {n} paths x {h} tokens per call; median of {runs} interleaved runs (loop "
           f"{loop_s:.0f} s, other processes used {ld} of the CPUs)")
-    print(f"{'decoder':<36} {'s/call':>8} {'tokens/s':>9} {'vs torch':>9}")
+    print(TABLE.header())
     for r in rows:
-        print(f"{r['name']:<36} {r['median_s']:>8.3f} {r['tokens_per_s']:>9.0f} "
-              f"{r['speedup_vs_torch']:>9.2f}")
+        print(TABLE.line(r))
     cached_vs_torch = med["torch generate"] / med["jax cached"]
     cached_vs_uncached = med["jax uncached"] / med["jax cached"]
     goals = {

@@ -221,23 +221,16 @@ def memory_stats(fn, params, x) -> dict:
 
 # -- report ----------------------------------------------------------------------------------
 
-HEADER = (f"{'model':<10} {'attn size':>9} {'params':>7} {'flops':>7} {'time':>7} "
-          f"{'time/flop':>9} {'param MB':>9} {'bytes':>7} {'XLA MB':>8} {'XLA mem':>7} "
-          f"{'ms':>8} {'max abs err':>11} {'rel err':>8}")
-
-
-def format_row(r: dict) -> str:
-    def f(v, w, spec):
-        return f"{'-':>{w}}" if v is None else f"{v:>{w}{spec}}"
-
-    return (f"{r['model']:<10} {f(r['attn_size_ratio'], 9, '.3f')} "
-            f"{f(r['param_ratio'], 7, '.3f')} {f(r['flop_ratio'], 7, '.3f')} "
-            f"{f(r['time_ratio'], 7, '.3f')} {f(r['time_per_flop'], 9, '.2f')} "
-            f"{f(r['param_bytes'] / 1e6 if r['param_bytes'] else None, 9, '.1f')} "
-            f"{f(r['param_bytes_ratio'], 7, '.3f')} "
-            f"{f(r['xla_total_bytes'] / 1e6 if r['xla_total_bytes'] else None, 8, '.1f')} "
-            f"{f(r['xla_mem_ratio'], 7, '.3f')} {r['median_ms']:>8.1f} "
-            f"{f(r['max_abs_err'], 11, '.3e')} {f(r['rel_err'], 8, '.2e')}")
+TABLE = H.Table(
+    H.Col("model", "model", width=10), H.Col("attn size", "attn_size_ratio", ".3f"),
+    H.Col("params", "param_ratio", ".3f", 7), H.Col("flops", "flop_ratio", ".3f", 7),
+    H.Col("time", "time_ratio", ".3f", 7), H.Col("time/flop", "time_per_flop", ".2f"),
+    H.Col("param MB", lambda r: r["param_bytes"] / 1e6 if r["param_bytes"] else None, ".1f", 9),
+    H.Col("bytes", "param_bytes_ratio", ".3f", 7),
+    H.Col("XLA MB", lambda r: r["xla_total_bytes"] / 1e6 if r["xla_total_bytes"] else None,
+          ".1f", 8),
+    H.Col("XLA mem", "xla_mem_ratio", ".3f"), H.Col("ms", "median_ms", ".1f", 8),
+    H.Col("max abs err", "max_abs_err", ".3e"), H.Col("rel err", "rel_err", ".2e", 8))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -404,9 +397,9 @@ def main(argv: list[str] | None = None) -> dict:
           "output + temp of the compiled forward; errors vs dense JAX quantile_preds "
           "(torch row: vs JAX dense), rel = max abs error / the series' scale (std of its "
           "context), worst series")
-    print(HEADER)
+    print(TABLE.header())
     for r in rows:
-        print(format_row(r))
+        print(TABLE.line(r))
     goal1 = speedup >= SPEEDUP_GOAL
     comp = [r for r in rows[2:] if r["flop_ratio"] < 0.999]
     print(f"# JAX speedup over PyTorch eager: {speedup:.2f}x ({torch_ms:.0f} ms vs "

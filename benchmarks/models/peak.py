@@ -174,19 +174,12 @@ def tree_bytes(jax, tree) -> int:
     return sum(int(a.size) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
 
 
-HEADER = (f"{'model':<20} {'GFLOP':>7} {'ms':>9} {'GFLOP/s':>8} {'of GEMM':>7} "
-          f"{'vs eager':>8} {'param MB':>9} {'XLA MB':>8} {'temp MB':>8} {'rel err':>9}")
-
-
-def format_row(r: dict) -> str:
-    def f(v, w, spec):
-        return f"{'-':>{w}}" if v is None else f"{v:>{w}{spec}}"
-
-    return (f"{r['model']:<20} {f(r['gflop'], 7, '.1f')} {f(r['median_ms'], 9, '.1f')} "
-            f"{f(r['gflops'], 8, '.1f')} {f(r['fraction_of_gemm'], 7, '.3f')} "
-            f"{f(r['speedup_vs_eager'], 8, '.2f')} {f(r['param_mb'], 9, '.1f')} "
-            f"{f(r['xla_mb'], 8, '.1f')} {f(r['xla_temp_mb'], 8, '.1f')} "
-            f"{f(r['rel_err'], 9, '.2e')}")
+TABLE = H.Table(
+    H.Col("model", "model", width=20), H.Col("GFLOP", "gflop", ".1f", 7),
+    H.Col("ms", "median_ms", ".1f", 9), H.Col("GFLOP/s", "gflops", ".1f", 8),
+    H.Col("of GEMM", "fraction_of_gemm", ".3f"), H.Col("vs eager", "speedup_vs_eager", ".2f"),
+    H.Col("param MB", "param_mb", ".1f", 9), H.Col("XLA MB", "xla_mb", ".1f", 8),
+    H.Col("temp MB", "xla_temp_mb", ".1f", 8), H.Col("rel err", "rel_err", ".2e", 9))
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -394,9 +387,9 @@ def main(argv: list[str] | None = None) -> dict:
           "(other load only slows a run down), ms and vs eager (= torch eager ms / ms) from "
           "the medians; rel err = max|y - ref| / max|ref| (bf16 rows vs their float32 twin, "
           "others vs jax dense)")
-    print(HEADER)
+    print(TABLE.header())
     for r in rows:
-        print(format_row(r))
+        print(TABLE.line(r))
     by = {r["model"]: r for r in rows}
     print(f"# JAX-only loop (GEMM {solo_gemm / 1e9:.1f} GFLOP/s): dense forward "
           f"{solo_best['jax dense'] * 1e3:.1f} ms; keys projected {solo_best[PROJECTED] * 1e3:.1f} "
