@@ -51,6 +51,12 @@ class PlanError(LowrankJaxError, ValueError):
     setting out of range)."""
 
 
+class NotApplicableError(PlanError):
+    """A method does not apply to a model (no node its rules select, no config to score with,
+    ...): raised by a method's frontier candidates, which are then left out with the message as
+    the reason."""
+
+
 class CheckpointError(LowrankJaxError, ValueError):
     """A checkpoint (lowrank_jax or Hugging Face) is missing, corrupt, or does not match the
     model it is loaded into.
@@ -173,6 +179,6 @@ def _shape(s) -> str:
 __all__ = [
     "CheckpointError", "ConfigError", "CorruptCheckpointError", "DataError",
     "IncompatibleCheckpointError", "LeafTypeError", "LowrankJaxError", "MissingDependencyError",
-    "MissingFileError", "NonFiniteError", "NotSupportedError", "OutputExistsError", "PathError",
-    "PlanError", "ShapeError",
+    "MissingFileError", "NonFiniteError", "NotApplicableError", "NotSupportedError",
+    "OutputExistsError", "PathError", "PlanError", "ShapeError",
 ]

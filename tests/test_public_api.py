@@ -24,7 +24,8 @@ import lowrank_jax
 PACKAGE = pathlib.Path(lowrank_jax.__file__).parent
 #: The subpackages and top-level modules whose ``__all__`` is the public API.
 PUBLIC = ("analysis", "compress", "convert", "datasets", "decomp", "errors", "execution",
-          "interop", "io", "leaves", "leaves.kit", "losses", "models", "nn", "runtime", "timing", "train")
+          "interop", "io", "leaves", "leaves.kit", "losses", "models", "nn", "recipes", "runtime",
+          "timing", "train")
 
 
 def library_modules() -> list[str]:

@@ -236,7 +236,7 @@ def test_frontier_and_prune_run_on_one_blas_thread(monkeypatch, two_threads):
     import numpy as np
 
     from lowrank_jax import nn
-    from lowrank_jax.compress import frontier as frontier_mod
+    from lowrank_jax.compress.frontier import run as frontier_mod
     from lowrank_jax.compress.prune import add_channel_masks, progressive_prune
 
     # frontier: its whole run (candidates' decompositions included) under the limit

@@ -43,7 +43,7 @@ from jax.sharding import Mesh  # noqa: E402
 import lowrank_jax as lj  # noqa: E402
 from benchmarks import _harness as H  # noqa: E402
 from lowrank_jax import nn  # noqa: E402
-from lowrank_jax.compress import partition as pt  # noqa: E402
+from lowrank_jax.compress import partitioning as pt  # noqa: E402
 
 M = 8
 

@@ -6,7 +6,7 @@ the flow-of-ranks rank schedule against one pretrained with a uniform rank, and 
 truncated SVD of a pretrained dense model. At the demo's scale the differences between the
 pretrained rows are a few percent, the size of the seed-to-seed spread, so one seed says
 little. This script runs the comparison of ``lowrank-jax demo`` (part 3,
-:func:`lowrank_jax.cli.pretrain_demo.run_pretraining_demo`) once per seed (the seed sets the
+:func:`lowrank_jax.recipes.run_pretraining_demo`) once per seed (the seed sets the
 initialization, the order of the training batches and the factor draws; the data and the test
 windows are the same) and reports, per method, the mean, the sample standard deviation
 (``ddof=1``), min and max of the relative WQL and MASE and of the size and time ratios, and in
@@ -20,17 +20,15 @@ Usage::
 
 from __future__ import annotations
 
-import contextlib
-import io
 import math
 import time
 
 import numpy as np
 
 from benchmarks import _harness as H
-from lowrank_jax.cli.pretrain_demo import run_pretraining_demo  # noqa: E402
-from lowrank_jax.datasets import builtin_datasets  # noqa: E402
-from lowrank_jax.runtime import one_blas_thread  # noqa: E402
+from lowrank_jax.datasets import builtin_datasets
+from lowrank_jax.recipes import run_pretraining_demo
+from lowrank_jax.runtime import one_blas_thread
 
 METRICS = ("wql", "mase", "size_ratio", "time_ratio")
 
@@ -109,11 +107,9 @@ def main(argv=None) -> int:
     with one_blas_thread():
         for seed in args.seeds:
             ts = time.perf_counter()
-            log = io.StringIO()  # the demo's own table per seed goes to the JSON, not the screen
-            with contextlib.redirect_stdout(log):
-                run = run_pretraining_demo(quick=args.quick, steps=args.steps, seed=seed,
-                                           progress=args.progress, datasets=datasets)
-            run["printed"] = log.getvalue()
+            run = run_pretraining_demo(quick=args.quick, steps=args.steps, seed=seed,
+                                       progress=args.progress, datasets=datasets)
+            run["printed"] = run.text  # the demo's own table per seed goes to the JSON only
             runs.append(run)
             print(f"seed {seed}: {time.perf_counter() - ts:.0f} s; "
                   + ", ".join(f"{method_key(r['method']).replace('pretrained ', '')} WQL "

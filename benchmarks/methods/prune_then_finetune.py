@@ -43,12 +43,12 @@ import numpy as np
 
 import lowrank_jax as lj
 from benchmarks import _harness as H
-from lowrank_jax.cli.pretrain_demo import demo_config  # noqa: E402
-from lowrank_jax.compress.prune import DEFAULT_RULES, register_batches  # noqa: E402
-from lowrank_jax.datasets import builtin_datasets  # noqa: E402
-from lowrank_jax.losses import mase, mse, wql  # noqa: E402
-from lowrank_jax.models import chronos_bolt  # noqa: E402
-from lowrank_jax.train import (  # noqa: E402
+from lowrank_jax.compress.prune import DEFAULT_RULES, register_batches
+from lowrank_jax.datasets import builtin_datasets
+from lowrank_jax.losses import mase, mse, wql
+from lowrank_jax.models import chronos_bolt
+from lowrank_jax.recipes.pretrain_demo import demo_config
+from lowrank_jax.train import (
     WindowConfig,
     WindowSampler,
     default_optimizer,

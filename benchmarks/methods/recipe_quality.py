@@ -15,7 +15,7 @@ short fine-tune: is its WQL within 1 % of the dense model's?
    structures differ, ``peak.py`` keeps the units of largest weight norms).
 3. **Fine-tuning**: ``--steps`` steps on the same training windows (batches of 32, AdamW, peak
    ``--lr``). As a control, the dense model gets the same steps on the same batches.
-4. **Test**: every test window of every dataset (``lowrank_jax.cli.pretrain_demo``'s
+4. **Test**: every test window of every dataset (``lowrank_jax.recipes.pretrain_demo``'s
    evaluation: the last part of each series in time), pooled WQL and MASE. Mean and spread over
    ``--seeds`` seeds (the seed sets the order of the fine-tuning and pruning batches; the
    pretrained model is the same for every seed).
@@ -39,16 +39,16 @@ import numpy as np
 import lowrank_jax as lj
 from benchmarks import _harness as H
 from benchmarks.methods.prune_then_finetune import train  # the same training loop
-from lowrank_jax.cli.pretrain_demo import (  # noqa: E402
+from lowrank_jax.compress import ATTENTION_QKVO
+from lowrank_jax.datasets import builtin_datasets
+from lowrank_jax.models import chronos_bolt
+from lowrank_jax.recipes.pretrain_demo import (
     demo_config,
     eval_windows,
     forecast_scores,
     make_forward,
 )
-from lowrank_jax.compress import ATTENTION_QKVO  # noqa: E402
-from lowrank_jax.datasets import builtin_datasets  # noqa: E402
-from lowrank_jax.models import chronos_bolt  # noqa: E402
-from lowrank_jax.train import WindowConfig, WindowSampler  # noqa: E402
+from lowrank_jax.train import WindowConfig, WindowSampler
 
 MLP_RULES = (r"mlp/(wi|wi_0|wi_1|wo)$",)
 WQL_GOAL = 1.01

@@ -23,7 +23,6 @@ import numpy as np
 
 from benchmarks import _harness as H
 from lowrank_jax.analysis import sbt_accounting as acc
-from lowrank_jax.analysis import sbt_tasks as tasks
 from lowrank_jax.io import save_model
 from lowrank_jax.leaves import (
     Dense,
@@ -34,6 +33,7 @@ from lowrank_jax.leaves import (
     storage_bits,
 )
 from lowrank_jax.models import sbt
+from lowrank_jax.recipes import sbt_tasks as tasks
 
 
 def dir_bytes(path: str, sub: str | None = None) -> int:

@@ -53,7 +53,6 @@ from threadpoolctl import threadpool_limits
 import lowrank_jax as lj
 from lowrank_jax.analysis import theorem3_experiment, theorem4_experiment
 from lowrank_jax.analysis.plots import plot_layer_ranks, plot_slope, plot_spectra
-from lowrank_jax.cli.pretrain_demo import demo_config, eval_windows, forecast_scores, make_forward
 from lowrank_jax.compress import compress, factorize_init, power_schedule
 from lowrank_jax.datasets import builtin_datasets, windows
 from lowrank_jax.leaves import bias_of
@@ -61,6 +60,7 @@ from lowrank_jax.losses import geometric_mean_relative
 from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models import patch_encoder as pe
 from lowrank_jax.nn import apply_norm
+from lowrank_jax.recipes import demo_config, eval_windows, forecast_scores, make_forward
 from lowrank_jax.train import WindowConfig, WindowSampler, fit, full_params
 
 PLOTS = tempfile.mkdtemp(prefix="lowrank_jax_01_")  # the library's plot functions write PNGs
@@ -209,7 +209,7 @@ designed, designed_loss = pretrain(by_design)
 svd, svd_report = compress(dense, eps=0.7, progress=False)   # attention q/k/v/o by default
 
 # %% [markdown]
-# Scores over all test windows with `lowrank_jax.cli.pretrain_demo`'s helpers (which
+# Scores over all test windows with `lowrank_jax.recipes.pretrain_demo`'s helpers (which
 # `lowrank-jax demo` uses too). Accuracy does not depend on how a weight is stored, so every
 # model is scored as a dense copy of its products (`materialize`): one compiled forecast for
 # all of them instead of one per shape of factors. (Measured *time* does depend on it:

@@ -55,13 +55,13 @@ from IPython.display import Image, display
 
 import lowrank_jax as lj
 from lowrank_jax import train
-from lowrank_jax.cli.pretrain_demo import demo_config
-from lowrank_jax.cli.prune_cmd import format_table
-from lowrank_jax.cli.prune_cmd import plot as plot_pruning
 from lowrank_jax.compress.prune import DEFAULT_RULES, register_batches
 from lowrank_jax.datasets import builtin_datasets
 from lowrank_jax.losses import mase, wql
 from lowrank_jax.models import chronos_bolt
+from lowrank_jax.recipes.pretrain_demo import demo_config
+from lowrank_jax.recipes.prune import format_table
+from lowrank_jax.recipes.prune import plot as plot_pruning
 
 PLOTS = tempfile.mkdtemp(prefix="lowrank_jax_03_")
 

@@ -56,10 +56,10 @@ from IPython.display import Image, display
 
 import lowrank_jax as lj
 from lowrank_jax.analysis import sbt_accounting as acc
-from lowrank_jax.analysis import sbt_tasks as tasks
-from lowrank_jax.cli.sbt_cmd import plot as plot_run
 from lowrank_jax.leaves import MaskedBinary, pack_binary_tree
 from lowrank_jax.models import sbt
+from lowrank_jax.recipes import sbt_tasks as tasks
+from lowrank_jax.recipes.sbt import plot as plot_run
 
 warnings.filterwarnings("ignore", category=FutureWarning)   # aeon's deprecation notices
 PLOTS = tempfile.mkdtemp(prefix="lowrank_jax_04_")

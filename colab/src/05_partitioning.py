@@ -64,7 +64,7 @@ from threadpoolctl import threadpool_limits
 
 import lowrank_jax as lj
 from lowrank_jax import nn
-from lowrank_jax.compress import partition as pt
+from lowrank_jax.compress import partitioning as pt
 
 M = 8
 devices = jax.devices() if len(jax.devices()) >= M else jax.devices("cpu")

@@ -1,51 +1,23 @@
 """``lowrank-jax prune MODEL --target 0.5 [--flops-target] [--data builtin|CSV]
---finetune-steps N --out DIR --json report.json --plots DIR``.
+--finetune-steps N --out DIR --json report.json --plots DIR``: prune-then-finetune of "Less is
+More: Unlocking Specialization of Time Series Foundation Models via Structured Pruning"
+(arXiv:2505.23195) on a forecasting model (:func:`lowrank_jax.recipes.run_prune`).
 
-Prune-then-finetune of "Less is More: Unlocking Specialization of Time Series Foundation
-Models via Structured Pruning" (arXiv:2505.23195) on a forecasting model (Chronos-Bolt,
-Chronos):
-
-1. the series (``builtin``: the real series shipped with aeon; or an ETT-style CSV file,
-   one series per column) are split by time into train / validation / test (70 / 10 / 20 %);
-2. every attention and MLP projection gets input and output channel masks (eq. 4), and
-   ``--prune-steps`` training batches prune them progressively and globally (importance of
-   eqs. 5-6 averaged over each batch, EMA, Algorithm 1) until ``--target`` of the prunable
-   parameters (``--flops-target``: of their FLOPs) is removed;
-3. the masked channels are removed physically (fewer heads, narrower query/key, value and MLP
-   widths, row/column slices of residual-width channels); the largest difference between the
-   masked and the pruned model on a validation batch is reported;
-4. ``--finetune-steps`` steps of fine-tuning of the pruned model (all its weights, or LoRA
-   updates with ``--lora RANK``) with the family's loss;
-5. validation and test WQL / MASE before pruning, after pruning and after fine-tuning.
-
-It prints a per-layer table of the kept heads and channels; ``--plots`` draws the pruned
-fraction of the input and the output channels per layer and weight (the paper's Fig. 6) and
-the pruning history; ``--out`` saves the pruned (and fine-tuned) model, ``--json`` the report.
-Outputs follow :mod:`lowrank_jax.cli.outputs` (nothing the tool did not write is replaced).
-
-Wire it into ``lowrank_jax.cli.main`` with ``prune_cmd.add_parser(sub)``.
+It prints a per-layer table of the kept heads and channels and the validation and test WQL /
+MASE before pruning, after pruning and after fine-tuning; ``--plots`` draws the pruned fraction
+of the input and the output channels per layer and weight (the paper's Fig. 6) and the pruning
+history; ``--out`` saves the pruned (and fine-tuned) model, ``--json`` the report. Outputs
+follow :mod:`lowrank_jax.recipes.outputs` (nothing the tool did not write is replaced).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import re
-import time
 
-import numpy as np
-
-from lowrank_jax.cli import outputs
+from lowrank_jax.cli import common
 from lowrank_jax.cli.status import Status
 from lowrank_jax.errors import ConfigError
-
-SPLITS = (0.7, 0.1, 0.2)
-#: Weight names in the plots and table, from the end of their paths.
-SHORT = (("self_attn/qk/q", "self q"), ("self_attn/qk/k", "self k"), ("self_attn/v", "self v"),
-         ("self_attn/o", "self o"), ("cross_attn/qk/q", "cross q"),
-         ("cross_attn/qk/k", "cross k"), ("cross_attn/v", "cross v"), ("cross_attn/o", "cross o"),
-         ("attn/qk/q", "q"), ("attn/qk/k", "k"), ("attn/v", "v"), ("attn/o", "o"),
-         ("mlp/wi_0", "wi_0"), ("mlp/wi_1", "wi_1"), ("mlp/wi", "wi"), ("mlp/wo", "wo"))
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -96,6 +68,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _check(args) -> None:
+    from lowrank_jax.recipes import outputs
+
     if not 0.0 <= args.target < 1.0:
         raise ConfigError(f"--target must be a fraction in [0, 1), got {args.target}",
                           where="--target", expected="[0, 1)", actual=args.target)
@@ -123,278 +97,25 @@ def _check(args) -> None:
     inputs = {"MODEL": args.params}
     if args.data != "builtin":
         inputs["--data"] = args.data
-    if args.out:
-        outputs.check_checkpoint_out(args.out, inputs, overwrite=args.overwrite)
-    if args.plots:
-        outputs.check_plots_out(args.plots, inputs, overwrite=args.overwrite)
-    if args.json:
-        outputs.check_report_path(args.json, inputs, (args.out, args.plots))
-
-
-def load_series(data: str) -> tuple[list, list[str], str]:
-    """``(series, names, description)``: the built-in aeon series, or the columns of an
-    ETT-style CSV file."""
-    if data == "builtin":
-        from lowrank_jax.train import default_series
-
-        series, source = default_series()
-        return list(series), [f"builtin {i}" for i in range(len(series))], source
-    from lowrank_jax.train import load_ett_csv
-
-    names, values = load_ett_csv(data)
-    return [values[:, j] for j in range(values.shape[1])], list(names), f"{data} ({len(names)} " \
-        "columns)"
-
-
-def short_name(path: str) -> str:
-    """``'encoder/layers/3/attn/qk/q'`` -> ``'q'`` (see :data:`SHORT`)."""
-    for tail, name in SHORT:
-        if path.endswith(tail):
-            return name
-    return path.rsplit("/", 1)[-1]
-
-
-def layer_key(path: str) -> tuple[int, int, str]:
-    """Sort key and label of a path's layer: encoder layers first, then decoder layers."""
-    m = re.search(r"(?:^|/)(encoder|decoder)?/?layers/(\d+)/", path)
-    if not m:
-        return (2, 0, path.rsplit("/", 2)[0])
-    stack = m.group(1) or ""
-    i = int(m.group(2))
-    order = 1 if stack == "decoder" else 0
-    return (order, i, f"{stack[:3]}{i}" if stack else f"layer{i}")
-
-
-def format_table(rows: list[dict]) -> str:
-    """The per-layer table: kept heads (and their original ids), query/key and value channels
-    of every attention block, hidden channels of every MLP."""
-    lines = [f"{'block':<36}{'heads':>8}{'q/k ch':>10}{'v ch':>10}{'hidden':>10}  kept head ids"]
-    for r in rows:
-        if r["kind"] == "attention":
-            qk = f"{r['qk']}/{r['qk_total']}" if "qk" in r else "-"
-            lines.append(f"{r['path']:<36}{r['heads']:>4}/{r['heads_total']:<3}{qk:>10}"
-                         f"{r['v']:>6}/{r['v_total']:<3}{'':>10}  {r['ids']}")
-        elif r["kind"] == "mlp":
-            lines.append(f"{r['path']:<36}{'':>8}{'':>10}{'':>10}"
-                         f"{r['hidden']:>6}/{r['hidden_total']:<3}")
-    return "\n".join(lines)
-
-
-def plot(weights: list[dict], history: list[dict], directory: str) -> list[str]:
-    """The paper's Fig. 6 (pruned fraction of the input and of the output channels of every
-    weight, per layer) and the pruning history (removed fraction and loss per batch).
-
-    Returns:
-      The file names written.
-    """
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    layers = sorted({layer_key(w["path"]) for w in weights})
-    pos = {k: i for i, k in enumerate(layers)}
-    present = {short_name(w["path"]) for w in weights}
-    order = [n for _, n in SHORT]
-    names = sorted(present, key=lambda n: (order.index(n) if n in order else len(order), n))
-    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.45 * len(layers) + 2), 6.5), sharex=True)
-    for ax, side, title in ((axes[0], "in", "input channels"),
-                            (axes[1], "out", "output channels")):
-        grid = np.full((len(names), len(layers)), np.nan)
-        for w in weights:
-            grid[names.index(short_name(w["path"])), pos[layer_key(w["path"])]] = \
-                w[f"{side}_pruned_fraction"]
-        im = ax.imshow(grid, aspect="auto", vmin=0.0, vmax=1.0, cmap="viridis")
-        ax.set_yticks(range(len(names)), names, fontsize=7)
-        ax.set_title(f"pruned fraction of {title}", fontsize=9)
-        fig.colorbar(im, ax=ax, fraction=0.03)
-    axes[1].set_xticks(range(len(layers)), [k[2] for k in layers], rotation=90, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(os.path.join(directory, "fig6_pruned_fraction.png"), dpi=110)
-    plt.close(fig)
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    steps = [h["step"] for h in history]
-    ax.plot(steps, [h["params_fraction"] for h in history], "o-", label="parameters removed")
-    ax.plot(steps, [h["flops_fraction"] for h in history], "s-", label="FLOPs removed")
-    ax.plot(steps, [h["scheduled"] for h in history], ":", label="schedule")
-    ax.set_xlabel("pruning batch")
-    ax.set_ylim(0, 1)
-    ax2 = ax.twinx()
-    ax2.plot(steps, [h["loss"] for h in history], "k--", alpha=0.5, label="loss (masked)")
-    ax2.set_ylabel("loss")
-    ax.legend(fontsize=7, loc="upper left")
-    fig.tight_layout()
-    fig.savefig(os.path.join(directory, "pruning_history.png"), dpi=110)
-    plt.close(fig)
-    return ["fig6_pruned_fraction.png", "pruning_history.png"]
-
-
-def evaluate_windows(forecast, sampler, levels: tuple, max_batches: int) -> dict:
-    """WQL and MASE (``lowrank_jax.losses``) of ``forecast(context) -> [batch, levels,
-    prediction_length]`` over the windows of ``sampler``, as
-    :func:`lowrank_jax.train.evaluate_forecaster` computes them, with one compiled forecast
-    reused for every model of the same structure."""
-    from lowrank_jax.losses import mase, wql
-
-    n = min(max_batches, sampler.batches_per_epoch)
-    preds, targets, contexts = [], [], []
-    for pos in range(n):
-        b = sampler.batch(pos)
-        h = b["target"].shape[1]
-        preds.append(np.asarray(forecast(b["context"]))[:, :, :h])
-        targets.append(b["target"])
-        contexts.append(b["context"])
-    keep = min(sampler.num_windows, n * sampler.batch_size)
-    pred, target, context = (np.concatenate(a)[:keep] for a in (preds, targets, contexts))
-    median = pred[:, levels.index(0.5)] if 0.5 in levels else np.median(pred, 1)
-    return {"wql": float(wql(pred, target, levels)),
-            "mase": float(mase(median, target, context)), "n_windows": int(keep)}
+    outputs.check_outputs(inputs, out=args.out, plots=args.plots, json_path=args.json,
+                          overwrite=args.overwrite)
 
 
 def run(args) -> int:
     """Run ``lowrank-jax prune`` (module docstring). Returns the exit status."""
+    from lowrank_jax.recipes.prune import run_prune
+
     _check(args)
-    import jax
-
-    from lowrank_jax import param_count
-    from lowrank_jax.cli.sources import load_source, parse_rules
-    from lowrank_jax.compress.prune import (
-        DEFAULT_RULES,
-        add_channel_masks,
-        add_lora_to,
-        check_removal,
-        layer_table,
-        progressive_prune,
-        token_counts,
-    )
-    from lowrank_jax.models import family_of
-    from lowrank_jax.train import (
-        WindowConfig,
-        WindowSampler,
-        default_optimizer,
-        fit,
-        full_params,
-    )
-
-    status = Status("prune", bars=not args.no_progress)
-    src = load_source(args.params, status=status, family=args.family)
-    cfg, params = src.config, src.params
-    if cfg is None:
-        raise ConfigError(f"{args.params} holds bare parameters without a model config; prune "
-                          "needs a model checkpoint (save_model) or a Hugging Face directory",
-                          where="MODEL", expected="a model checkpoint", actual="parameters only")
-    fam = family_of(cfg)
-    if fam.forecast is None or fam.batch_from_windows is None or fam.loss is None:
-        raise ConfigError(f"prune: the command prunes forecasters on series windows; family "
-                          f"{fam.name!r} is not one (use lowrank_jax.compress.prune.prune_model "
-                          "with batches of your own)", where="MODEL",
-                          expected="a forecasting family", actual=fam.name)
-    series, names, source = load_series(args.data)
-    ctx = args.context_length or min(int(cfg.context_length), 512)
-    horizon = int(cfg.prediction_length)
-    wcfg = WindowConfig(context_length=ctx, horizon=horizon, stride=horizon, splits=SPLITS)
-    with status.phase(f"cutting windows of {ctx} + {horizon} values from {source}"):
-        train_s = WindowSampler(series, wcfg, "train", batch_size=args.batch_size,
-                                seed=args.seed, names=names, skip_short=True)
-        val_s = WindowSampler(series, wcfg, "val", batch_size=64, seed=args.seed, names=names,
-                              skip_short=True)
-        test_s = WindowSampler(series, wcfg, "test", batch_size=64, seed=args.seed, names=names,
-                               skip_short=True)
-
-    def batch_of(w):
-        return fam.batch_from_windows(cfg, np.asarray(w["context"]), np.asarray(w["target"]))
-
-    fwd = jax.jit(lambda p, c: fam.forecast(p, c, cfg))  # compiled once per tree structure
-    levels = tuple(float(q) for q in fam.forecast_levels(cfg))
-
-    def evaluate(p, what):
-        with status.phase(f"evaluating {what} on the validation and test windows"):
-            return {split: evaluate_windows(lambda c: fwd(p, c), s, levels, args.eval_batches)
-                    for split, s in (("val", val_s), ("test", test_s))}
-
-    report = {"model": args.params, "family": fam.name, "data": source,
-              "windows": {"context_length": ctx, "horizon": horizon, "splits": list(SPLITS),
-                          "train": train_s.num_windows, "val": val_s.num_windows,
-                          "test": test_s.num_windows},
-              "settings": {"target": args.target, "by": "flops" if args.flops_target else
-                           "params", "prune_steps": args.prune_steps,
-                           "batch_size": args.batch_size, "alpha": args.alpha,
-                           "schedule": args.schedule, "finetune_steps": args.finetune_steps,
-                           "lr": args.lr, "lora": args.lora, "seed": args.seed}}
-    report["before"] = evaluate(params, "the original model")
-    rules = parse_rules(args.rule, DEFAULT_RULES)
-    masked = add_channel_masks(params, rules)
-    with status.phase("counting the rows every weight sees (abstract trace)"):
-        tokens = token_counts(cfg, params)
-    status.say(f"pruning: {args.prune_steps} batches of {args.batch_size} windows, target "
-               f"{args.target:.0%} of the {'FLOPs' if args.flops_target else 'parameters'}")
-    t0 = time.perf_counter()
-    res = progressive_prune(masked, fam.loss(cfg), lambda j: batch_of(train_s.batch(j)),
-                            target=args.target, steps=args.prune_steps,
-                            by="flops" if args.flops_target else "params", alpha=args.alpha,
-                            schedule=args.schedule, tokens=tokens, config=cfg,
-                            progress=not args.no_progress)
-    prune_s = time.perf_counter() - t0
-    with status.phase("removing the pruned channels"):
-        pruned = res.structure.remove(res.removal)
-        check_removal(res.structure, res.removal, pruned)
-    with status.phase("comparing the masked and the pruned model on a validation batch"):
-        c = np.asarray(val_s.batch(0)["context"])
-        diff = float(np.max(np.abs(np.asarray(fwd(res.params, c)) - np.asarray(fwd(pruned, c)))))
-    table = layer_table(res.structure, res.removal)
-    print(format_table(table))
-    p0, p1 = param_count(params), param_count(pruned)
-    print(f"\nprunable weights: {res.params_fraction:.1%} of the parameters and "
-          f"{res.flops_fraction:.1%} of the FLOPs removed; model parameters {p0} -> {p1} "
-          f"({p1 / p0:.3f}); max |masked - pruned| = {diff:.2e}")
-    report.update({"params_fraction": res.params_fraction, "flops_fraction": res.flops_fraction,
-                   "params_before": p0, "params_after": p1, "max_abs_diff_masked": diff,
-                   "prune_seconds": prune_s, "layers": table,
-                   "history": [{k: v for k, v in h.items() if k != "removed"}
-                               for h in res.history]})
-    report["pruned"] = evaluate(pruned, "the pruned model")
-    final = pruned
-    if args.finetune_steps:
-        tuned = pruned
-        if args.lora:
-            tuned = add_lora_to(pruned, rules, rank=args.lora,
-                                key=jax.random.PRNGKey(args.seed + 1))
-        status.say(f"fine-tuning {'LoRA updates of rank ' + str(args.lora) if args.lora else 'all'}"
-                   f" weights: {args.finetune_steps} steps")
-        opt = default_optimizer(learning_rate=args.lr, total_steps=args.finetune_steps,
-                                warmup_steps=args.finetune_steps // 20)
-        state, hist = fit(fam.loss(cfg), tuned, train_s, steps=args.finetune_steps,
-                          key=jax.random.PRNGKey(args.seed), batch_fn=batch_of, optimizer=opt,
-                          progress=not args.no_progress, desc="fine-tune")
-        final = full_params(state)
-        report["finetune_loss"] = [h["loss"] for h in hist]
-        report["finetuned"] = evaluate(final, "the fine-tuned model")
-    for stage in ("before", "pruned", "finetuned"):
-        if stage in report:
-            e = report[stage]
-            print(f"{stage:<10} val WQL {e['val']['wql']:.4f} MASE {e['val']['mase']:.4f}   "
-                  f"test WQL {e['test']['wql']:.4f} MASE {e['test']['mase']:.4f}")
-    if args.plots:
-        weights = [r for r in table if r["kind"] == "weight"]
-        with status.phase(f"plotting to {args.plots}"), outputs.marked_directory(
-                args.plots, kind="plots", overwrite=args.overwrite, who="prune") as tmp:
-            report["plots"] = plot(weights, report["history"], tmp)
-        print(f"wrote plots to {args.plots}")
-    if args.out:
-        from lowrank_jax.io import save_model
-
-        meta = {**src.metadata, "prune": report["settings"]}
-        with status.phase(f"saving to {args.out}"), outputs.writing_checkpoint(
-                args.out, overwrite=args.overwrite):
-            save_model(args.out, cfg, final, metadata=meta, overwrite=args.overwrite)
-        print(f"saved the pruned model to {args.out}")
-    if args.json:
-        written = outputs.write_report(args.json, report, command="prune",
-                                       inputs={"MODEL": args.params},
-                                       outputs=(args.out, args.plots))
-        print(f"wrote {written}")
-    return 0
+    outcome = run_prune(
+        args.params, target=args.target, flops_target=args.flops_target, data=args.data,
+        context_length=args.context_length, prune_steps=args.prune_steps,
+        batch_size=args.batch_size, alpha=args.alpha, schedule=args.schedule,
+        finetune_steps=args.finetune_steps, lr=args.lr, lora=args.lora, rules=args.rule,
+        eval_batches=args.eval_batches, seed=args.seed, family=args.family, out=args.out,
+        plots=args.plots, overwrite=args.overwrite,
+        status=Status("prune", bars=not args.no_progress))
+    return common.finish(outcome, args.json, command="prune", inputs={"MODEL": args.params},
+                         outputs_=(args.out, args.plots))
 
 
-__all__ = ["add_parser", "evaluate_windows", "format_table", "layer_key", "load_series", "plot",
-           "run", "short_name"]
+__all__ = ["add_parser", "run"]

@@ -16,43 +16,33 @@ lines, one per stage. stdout stays for the results (tables, summaries).
 from __future__ import annotations
 
 import contextlib
-import sys
 import threading
 import time
-from typing import Iterable, Iterator
+from typing import Iterator
 
-from lowrank_jax._progress import live, progress_bar
+from lowrank_jax._progress import live
+from lowrank_jax.recipes.progress import Lines
 
 
-class Status:
-    """Status lines and progress bars of one command.
+class Status(Lines):
+    """Status lines and progress bars of one command: the
+    :class:`~lowrank_jax.recipes.Progress` the command passes to its workflow.
 
     Args:
-      command: the subcommand's name (prefix of every line).
+      command: the subcommand's name (lines start with ``'lowrank-jax <command>: '``).
       bars: show progress: live lines and bars on a terminal, plain loop lines elsewhere
         (``False`` with ``--no-progress``).
       live_after: seconds a phase runs before its live elapsed-time line appears.
     """
 
     def __init__(self, command: str, *, bars: bool = True, live_after: float = 2.0):
+        super().__init__(f"lowrank-jax {command}", bars=bars)
         self.command = command
-        self.bars = bars
         self.live_after = live_after
 
-    @property
-    def stream(self):
-        return sys.stderr
-
-    def say(self, message: str) -> None:
-        """One status line on stderr."""
-        print(f"lowrank-jax {self.command}: {message}", file=self.stream, flush=True)
-
     @contextlib.contextmanager
-    def phase(self, message: str) -> Iterator[None]:
-        """Announce a phase, show the elapsed time while it runs (with bars on and stderr a
-        terminal), and report its duration when it ends without an error."""
-        self.say(f"{message} ...")
-        t0 = time.perf_counter()
+    def _meanwhile(self, message: str, t0: float) -> Iterator[None]:
+        """The live elapsed-time line of a phase (with bars on and stderr a terminal)."""
         stop = threading.Event()
         thread = None
         if self.bars and live(self.stream):
@@ -64,7 +54,6 @@ class Status:
             stop.set()
             if thread is not None:
                 thread.join()
-        self.say(f"{message}: done in {time.perf_counter() - t0:.1f} s")
 
     def _tick(self, message: str, t0: float, stop: threading.Event) -> None:
         from tqdm.auto import tqdm
@@ -79,14 +68,6 @@ class Status:
                 bar.refresh()
         finally:
             bar.close()
-
-    def bar(self, iterable: Iterable, *, desc: str, total: int | None = None,
-            unit: str = "it") -> Iterable:
-        """``iterable`` with a tqdm bar (time left estimated from the items done) on a
-        terminal, plain lines every 30 s elsewhere (:func:`lowrank_jax._progress.progress_bar`),
-        nothing with bars off."""
-        return progress_bar(iterable, desc=desc, total=total, unit=unit, enabled=self.bars,
-                            stream=self.stream)
 
 
 __all__ = ["Status"]

@@ -57,8 +57,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax.compress.candidates import ATTENTION, MLP
 from lowrank_jax.compress.empty import empty_row, is_empty
-from lowrank_jax.compress.registry import Context, register_method
+from lowrank_jax.compress.registry import Candidates, Context, register_method
 from lowrank_jax.compress.report import Row
 from lowrank_jax.compress.rules import Selection
 from lowrank_jax.compress.svd import truncatable, weight_matrix
@@ -188,8 +189,15 @@ def binarize(params: Any, selection: list[Selection], settings: dict,
 _dense = jax.jit(materialize)
 
 
+#: Frontier candidates: the MLP, and attention with the MLP, each keeping ``keep`` of the
+#: weights.
+CANDIDATES = Candidates(
+    groups=(("binarize mlp", MLP), ("binarize attn+mlp", ATTENTION + MLP)),
+    settings=lambda s, keep: {"keep": keep}, label="keep={keep:g}",
+    none="no attention or MLP projection it can binarize")
+
 register_method("binarize", binarize, settings=SETTINGS, overrides=OVERRIDES,
-                accepts=truncatable, validate=check_settings)
+                accepts=truncatable, validate=check_settings, candidates=CANDIDATES)
 
 __all__ = ["DEFAULTS", "OVERRIDES", "SETTINGS", "binarize", "binarize_leaf", "check_keep",
            "check_settings"]

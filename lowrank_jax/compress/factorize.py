@@ -172,7 +172,9 @@ def factorize(params: Any, selection: list[Selection], settings: dict, ctx: Cont
 
 
 register_method("factorize", factorize, settings=SETTINGS, overrides=OVERRIDES,
-                accepts=truncatable, validate=check_settings)
+                accepts=truncatable, validate=check_settings,
+                no_candidates="replaces weights by random factors (compressed pretraining, "
+                              "`lowrank-jax train`): meaningless without training")
 
 
 def factorize_init(params: Any, *, key, rules: Sequence = ATTENTION_QKVO,

@@ -32,7 +32,9 @@ Adding a method is a module with the function and one :func:`register_method` ca
     register_method("round", round_weights, settings=("decimals",))
 
 after which ``Step("round", ["mlp/"], {"decimals": 1})`` works in any plan and in JSON. (Dense
-drops the bias here; a real method keeps it with :func:`lowrank_jax.bias_of`.)
+drops the bias here; a real method keeps it with :func:`lowrank_jax.leaves.bias_of`.) The record
+also carries the method's frontier candidates (``candidates=``, a :class:`Candidates` or a
+function; :mod:`lowrank_jax.compress.candidates`), or why it has none (``no_candidates=``).
 """
 
 from __future__ import annotations
@@ -92,6 +94,73 @@ class Context:
 
 
 @dataclasses.dataclass(frozen=True)
+class Candidate:
+    """One compressed variant of a model, for the frontier.
+
+    Fields:
+      name: unique label (``'svd attn ratio=0.5'``).
+      group: the method or combination, for colors and grouping (``'svd attn'``).
+      keep: the strength: the fraction of the selected weights (or of their rank) kept.
+      plan: the :class:`~lowrank_jax.compress.Plan` that makes it.
+    """
+
+    name: str
+    group: str
+    keep: float
+    plan: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class CandidateSetting:
+    """What a method's candidates are made for.
+
+    Fields:
+      params: the dense model's parameters.
+      config: its config (``None`` for a bare tree).
+      strengths: the ``keep`` fractions to make candidates at.
+      prune_steps: pruning batches of a ``prune`` candidate (Algorithm 1's ``B``).
+      prune_data: the batch source a ``prune`` candidate scores channels on (``'builtin'``: the
+        family's own batches; or a name given to
+        :func:`lowrank_jax.compress.prune.register_batches`).
+    """
+
+    params: Any
+    config: Any
+    strengths: tuple[float, ...]
+    prune_steps: int = 8
+    prune_data: str = "builtin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidates:
+    """A method's frontier candidates declared as data: one one-step plan per group of rules
+    and strength (:func:`lowrank_jax.compress.candidates.method_candidates` makes them), and
+    the step a combination of methods takes from it
+    (:data:`lowrank_jax.compress.frontier.COMBINATIONS`).
+
+    Fields:
+      groups: ``((group, rules), ...)``: every group whose rules select a node the method
+        accepts gives one candidate per strength, named ``f"{group} {label}"``.
+      settings: ``settings(setting: CandidateSetting, keep: float) -> dict``: the step's
+        settings at strength ``keep`` (the fraction kept); may raise
+        :class:`~lowrank_jax.errors.NotApplicableError`.
+      label: the rest of a candidate's name, formatted with the settings and ``strength``
+        (``keep``) and ``removed`` (``1 - keep``): ``'ratio={ratio:g}'``.
+      check: ``check(setting) -> None``, raising
+        :class:`~lowrank_jax.errors.NotApplicableError` when the method cannot apply to the
+        model whatever the rules (``None``: no check).
+      none: the reason given when several groups all select nothing (one group gives the
+        rules' own reason).
+    """
+
+    groups: tuple[tuple[str, tuple], ...]
+    settings: Callable[[CandidateSetting, float], dict]
+    label: str
+    check: Callable[[CandidateSetting], None] | None = None
+    none: str = "no node this method accepts matches its rules"
+
+
+@dataclasses.dataclass(frozen=True)
 class Method:
     """A registered method.
 
@@ -106,6 +175,13 @@ class Method:
       validate: ``validate(settings) -> None``, raising
         :class:`~lowrank_jax.errors.PlanError` on bad values; run for every step before any
         step runs, so a bad setting in the last step fails before the first one works.
+      candidates: the method's frontier candidates (:func:`lowrank_jax.compress.frontier.
+        default_candidates`): a declared :class:`Candidates`, or a function
+        ``fn(setting: CandidateSetting) -> [Candidate]`` raising
+        :class:`~lowrank_jax.errors.NotApplicableError` when the method does not apply to the
+        model; ``None``: none.
+      no_candidates: why the method has no candidates by design (listed among the frontier's
+        skipped methods), or ``None``.
     """
 
     name: str
@@ -115,6 +191,8 @@ class Method:
     overrides: frozenset | None = None
     accepts: Callable[[Any], bool] | None = None
     validate: Callable[[dict], None] | None = None
+    candidates: Candidates | Callable[[CandidateSetting], list[Candidate]] | None = None
+    no_candidates: str | None = None
 
 
 _METHODS: dict[str, Method] = {}
@@ -124,7 +202,9 @@ def register_method(name: str, fn: Callable, *, selects: str = "weights",
                     settings: Iterable[str] | None = None,
                     overrides: Iterable[str] | None = None,
                     accepts: Callable[[Any], bool] | None = None,
-                    validate: Callable[[dict], None] | None = None) -> Method:
+                    validate: Callable[[dict], None] | None = None,
+                    candidates: Candidates | Callable | None = None,
+                    no_candidates: str | None = None) -> Method:
     """Register (or replace) a compression method.
 
     Args:
@@ -136,6 +216,9 @@ def register_method(name: str, fn: Callable, *, selects: str = "weights",
       overrides: setting names a rule may override (default: all of ``settings``).
       accepts: which nodes the method can take (rules only see those).
       validate: checks setting values before any step runs.
+      candidates: its frontier candidates: a :class:`Candidates` or a function
+        ``fn(setting: CandidateSetting) -> [Candidate]`` (:class:`Method`).
+      no_candidates: why it has none by design (shown by the frontier).
 
     Returns:
       The registered :class:`Method`.
@@ -147,11 +230,45 @@ def register_method(name: str, fn: Callable, *, selects: str = "weights",
     if selects not in KINDS:
         raise PlanError(f"register_method: {name}: selects must be one of {KINDS}, got "
                         f"{selects!r}", where=name, expected=KINDS, actual=selects)
+    _check_candidates(name, candidates, "register_method")
     settings = None if settings is None else frozenset(settings)
     overrides = settings if overrides is None else frozenset(overrides)
     m = Method(name=name, fn=fn, selects=selects, settings=settings, overrides=overrides,
-               accepts=accepts, validate=validate)
+               accepts=accepts, validate=validate, candidates=candidates,
+               no_candidates=no_candidates)
     _METHODS[name] = m
+    return m
+
+
+def _check_candidates(name: str, candidates: Any, where: str) -> None:
+    if candidates is not None and not (isinstance(candidates, Candidates) or callable(candidates)):
+        raise PlanError(f"{where}: {name}: candidates must be a Candidates or a function of a "
+                        f"CandidateSetting, got {candidates!r}", where=name,
+                        expected="Candidates or a callable", actual=candidates)
+
+
+def register_candidates(method: str, fn: Candidates | Callable) -> Method:
+    """Give a registered method frontier candidates (or replace them): the same as passing
+    ``candidates=`` to :func:`register_method`.
+
+    Args:
+      method: the registered method's name.
+      fn: a :class:`Candidates`, or ``fn(setting: CandidateSetting) -> [Candidate]`` raising
+        :class:`~lowrank_jax.errors.NotApplicableError` when the method does not apply to the
+        model.
+
+    Returns:
+      The updated :class:`Method`.
+
+    Raises:
+      PlanError: ``method`` is not registered, or ``fn`` is neither.
+    """
+    if fn is None:
+        raise PlanError(f"register_candidates: {method}: fn must be a Candidates or a callable, "
+                        "got None", where=method, expected="Candidates or a callable", actual=None)
+    _check_candidates(method, fn, "register_candidates")
+    m = dataclasses.replace(get_method(method), candidates=fn, no_candidates=None)
+    _METHODS[method] = m
     return m
 
 
@@ -169,4 +286,5 @@ def registered_methods() -> dict[str, Method]:
     return dict(_METHODS)
 
 
-__all__ = ["Context", "Method", "get_method", "register_method", "registered_methods"]
+__all__ = ["Candidate", "CandidateSetting", "Candidates", "Context", "Method", "get_method",
+           "register_candidates", "register_method", "registered_methods"]

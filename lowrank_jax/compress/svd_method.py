@@ -75,9 +75,10 @@ import numpy as np
 from lowrank_jax._progress import progress_bar
 from lowrank_jax.analysis import output_head_widths
 from lowrank_jax.compress.budget import allocate_energy, allocate_eps
+from lowrank_jax.compress.candidates import ATTENTION, MLP
 from lowrank_jax.compress.empty import empty_row, is_empty
 from lowrank_jax.compress.plan import Plan, Step, apply_plan
-from lowrank_jax.compress.registry import Context, register_method
+from lowrank_jax.compress.registry import Candidates, Context, register_method
 from lowrank_jax.compress.report import Report, Row
 from lowrank_jax.compress.rules import ATTENTION_QKVO, Selection
 from lowrank_jax.compress.svd import (
@@ -481,8 +482,14 @@ def svd(params: Any, selection: list[Selection], settings: dict, ctx: Context):
     return replace_paths(params, new), rows
 
 
+#: Frontier candidates: attention, MLP, and both, each at ``ratio = keep``.
+CANDIDATES = Candidates(
+    groups=(("svd attn", ATTENTION), ("svd mlp", MLP), ("svd attn+mlp", ATTENTION + MLP)),
+    settings=lambda s, keep: {"ratio": keep}, label="ratio={ratio:g}",
+    none="no attention or MLP projection it can truncate")
+
 register_method("svd", svd, settings=SETTINGS, overrides=OVERRIDES, accepts=truncatable,
-                validate=check_settings)
+                validate=check_settings, candidates=CANDIDATES)
 
 
 

@@ -10,7 +10,7 @@ it then computes ``W_mm x_m + sum_{m' != m} U~_{m,m'} y~_m' + b_m`` (eq. 33). On
 :class:`Partitioned` holds exactly that, in the library's orientation (``y = x @ W``) and in
 *machine order*: input feature ``j`` belongs to machine ``j // (d_in / M)`` and output feature
 ``i`` to machine ``i // (d_out / M)``. Which original outputs a machine computes (the paper's
-Algorithm 1) is decided by :mod:`lowrank_jax.compress.partition`, which permutes the hidden
+Algorithm 1) is decided by :mod:`lowrank_jax.compress.partitioning`, which permutes the hidden
 features of a block so that the machines' outputs become contiguous; the next layer's inputs
 are then already where they must be, and no permutation runs between layers.
 
@@ -358,7 +358,7 @@ class CompressedKeys(QK):
     "Partitioning Transformer Networks with Low Intercommunication", sec. III.A: every machine
     holds the queries and keys of its own tokens and sends, per key and head, the ``K``
     coefficients ``f(k) = U_h^T k`` (eq. 123) in an orthonormal basis ``U_h`` (from ``C_qk``,
-    eq. 135, or PCA of the keys, eq. 136: :mod:`lowrank_jax.compress.partition.keys`); the
+    eq. 135, or PCA of the keys, eq. 136: :mod:`lowrank_jax.compress.partitioning.keys`); the
     logits are estimated as ``g = (q^T U_h)(U_h^T k) + c_h`` (eq. 124, ``c_h`` the expected
     rest). With ``K = d_head`` and ``c = 0`` they are exact.
 

@@ -366,3 +366,8 @@ HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
 FAMILY = register_family(ModelFamily(
     name="bert", config_cls=BertConfig, init=init, apply=apply, sample_inputs=sample_inputs,
     primary_outputs=("logits", "last_hidden_state"), loss=loss, hf=HF_SPEC))
+
+
+__all__ = [
+    "BertConfig", "FAMILY", "apply", "embed", "init", "loss", "sample_inputs",
+]

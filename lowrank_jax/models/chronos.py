@@ -408,3 +408,11 @@ FAMILY = register_family(ModelFamily(
     sample_inputs=sample_inputs, primary_outputs=("logits",), token_outputs=True, loss=loss,
     forecast=forecast, forecast_levels=lambda cfg: LEVELS,
     batch_from_windows=batch_from_windows, hf=HF_SPEC))
+
+
+__all__ = [
+    "ChronosConfig", "FAMILY", "LEVELS", "apply", "batch_from_windows", "bin_boundaries",
+    "bin_centers", "context_input_transform", "embed", "forecast", "init",
+    "label_input_transform", "loss", "output_transform", "predict", "process_logits",
+    "sample_inputs", "sample_tokens",
+]

@@ -546,3 +546,10 @@ FAMILY = register_family(ModelFamily(
     forecast=forecast, forecast_levels=lambda cfg: tuple(cfg.quantiles),
     batch_from_windows=lambda cfg, context, target: {"context": context, "target": target},
     hf=HF_SPEC))
+
+
+__all__ = [
+    "ChronosBoltConfig", "FAMILY", "apply", "apply_residual_block", "decode", "encode",
+    "forecast", "init", "init_residual_block", "instance_norm", "loss", "patch", "predict",
+    "predict_quantiles", "sample_inputs",
+]

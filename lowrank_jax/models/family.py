@@ -49,6 +49,11 @@ class ModelFamily:
       hf: the Hugging Face mapping (:class:`lowrank_jax.models.hf.HFSpec`) or ``None``.
       init_state: stateful families: ``init_state(params, cfg) -> state`` (BatchNorm running
         statistics, ...); ``None`` for stateless ones.
+      batches: the family's own training batches, ``batches(cfg, *, batch_size, seed) ->
+        batches(j) -> batch`` (the ``j``-th batch, in the form ``loss`` expects): what the
+        ``prune`` method scores channels on with ``data='builtin'``. ``None``: a forecaster
+        (``batch_from_windows``) gets windows of the built-in series
+        (:func:`lowrank_jax.compress.prune.builtin_batches`), other families have none.
     """
 
     name: str
@@ -64,6 +69,7 @@ class ModelFamily:
     batch_from_windows: Callable[..., dict] | None = None
     hf: Any = None
     init_state: Callable[..., Any] | None = None
+    batches: Callable[..., Callable[[int], dict]] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

@@ -135,3 +135,9 @@ def sample_inputs(cfg: PatchEncoderConfig, rng: np.random.Generator, batch: int)
 FAMILY = register_family(ModelFamily(
     name="patch_encoder", config_cls=PatchEncoderConfig, init=init, apply=apply,
     sample_inputs=sample_inputs, primary_outputs=("last_hidden_state",)))
+
+
+__all__ = [
+    "FAMILY", "PatchEncoderConfig", "apply", "embed", "encode", "init", "patchify",
+    "sample_inputs",
+]

@@ -761,3 +761,10 @@ HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
 FAMILY = register_family(ModelFamily(
     name="t5", config_cls=T5Config, init=init, apply=apply, sample_inputs=sample_inputs,
     primary_outputs=("logits",), token_outputs=True, loss=loss, hf=HF_SPEC))
+
+
+__all__ = [
+    "FAMILY", "T5Config", "apply", "decode", "decode_loop", "decode_step", "encode", "generate",
+    "init", "init_cache", "lm_logits", "loss", "sample_inputs", "shift_right", "token_loss",
+    "warp_logits",
+]

@@ -573,3 +573,8 @@ HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
 FAMILY = register_family(ModelFamily(
     name="vit", config_cls=ViTConfig, init=init, apply=apply, sample_inputs=sample_inputs,
     primary_outputs=("logits", "last_hidden_state"), loss=loss, hf=HF_SPEC))
+
+
+__all__ = [
+    "FAMILY", "ViTConfig", "apply", "embed", "init", "loss", "patchify", "sample_inputs",
+]

@@ -160,7 +160,7 @@ def test_sbt_command_is_wired_into_lowrank_jax(tmp_path, capsys):
 
 
 def test_quick_demo_compiles_at_optimization_level_0_and_restores_the_flags(monkeypatch):
-    from lowrank_jax.cli.main import _quick_compile
+    from lowrank_jax.cli.demo_cmd import _quick_compile
 
     monkeypatch.delenv("XLA_FLAGS", raising=False)
     with _quick_compile(True):

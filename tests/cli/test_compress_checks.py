@@ -40,7 +40,7 @@ def model_ckpt(tmp_path_factory):
 @pytest.fixture
 def loader(monkeypatch):
     """The model loader, replaced by a recorder that fails."""
-    import lowrank_jax.cli.sources as sources
+    import lowrank_jax.recipes.sources as sources
 
     called = []
 

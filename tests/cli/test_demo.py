@@ -15,19 +15,19 @@ import jax
 import numpy as np
 import pytest
 
-import lowrank_jax.cli.demo as demo_mod
-from lowrank_jax.cli import outputs
+import lowrank_jax.recipes.demo as demo_mod
 from lowrank_jax.cli.main import main
-from lowrank_jax.cli.pretrain_demo import (
+from lowrank_jax.errors import ConfigError
+from lowrank_jax.models import chronos_bolt
+from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
+from lowrank_jax.models.t5 import T5Config
+from lowrank_jax.recipes import Outcome, outputs
+from lowrank_jax.recipes.pretrain_demo import (
     eval_windows,
     forecast_scores,
     make_forward,
     run_pretraining_demo,
 )
-from lowrank_jax.errors import ConfigError
-from lowrank_jax.models import chronos_bolt
-from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
-from lowrank_jax.models.t5 import T5Config
 from lowrank_jax.train import evaluate_forecaster
 from lowrank_jax.train.data import WindowConfig, WindowSampler
 
@@ -200,7 +200,7 @@ def fake_demo(fail: bool = False):
             paths.append(os.path.join(plots_dir, name))
         if fail:
             raise KeyboardInterrupt
-        return {"plots": paths, "rows": []}
+        return Outcome({"plots": paths, "rows": []})
     return run
 
 
@@ -262,9 +262,9 @@ def test_python_api_rejects_zero_steps():
 
 
 def test_json_is_strict_nan_written_as_null(tmp_path, monkeypatch):
-    monkeypatch.setattr(demo_mod, "run_demo", lambda **kw: {
+    monkeypatch.setattr(demo_mod, "run_demo", lambda **kw: Outcome({
         "rows": [{"method": "dense", "size_ratio": 1.0, "time_ratio": 1.0, "wql": float("nan"),
-                  "mase": float("inf")}]})
+                  "mase": float("inf")}]}))
     js = tmp_path / "demo.json"
     assert main(["demo", "--no-progress", "--json", str(js)]) == 0
     row = strict_json(js)["rows"][0]

@@ -11,7 +11,6 @@ import jax
 import numpy as np
 import pytest
 
-from lowrank_jax.cli import frontier_cmd
 from lowrank_jax.cli.main import main
 from lowrank_jax.cli.status import Status
 from lowrank_jax.compress import Plan, apply_plan
@@ -19,6 +18,7 @@ from lowrank_jax.compress.frontier import default_candidates
 from lowrank_jax.io import load_model, save_model
 from lowrank_jax.leaves import Leaf, named_leaves
 from lowrank_jax.models import ChronosBoltConfig, T5Config, chronos_bolt
+from lowrank_jax.recipes import frontier as frontier_mod
 
 BUDGET = 0.9
 
@@ -125,11 +125,11 @@ def test_frontier_and_budget_against_brute_force(run):
 
 def test_plots_and_table(run):
     _, report, out, stdout = run
-    for name in frontier_cmd.PLOTS:
+    for name in frontier_mod.PLOTS:
         with open(out / "plots" / name, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
     assert os.path.isfile(out / "plots" / "lowrank_jax_output.json")
-    assert report["plots"] == [os.path.join(str(out / "plots"), p) for p in frontier_cmd.PLOTS]
+    assert report["plots"] == [os.path.join(str(out / "plots"), p) for p in frontier_mod.PLOTS]
     head = "| candidate | size | params | FLOPs | XLA FLOPs | time | WQL | MASE | frontier |"
     table = stdout[stdout.index(head):].split("\n\n")[0].splitlines()
     assert len(table) == 2 + len(report["rows"])
@@ -170,8 +170,8 @@ def test_outputs_refused_before_any_work(tmp_path, model_dir, capsys):
 
 def test_demo_model_comes_from_the_cache(tmp_path, monkeypatch):
     """A cached checkpoint with the same recipe is loaded, not trained again."""
-    from lowrank_jax.cli.pretrain_demo import DEFAULT_STEPS
     from lowrank_jax.datasets import builtin_datasets
+    from lowrank_jax.recipes.pretrain_demo import DEFAULT_STEPS
 
     _, source = builtin_datasets()
     cfg = tiny_config()
@@ -185,21 +185,21 @@ def test_demo_model_comes_from_the_cache(tmp_path, monkeypatch):
         raise AssertionError("trained although the cache holds the model")
 
     monkeypatch.setattr("lowrank_jax.train.fit", no_training)
-    got_cfg, got, where = frontier_cmd.demo_model(quick=True, cache=str(tmp_path),
+    got_cfg, got, where = frontier_mod.demo_model(quick=True, cache=str(tmp_path),
                                                   status=Status("frontier", bars=False))
     assert where == str(path) and got_cfg == cfg
     for a, b in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(params),
                     strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     monkeypatch.setenv("LOWRANK_JAX_CACHE", "/some/where")
-    assert frontier_cmd.cache_dir() == "/some/where"
-    assert frontier_cmd.cache_dir("given") == "given"
+    assert frontier_mod.cache_dir() == "/some/where"
+    assert frontier_mod.cache_dir("given") == "given"
 
 
 def test_csv_data_and_prune_batches(tmp_path):
     """--data CSV: test windows per column (last 20 %), capped evenly; prune candidates draw
     train windows (first 70 %) of the same file through a registered batch source."""
-    from lowrank_jax.compress.prune.method import _SOURCES
+    from lowrank_jax.compress.prune.method import batch_source
 
     rng = np.random.default_rng(0)
     t = np.arange(400)
@@ -210,7 +210,7 @@ def test_csv_data_and_prune_batches(tmp_path):
     csv.write_text("date,a,b\n" + "".join(f"{d},{x},{y}\n" for d, x, y in zip(dates, a, b,
                                                                               strict=True)))
     cfg = tiny_config()
-    data, wcfg = frontier_cmd.forecast_data(cfg, str(csv), max_windows=6,
+    data, wcfg = frontier_mod.forecast_data(cfg, str(csv), max_windows=6,
                                             status=Status("frontier", bars=False))
     assert dict(data.groups) == {"a": (0, 3), "b": (3, 6)}
     # the test split is values 320..400: a window's target lies inside it, scaled by the mean
@@ -220,6 +220,6 @@ def test_csv_data_and_prune_batches(tmp_path):
                  if np.allclose(a[s - 32:s] / np.mean(np.abs(a[s - 32:s])), ctx, atol=1e-5))
     np.testing.assert_allclose(tgt, a[start:start + 8] / np.mean(np.abs(a[start - 32:start])),
                                atol=1e-5)
-    name = frontier_cmd.register_csv_batches(cfg, str(csv), wcfg, seed=0)
-    batch = _SOURCES[name](cfg, batch_size=4)(0)
+    name = frontier_mod.register_csv_batches(cfg, str(csv), wcfg, seed=0)
+    batch = batch_source(name)(cfg, batch_size=4)(0)
     assert batch["context"].shape == (4, 32) and batch["target"].shape == (4, 8)

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 import lowrank_jax as lj
-from lowrank_jax.cli import outputs
 from lowrank_jax.cli.main import main
 from lowrank_jax.io import files, is_checkpoint, load_params, save_model, save_params
+from lowrank_jax.recipes import outputs
 
 REPO = Path(lj.__file__).resolve().parents[1]
 
@@ -233,11 +233,11 @@ CASES = [
 @pytest.fixture
 def loaders(monkeypatch):
     """Every way a command starts its real work, replaced by a recorder that fails."""
-    import lowrank_jax.analysis.sbt_tasks as sbt_tasks
-    import lowrank_jax.cli.demo as demo
-    import lowrank_jax.cli.frontier_cmd as frontier_cmd
-    import lowrank_jax.cli.sources as sources
-    import lowrank_jax.cli.train_cmd as train_cmd
+    import lowrank_jax.recipes.demo as demo
+    import lowrank_jax.recipes.frontier as frontier
+    import lowrank_jax.recipes.sbt_tasks as sbt_tasks
+    import lowrank_jax.recipes.sources as sources
+    import lowrank_jax.recipes.train as train
 
     called = []
 
@@ -247,8 +247,8 @@ def loaders(monkeypatch):
             raise AssertionError(f"{name} was called before the outputs were checked")
         return loader
 
-    for mod, name in ((sources, "load_source"), (demo, "_run_demo"), (frontier_cmd, "demo_model"),
-                      (sbt_tasks, "load_classification_data"), (train_cmd, "build_model_config")):
+    for mod, name in ((sources, "load_source"), (demo, "_run_demo"), (frontier, "demo_model"),
+                      (sbt_tasks, "load_classification_data"), (train, "build_model_config")):
         monkeypatch.setattr(mod, name, recorder(name))
     return called
 

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import lowrank_jax as lj
-from lowrank_jax.cli import outputs
 from lowrank_jax.cli.main import main
 from lowrank_jax.io import is_checkpoint, load_params, save_params
 from lowrank_jax.io.files import temp_path
+from lowrank_jax.recipes import outputs
 
 
 def tiny_params(seed=0, d=16):

@@ -11,11 +11,12 @@ import pytest
 
 import lowrank_jax as lj
 from lowrank_jax.cli.main import main
-from lowrank_jax.cli.train_cmd import build_model_config, load_train_config, run_train
 from lowrank_jax.errors import ConfigError, OutputExistsError
 from lowrank_jax.io import load_model
 from lowrank_jax.io.files import temp_path
 from lowrank_jax.models import chronos, chronos_bolt
+from lowrank_jax.recipes.train import run_train
+from lowrank_jax.recipes.train_config import build_model_config, load_train_config
 from lowrank_jax.train import (
     Checkpointer,
     init_train_state,

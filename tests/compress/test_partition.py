@@ -9,8 +9,8 @@ import pytest
 from scipy.optimize import linear_sum_assignment
 
 import lowrank_jax as lj
-from lowrank_jax.compress import partition as pt
-from lowrank_jax.compress.partition import counts as ct
+from lowrank_jax.compress import partitioning as pt
+from lowrank_jax.compress.partitioning import counts as ct
 from lowrank_jax.errors import ConfigError, ShapeError
 
 

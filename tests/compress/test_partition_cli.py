@@ -11,7 +11,7 @@ import pytest
 
 import lowrank_jax as lj
 from lowrank_jax.cli import partition_cmd
-from lowrank_jax.compress.partition import counts as ct
+from lowrank_jax.compress.partitioning import counts as ct
 from lowrank_jax.errors import OutputExistsError
 
 

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from lowrank_jax.compress import partition as pt
+from lowrank_jax.compress import partitioning as pt
 from lowrank_jax.errors import ConfigError, ShapeError
 
 

@@ -13,7 +13,7 @@ from jax.sharding import Mesh
 
 import lowrank_jax as lj
 from lowrank_jax import nn, train
-from lowrank_jax.compress.partition import collective_bytes, format_collectives
+from lowrank_jax.compress.partitioning import collective_bytes, format_collectives
 from lowrank_jax.errors import PlanError
 from lowrank_jax.leaves import Partitioned, get_path
 

@@ -213,7 +213,7 @@ def test_compressed_keys_split_tokens_over_machines():
     x = np.random.default_rng(2).normal(size=(2, 8, 12)).astype(np.float32)
     single = np.asarray(lj.attention_logits(ck, x, x))
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
-    from lowrank_jax.compress.partition import collective_bytes
+    from lowrank_jax.compress.partitioning import collective_bytes
 
     fn = jax.jit(lambda c, x: lj.attention_logits(c, x, x))
     with jax.set_mesh(mesh):

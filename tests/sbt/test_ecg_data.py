@@ -9,7 +9,7 @@ import pytest
 
 pytest.importorskip("aeon")
 
-from lowrank_jax.analysis.sbt_tasks import load_anomaly_data  # noqa: E402
+from lowrank_jax.recipes.sbt_tasks import load_anomaly_data  # noqa: E402
 
 
 def test_ecg_train_is_anomaly_free_and_test_holds_the_labels():

@@ -30,8 +30,8 @@ from jax.sharding import Mesh  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from test_distributed import model, optimizer, sampler  # noqa: E402
 
-from lowrank_jax.cli.train_cmd import run_train  # noqa: E402
 from lowrank_jax.leaves import path_str  # noqa: E402
+from lowrank_jax.recipes.train import run_train  # noqa: E402
 from lowrank_jax.train import Checkpointer, ProcessPart, fit, full_params  # noqa: E402
 
 assert jax.process_count() == n and len(jax.local_devices()) == 1

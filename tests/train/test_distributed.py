@@ -22,10 +22,10 @@ import numpy as np
 import optax
 import pytest
 
-from lowrank_jax.cli.train_cmd import run_train
 from lowrank_jax.io import load_model
 from lowrank_jax.leaves import init_dense, init_lowrank, linear, path_str
 from lowrank_jax.models import chronos_bolt
+from lowrank_jax.recipes.train import run_train
 from lowrank_jax.train import (
     Checkpointer,
     WindowConfig,

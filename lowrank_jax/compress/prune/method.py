@@ -8,9 +8,11 @@ physically, so that pruning composes with ``svd`` and binarization in one plan (
 loses channels through the leaf protocol). Without ``target`` the step only removes what the
 masks of already masked weights (:class:`~lowrank_jax.leaves.ChannelMasked`) say.
 
-Plans are JSON data, so batches come from a *named source*: ``'builtin'`` (forecasting
-families: windows of the real series shipped with aeon, taken from the first 70 % of each series
-in time, so that later data stays unseen) or any name given to :func:`register_batches`.
+Plans are JSON data, so batches come from a *named source*: ``'builtin'``, the family's own
+(its record's :attr:`~lowrank_jax.models.ModelFamily.batches`; a forecasting family without
+one gets windows of the real series shipped with aeon, taken from the first 70 % of each series
+in time, so that later data stays unseen, :func:`builtin_batches`), or any name given to
+:func:`register_batches` (data that is not a family's own: a held-out set, a CSV file).
 
 ``Step("lora", rules, {"rank": 8})`` puts a trainable low-rank update on the selected weights
 (:func:`~lowrank_jax.leaves.add_lora`; the base weights are frozen).
@@ -26,11 +28,11 @@ import numpy as np
 
 from lowrank_jax.compress.empty import empty_row, is_empty
 from lowrank_jax.compress.prune.algorithm import MEASURES, SCHEDULES, progressive_prune
-from lowrank_jax.compress.prune.api import layer_table, token_counts
+from lowrank_jax.compress.prune.api import DEFAULT_RULES, layer_table, token_counts
 from lowrank_jax.compress.prune.structure import Structure, check_removal
-from lowrank_jax.compress.registry import register_method
+from lowrank_jax.compress.registry import Candidates, CandidateSetting, register_method
 from lowrank_jax.compress.report import Row
-from lowrank_jax.errors import ConfigError, DataError, PlanError
+from lowrank_jax.errors import ConfigError, DataError, NotApplicableError, PlanError
 from lowrank_jax.leaves import get_path, replace_paths
 from lowrank_jax.leaves.channel_masked import is_channel_masked, mask_leaf
 from lowrank_jax.leaves.lora import add_lora
@@ -39,22 +41,73 @@ SETTINGS = ("target", "by", "steps", "batch_size", "alpha", "schedule", "data", 
 DEFAULTS = {"by": "params", "steps": 20, "batch_size": 32, "alpha": 0.5, "schedule": "cubic",
             "data": "builtin", "seed": 0}
 
+#: The batch source that is the family's own.
+BUILTIN = "builtin"
 _SOURCES: dict[str, Callable] = {}
 
 
 def register_batches(name: str, make: Callable) -> None:
-    """Register a batch source for the ``prune`` method's ``data`` setting.
+    """Register a named batch source for the ``prune`` method's ``data`` setting: data that is
+    not a family's own (a family declares its own batches in its record,
+    :attr:`~lowrank_jax.models.ModelFamily.batches`, used by ``data='builtin'``).
 
     Args:
-      name: the name plans use.
+      name: the name plans use (not ``'builtin'``).
       make: ``make(config, *, batch_size, seed) -> batches`` with ``batches(j)`` the ``j``-th
         batch (a dict of ``[batch_size, ...]`` arrays the family's loss takes).
+
+    Raises:
+      PlanError: an empty name, ``'builtin'``, or ``make`` not callable.
     """
     if not isinstance(name, str) or not name:
         raise PlanError(f"register_batches: name must be a non-empty string, got {name!r}")
+    if name == BUILTIN:
+        raise PlanError("register_batches: 'builtin' names the family's own batches; give them "
+                        "in its record (ModelFamily(..., batches=make)) or pick another name",
+                        where="name", expected="a name other than 'builtin'", actual=name)
     if not callable(make):
         raise PlanError(f"register_batches: {name}: make must be callable")
     _SOURCES[name] = make
+
+
+def batch_sources() -> list[str]:
+    """The names ``data`` may take: ``'builtin'`` and every registered source."""
+    return [BUILTIN, *sorted(_SOURCES)]
+
+
+def batch_source(name: str) -> Callable:
+    """The batch source ``name``: ``make(config, *, batch_size, seed) -> batches``.
+
+    ``'builtin'`` is the family's own: :attr:`~lowrank_jax.models.ModelFamily.batches` when its
+    record has them, else, for a forecaster, :func:`builtin_batches`.
+
+    Raises:
+      PlanError: no such source (listing the known ones).
+    """
+    if name == BUILTIN:
+        return _family_batches
+    if name not in _SOURCES:
+        raise PlanError(f"prune: unknown batch source {name!r}; known: {batch_sources()} "
+                        "(register_batches adds one)", where="data", expected=batch_sources(),
+                        actual=name)
+    return _SOURCES[name]
+
+
+def has_builtin_batches(config: Any) -> bool:
+    """Whether the family of ``config`` has batches of its own (``data='builtin'``)."""
+    from lowrank_jax.models import family_of
+
+    fam = family_of(config)
+    return fam.batches is not None or fam.batch_from_windows is not None
+
+
+def _family_batches(config: Any, *, batch_size: int, seed: int = 0) -> Callable:
+    from lowrank_jax.models import family_of
+
+    fam = family_of(config)
+    if fam.batches is not None:
+        return fam.batches(config, batch_size=batch_size, seed=seed)
+    return builtin_batches(config, batch_size=batch_size, seed=seed)
 
 
 @functools.lru_cache(maxsize=1)
@@ -89,8 +142,9 @@ def builtin_batches(config: Any, *, batch_size: int, seed: int = 0,
     fam = family_of(config)
     if fam.batch_from_windows is None:
         raise DataError(f"prune: data='builtin' holds time series, for forecasting families; "
-                        f"{fam.name!r} needs its own batches (register_batches)", where="data",
-                        expected="a forecasting family", actual=fam.name)
+                        f"{fam.name!r} needs its own batches (ModelFamily(..., batches=) or "
+                        "register_batches)", where="data", expected="a forecasting family",
+                        actual=fam.name)
     ctx = int(min(config.context_length, max_context))
     horizon = int(config.prediction_length)
     parts = [s[: int(round(s.size * train_fraction))] for s in _builtin_series()]
@@ -114,9 +168,6 @@ def builtin_batches(config: Any, *, batch_size: int, seed: int = 0,
 
     return batches
 
-
-register_batches("builtin", lambda config, *, batch_size, seed: builtin_batches(
-    config, batch_size=batch_size, seed=seed))
 
 
 def _check_settings(s: Mapping) -> None:
@@ -142,7 +193,7 @@ def _check_settings(s: Mapping) -> None:
                         where="schedule", expected=SCHEDULES, actual=s.get("schedule"))
     if not isinstance(s.get("data", "builtin"), str):
         raise PlanError(f"prune: data must be the name of a batch source, got {s.get('data')!r}",
-                        where="data", expected=sorted(_SOURCES), actual=s.get("data"))
+                        where="data", expected=batch_sources(), actual=s.get("data"))
 
 
 def prune(params, selection, settings, ctx):
@@ -177,12 +228,8 @@ def prune(params, selection, settings, ctx):
         if fam.loss is None:
             raise PlanError(f"prune: family {fam.name!r} has no default loss to score channels",
                             where="config")
-        if s["data"] not in _SOURCES:
-            raise PlanError(f"prune: unknown batch source {s['data']!r}; known: "
-                            f"{sorted(_SOURCES)} (register_batches adds one)", where="data",
-                            expected=sorted(_SOURCES), actual=s["data"])
-        batches = _SOURCES[s["data"]](config, batch_size=int(s["batch_size"]),
-                                      seed=int(s["seed"]))
+        batches = batch_source(s["data"])(config, batch_size=int(s["batch_size"]),
+                                          seed=int(s["seed"]))
         masked = replace_paths(params, {sel.path: mask_leaf(sel.node) for sel in selection
                                         if not is_channel_masked(sel.node)})
         tokens = token_counts(config, params)
@@ -279,8 +326,45 @@ def _validate_lora(settings):
                         expected="> 0", actual=a)
 
 
-register_method("prune", prune, settings=SETTINGS, overrides=(), validate=_validate)
-register_method("lora", lora, settings=("rank", "alpha"), overrides=("rank", "alpha"),
-                validate=_validate_lora)
+def check_prunable(setting: CandidateSetting) -> None:
+    """Whether a ``prune`` candidate can run on the model: a config whose family has a loss,
+    and batches from the setting's source.
 
-__all__ = ["DEFAULTS", "SETTINGS", "builtin_batches", "lora", "prune", "register_batches"]
+    Raises:
+      NotApplicableError: saying which is missing.
+    """
+    if setting.config is None:
+        raise NotApplicableError("needs a model config (its loss scores the channels)",
+                                 where="config")
+    from lowrank_jax.models import family_of
+
+    fam = family_of(setting.config)
+    if fam.loss is None:
+        raise NotApplicableError(f"family {fam.name!r} has no default loss to score channels",
+                                 where="config")
+    if setting.prune_data == BUILTIN and not has_builtin_batches(setting.config):
+        raise NotApplicableError(f"its built-in batches are series windows; family {fam.name!r} "
+                                 "is not a forecaster (ModelFamily(..., batches=) or "
+                                 "register_batches gives it batches)", where="data")
+
+
+def _candidate_settings(setting: CandidateSetting, keep: float) -> dict:
+    return {"target": round(1.0 - keep, 6), "steps": setting.prune_steps, "batch_size": 16,
+            "data": setting.prune_data}
+
+
+#: Frontier candidates: attention and MLP channels, removing ``1 - keep`` of the prunable
+#: parameters.
+CANDIDATES = Candidates(groups=(("prune", DEFAULT_RULES),), settings=_candidate_settings,
+                        label="target={removed:g}", check=check_prunable)
+
+register_method("prune", prune, settings=SETTINGS, overrides=(), validate=_validate,
+                candidates=CANDIDATES)
+register_method("lora", lora, settings=("rank", "alpha"), overrides=("rank", "alpha"),
+                validate=_validate_lora,
+                no_candidates="adds trainable low-rank updates (for fine-tuning): a larger model, "
+                              "not a smaller one")
+
+__all__ = ["BUILTIN", "CANDIDATES", "DEFAULTS", "SETTINGS", "batch_source", "batch_sources",
+           "builtin_batches", "check_prunable", "has_builtin_batches", "lora", "prune",
+           "register_batches"]

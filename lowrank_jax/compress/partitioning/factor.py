@@ -26,7 +26,7 @@ import numbers
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.compress.partition.assign import (
+from lowrank_jax.compress.partitioning.assign import (
     assign,
     block_energy,
     check_assignment,

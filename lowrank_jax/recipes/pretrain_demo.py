@@ -26,8 +26,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.analysis import eps_rank_from_sv, singular_values
-from lowrank_jax.cli import outputs
-from lowrank_jax.cli.status import Status
 from lowrank_jax.compress import ATTENTION_QKVO, compress, factorize_init, power_schedule
 from lowrank_jax.datasets import builtin_datasets
 from lowrank_jax.errors import ConfigError
@@ -36,6 +34,9 @@ from lowrank_jax.losses import geometric_mean_relative, mase, wql
 from lowrank_jax.models import chronos_bolt
 from lowrank_jax.models.chronos_bolt import ChronosBoltConfig
 from lowrank_jax.models.t5 import T5Config
+from lowrank_jax.recipes import outputs
+from lowrank_jax.recipes.outcome import Outcome
+from lowrank_jax.recipes.progress import Progress, lines
 from lowrank_jax.train import fit, full_params
 from lowrank_jax.train.data import WindowConfig, WindowSampler
 
@@ -222,28 +223,30 @@ def run_pretraining_demo(
     plots_dir: str | None = None,
     progress: bool = True,
     datasets: tuple[dict, str] | None = None,
-    status: Status | None = None,
+    status: Progress | None = None,
     overwrite: bool = False,
     plots_into: str | None = None,
-) -> dict:
-    """Run the comparison, print its table, return rows and details as a JSON-able dict.
+) -> Outcome:
+    """Run the comparison; return its rows and details, and its table as lines.
 
     Args:
       quick: the 2 + 1 layer model, 40 steps by default, fewer timing runs.
       steps: training steps per pretrained model (an int >= 1; default 600, quick 40).
       seed: seeds the initializations, the training batches' order and the factor draws.
-      plots_dir: also save plots there, as :func:`lowrank_jax.cli.demo.run_demo` does
+      plots_dir: also save plots there, as :func:`lowrank_jax.recipes.run_demo` does
         (checked first, written whole at the end, never over what lowrank-jax did not write).
       progress: tqdm bars for training.
       datasets: ``builtin_datasets()``'s result, if already loaded.
-      status: where status lines go (default: ``Status('demo', bars=progress)``, on stderr).
+      status: progress reporting (default: status lines on stderr, bars as ``progress``
+        says).
       overwrite: replace ``plots_dir`` if it is a previous lowrank-jax plots directory.
       plots_into: instead of ``plots_dir``, an existing directory the plots are simply written
         into (the demo's own temporary plots directory).
 
     Returns:
       ``{'rows': [{'method', 'size_ratio', 'time_ratio', 'wql', 'mase', ...}], ...}`` with
-      ``wql`` / ``mase`` the geometric means over datasets relative to the dense model.
+      ``wql`` / ``mase`` the geometric means over datasets relative to the dense model; the
+      training lines and the table as :attr:`~lowrank_jax.recipes.Outcome.lines`.
 
     Raises:
       ConfigError: ``steps`` or ``seed`` out of range, ``plots_dir`` not writable.
@@ -256,7 +259,8 @@ def run_pretraining_demo(
                           where="plots_into", expected="one of them", actual="both")
     if plots_dir:
         outputs.check_plots_out(plots_dir, {}, overwrite=overwrite)
-    status = status if status is not None else Status("demo", bars=progress)
+    status = lines(status, "demo", bars=progress)
+    text: list[str] = []
     t_start = time.perf_counter()
     cfg = demo_config(quick)
     steps = steps if steps is not None else DEFAULT_STEPS[bool(quick)]
@@ -274,11 +278,11 @@ def run_pretraining_demo(
     windows = eval_windows(groups, wcfg)  # Chronos-style: scores per dataset
     n_test = len(windows.context)
     t5 = cfg.t5
-    print("\n== Pretraining compressed Chronos-Bolt models (Understanding Transformers for Time "
-          "Series, sec. 5) ==")
-    print(f"model: Chronos-Bolt, {t5.num_layers}+{t5.num_decoder_layers} layers, d_model "
-          f"{t5.d_model}, {t5.num_heads} heads; seed {seed}")
-    print(
+    text.append("\n== Pretraining compressed Chronos-Bolt models (Understanding Transformers for "
+                "Time Series, sec. 5) ==")
+    text.append(f"model: Chronos-Bolt, {t5.num_layers}+{t5.num_decoder_layers} layers, d_model "
+                f"{t5.d_model}, {t5.num_heads} heads; seed {seed}")
+    text.append(
         f"data: {source}; {train.num_windows} train / {n_test} test windows of "
         f"{cfg.context_length} -> {cfg.prediction_length}; {steps} steps of batch 64 each"
     )
@@ -301,8 +305,7 @@ def run_pretraining_demo(
         seconds = time.perf_counter() - t0
         training[name] = {"steps_run": len(hist), "final_loss": hist[-1]["loss"],
                           "seconds": seconds}
-        print(f"  trained {name:<26} final loss {hist[-1]['loss']:.4f} ({seconds:.0f} s)",
-              flush=True)
+        text.append(f"  trained {name:<26} final loss {hist[-1]['loss']:.4f} ({seconds:.0f} s)")
         return full_params(state)
 
     # compressed-by-design models at the same budget: flow-of-ranks vs uniform
@@ -350,8 +353,8 @@ def run_pretraining_demo(
         tratio = _time_ratios(fwd, variants, windows.context[:EVAL_BATCH], runs=runs)
 
     datasets_used = sorted(windows.spans)
-    print(f"\n  {'method':<38} {'size':>6} {'time':>6} {'WQL':>7} {'MASE':>7}   (relative to dense; "
-          f"WQL, MASE: geometric mean over {len(datasets_used)} datasets)")
+    text.append(f"\n  {'method':<38} {'size':>6} {'time':>6} {'WQL':>7} {'MASE':>7}   (relative "
+                f"to dense; WQL, MASE: geometric mean over {len(datasets_used)} datasets)")
 
     def rel(name, metric):
         return geometric_mean_relative(
@@ -375,19 +378,19 @@ def run_pretraining_demo(
         }
         rows.append(row)
         note = "  (every matrix kept dense: factors would be larger)" if name in same_as_dense else ""
-        print(
+        text.append(
             f"  {name:<38} {row['size_ratio']:>6.3f} {row['time_ratio']:>6.3f} "
             f"{row['wql']:>7.3f} {row['mase']:>7.3f}{note}"
         )
     base = scores["dense"]["pooled"]
-    print(f"  dense, all {base['n_windows']} test windows pooled: WQL {base['wql']:.4f}, "
-          f"MASE {base['mase']:.4f}; size = parameters of the attention matrices; time = "
-          f"median of interleaved forward calls on {EVAL_BATCH} windows")
-    print("  One seed: differences of a few percent between the pretrained rows are within the "
-          "seed-to-seed spread (the README reports mean and spread over 3 seeds).")
+    text.append(f"  dense, all {base['n_windows']} test windows pooled: WQL {base['wql']:.4f}, "
+                f"MASE {base['mase']:.4f}; size = parameters of the attention matrices; time = "
+                f"median of interleaved forward calls on {EVAL_BATCH} windows")
+    text.append("  One seed: differences of a few percent between the pretrained rows are within "
+                "the seed-to-seed spread (the README reports mean and spread over 3 seeds).")
 
     ranks = _layer_ranks(dense)
-    out = {
+    out = Outcome({
         "rows": rows,
         "config": {"encoder_layers": t5.num_layers, "decoder_layers": t5.num_decoder_layers,
                    "d_model": t5.d_model, "num_heads": t5.num_heads, "d_ff": t5.d_ff,
@@ -402,7 +405,8 @@ def run_pretraining_demo(
         "uniform_rank": r_uni,
         "dense_layer_eps_rank": ranks["eps_rank"],
         "seconds": time.perf_counter() - t_start,
-    }
+    }, lines=text)
+    text = out.lines
     if plots_into:
         out["plots"] = _plots(plots_into, ranks, rows)
     elif plots_dir:
@@ -410,7 +414,7 @@ def run_pretraining_demo(
                                       who="demo") as tmp:
             names = [os.path.basename(p) for p in _plots(tmp, ranks, rows)]
         out["plots"] = [os.path.join(plots_dir, n) for n in names]
-        print(f"wrote {len(names)} plots to {plots_dir}: {', '.join(names)}")
+        text.append(f"wrote {len(names)} plots to {plots_dir}: {', '.join(names)}")
     return out
 
 
@@ -463,3 +467,8 @@ def _plots(plots_dir: str, ranks: dict, rows: list[dict]) -> list[str]:
     plt.close(fig)
     paths.append(path)
     return paths
+
+
+__all__ = ["DEFAULT_STEPS", "EVAL_BATCH", "QUANTILES", "SVD_EPS", "EvalWindows", "check_seed",
+           "check_steps", "demo_config", "eval_windows", "forecast_scores", "make_forward",
+           "run_pretraining_demo"]

@@ -21,8 +21,8 @@ on a mesh); this package decides and measures it:
   ``compress_keys`` plan method (:class:`~lowrank_jax.leaves.partitioned.CompressedKeys`).
 """
 
-from lowrank_jax.compress.partition import counts
-from lowrank_jax.compress.partition.assign import (
+from lowrank_jax.compress.partitioning import counts
+from lowrank_jax.compress.partitioning.assign import (
     ASSIGNMENTS,
     algorithm1,
     algorithm1_literal,
@@ -34,8 +34,8 @@ from lowrank_jax.compress.partition.assign import (
     machine_order,
     machine_traces,
 )
-from lowrank_jax.compress.partition.bounds import error_terms
-from lowrank_jax.compress.partition.factor import (
+from lowrank_jax.compress.partitioning.bounds import error_terms
+from lowrank_jax.compress.partitioning.factor import (
     Decomposition,
     decompose,
     full_svd_matrix,
@@ -43,16 +43,16 @@ from lowrank_jax.compress.partition.factor import (
     relative_output_errors,
     svd_method_matrix,
 )
-from lowrank_jax.compress.partition.hlo import Collective, collective_bytes, format_collectives
-from lowrank_jax.compress.partition.keys import (
+from lowrank_jax.compress.partitioning.hlo import Collective, collective_bytes, format_collectives
+from lowrank_jax.compress.partitioning.keys import (
     KeyBasis,
     c_k,
     c_qk,
     key_basis,
     relative_logit_errors,
 )
-from lowrank_jax.compress.partition.keys_method import compress_keys
-from lowrank_jax.compress.partition.method import partition, partition_weights
+from lowrank_jax.compress.partitioning.keys_method import compress_keys
+from lowrank_jax.compress.partitioning.method import partition, partition_weights
 
 __all__ = [
     "ASSIGNMENTS", "Collective", "Decomposition", "KeyBasis", "algorithm1", "algorithm1_literal",

@@ -1,7 +1,7 @@
-"""What the ``lowrank-jax`` commands read: lowrank_jax checkpoints and Hugging Face directories
-(and the ``--rule`` path rules that select weights in them).
+"""What the workflows (and the ``lowrank-jax`` commands) read: lowrank_jax checkpoints and
+Hugging Face directories (and the ``--rule`` path rules that select weights in them).
 
-``analyze``, ``compress`` and ``export`` take either
+``analyze``, ``compress``, ``export``, ``prune``, ``partition`` and ``frontier`` take either
 
 * a lowrank_jax checkpoint (``tree.json`` + ``arrays/``, :func:`lowrank_jax.io.save_params` or
   :func:`lowrank_jax.io.save_model`; 0.1 model checkpoints are upgraded on load), or
@@ -20,10 +20,10 @@ import dataclasses
 import os
 from typing import Any
 
-from lowrank_jax.cli.status import Status
 from lowrank_jax.convert.files import CONFIG_NAME, INDEX_NAME, TORCH_NAME, WEIGHTS_NAME
 from lowrank_jax.errors import ConfigError, LowrankJaxError
 from lowrank_jax.io import TREE_FILE
+from lowrank_jax.recipes.progress import Progress
 
 WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, TORCH_NAME)
 
@@ -99,7 +99,7 @@ def _name_argument(e: LowrankJaxError, label: str, path: str) -> None:
     e.args = (prefix + text,)
 
 
-def load_source(path: str | os.PathLike, *, status: Status, family: str | None = None,
+def load_source(path: str | os.PathLike, *, status: Progress, family: str | None = None,
                 huggingface: bool = False, label: str = "MODEL") -> Source:
     """Load a lowrank_jax checkpoint or a Hugging Face directory (module docstring).
 
@@ -127,7 +127,7 @@ def load_source(path: str | os.PathLike, *, status: Status, family: str | None =
         raise
 
 
-def _load(path: str, *, status: Status, family: str | None, huggingface: bool) -> Source:
+def _load(path: str, *, status: Progress, family: str | None, huggingface: bool) -> Source:
     if huggingface or is_hf_directory(path):
         from lowrank_jax.convert import load_pretrained
 

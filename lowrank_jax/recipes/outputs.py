@@ -326,6 +326,21 @@ def check_plots_out(path: str | os.PathLike, inputs: Mapping[str, str | os.PathL
                      what="a previous lowrank-jax plots directory", flag=flag)
 
 
+def check_outputs(inputs: Mapping[str, str | os.PathLike | None], *,
+                  out: str | os.PathLike | None = None, plots: str | os.PathLike | None = None,
+                  json_path: str | os.PathLike | None = None, overwrite: bool = False) -> None:
+    """Refuse, before any work, the usual outputs of a command: a checkpoint (``--out``:
+    :func:`check_checkpoint_out`), a plots directory (``--plots``: :func:`check_plots_out`) and
+    a JSON report (``--json``: :func:`check_report_path`, which may not lie inside the other
+    two); ``None`` skips one."""
+    if out:
+        check_checkpoint_out(out, inputs, overwrite=overwrite)
+    if plots:
+        check_plots_out(plots, inputs, overwrite=overwrite)
+    if json_path:
+        check_report_path(json_path, inputs, (out, plots))
+
+
 @contextlib.contextmanager
 def marked_directory(path: str | os.PathLike, *, kind: str, overwrite: bool, who: str,
                      info: Mapping | None = None, flag: str = "--plots") -> Iterator[str]:
@@ -506,7 +521,8 @@ def write_report(path: str | os.PathLike, obj: Mapping, *, command: str,
     return path
 
 
-__all__ = ["MARKER", "REPORT_KEY", "check_checkpoint_out", "check_output_dir", "check_parent",
-           "check_plots_out", "check_report_path", "check_separate", "check_writable",
+__all__ = ["MARKER", "REPORT_KEY", "check_checkpoint_out", "check_output_dir", "check_outputs",
+           "check_parent", "check_plots_out", "check_report_path", "check_separate",
+           "check_writable",
            "describe", "is_report", "json_safe", "marked_directory", "owned_by", "read_marker",
            "write_report", "writing", "writing_checkpoint"]

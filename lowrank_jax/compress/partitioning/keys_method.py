@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.compress.empty import empty_row, is_empty
-from lowrank_jax.compress.partition.keys import METHODS, PAIRS, key_basis
+from lowrank_jax.compress.partitioning.keys import METHODS, PAIRS, key_basis
 from lowrank_jax.compress.registry import Context, register_method
 from lowrank_jax.compress.report import Row
 from lowrank_jax.compress.rules import Selection
@@ -140,6 +140,8 @@ def compress_keys(params: Any, selection: list[Selection], settings: dict,
 
 
 register_method("compress_keys", compress_keys, selects="qk", settings=SETTINGS,
-                overrides=OVERRIDES, validate=validate)
+                overrides=OVERRIDES, validate=validate,
+                no_candidates="splits attention over machines by tokens: it saves "
+                              "communication, not one device's size or time")
 
 __all__ = ["OVERRIDES", "SETTINGS", "compress_keys", "validate"]

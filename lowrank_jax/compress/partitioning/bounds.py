@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from lowrank_jax.compress.partition.factor import Decomposition
+from lowrank_jax.compress.partitioning.factor import Decomposition
 from lowrank_jax.errors import ShapeError
 
 
@@ -28,7 +28,7 @@ def error_terms(dec: Decomposition, rank: int, x) -> dict[str, np.ndarray]:
     """Every quantity of eqs. 80-94 for each input sample.
 
     Args:
-      dec: the weight's :class:`~lowrank_jax.compress.partition.factor.Decomposition`.
+      dec: the weight's :class:`~lowrank_jax.compress.partitioning.factor.Decomposition`.
       rank: ``r``.
       x: ``[n, d_in]`` inputs.
 

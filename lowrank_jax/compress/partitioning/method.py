@@ -55,9 +55,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.compress.empty import empty_row, is_empty
-from lowrank_jax.compress.partition.assign import ASSIGNMENTS, assign, block_energy, machine_order
-from lowrank_jax.compress.partition.counts import executed
-from lowrank_jax.compress.partition.factor import Decomposition, decompose
+from lowrank_jax.compress.partitioning.assign import ASSIGNMENTS, assign, block_energy, machine_order
+from lowrank_jax.compress.partitioning.counts import executed
+from lowrank_jax.compress.partitioning.factor import Decomposition, decompose
 from lowrank_jax.compress.registry import Context, register_method
 from lowrank_jax.compress.report import Row
 from lowrank_jax.compress.rules import Selection
@@ -319,6 +319,9 @@ def partition(params: Any, selection: list[Selection], settings: dict,
 
 
 register_method("partition", partition, settings=SETTINGS, overrides=OVERRIDES,
-                validate=validate)
+                validate=validate,
+                no_candidates="splits layers over machines: it saves bytes sent between "
+                              "machines (`lowrank-jax partition` measures them), not one "
+                              "device's size or time")
 
 __all__ = ["KINDS", "OVERRIDES", "SETTINGS", "partition", "partition_weights", "validate"]

@@ -10,7 +10,7 @@ shipped with ``aeon`` (synthetic sinusoids/exponentials/noise if aeon is absent)
 what the paper predicts: the embedded inputs are low-rank, the rank grows with depth
 (flow-of-ranks), and because the inputs are low-rank the attention weights can be compressed
 with Theorem 3's data-aware projection far below what their own spectra allow. Part 3 is
-:mod:`lowrank_jax.cli.pretrain_demo`.
+:mod:`lowrank_jax.recipes.pretrain_demo`.
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from lowrank_jax.analysis import (
     theorem3_width_experiment,
     theorem4_experiment,
 )
-from lowrank_jax.cli import outputs
-from lowrank_jax.cli.pretrain_demo import check_seed, check_steps, run_pretraining_demo
-from lowrank_jax.cli.status import Status
 from lowrank_jax.compress import compress
 from lowrank_jax.datasets import builtin_datasets, windows
 from lowrank_jax.leaves import Dense, bias_of, is_leaf, map_with_path, materialize, param_count
 from lowrank_jax.models import patch_encoder as pe
 from lowrank_jax.nn import apply_norm
+from lowrank_jax.recipes import outputs
+from lowrank_jax.recipes.outcome import Outcome
+from lowrank_jax.recipes.pretrain_demo import check_seed, check_steps, run_pretraining_demo
+from lowrank_jax.recipes.progress import Progress, lines
 from lowrank_jax.runtime import one_blas_thread
 
 # App. J sizes: Theorem 3 (d, tokens), its width sweep (widths, tokens, seeds) and Theorem 4
@@ -57,7 +58,7 @@ def _rel(a, b) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(a))
 
 
-def _appendix_j(quick: bool, status: Status) -> dict:
+def _appendix_j(quick: bool, status: Progress, text: list[str]) -> dict:
     sizes = APPENDIX_J_SIZES[bool(quick)]
     t3s, t3ws = sizes["t3"], sizes["t3w"]
     with status.phase(f"App. J: Theorem 3 at d={t3s['d']}, {t3s['n_tokens']} tokens (the paper: "
@@ -67,16 +68,18 @@ def _appendix_j(quick: bool, status: Status) -> dict:
         t3w = theorem3_width_experiment(**t3ws)
     with status.phase(f"App. J: Theorem 4, eps-rank vs number of heads {sizes['t4']['heads']}"):
         t4 = theorem4_experiment(**sizes["t4"])
-    print("== App. J of \"Understanding Transformers for Time Series\": numerical experiments ==")
-    print(f"Theorem 3: log-log slope of ||Y - Y~||_F vs sigma_(d~+1) = {t3.slope:.3f} (paper: 1)")
-    print(
+    text.append("== App. J of \"Understanding Transformers for Time Series\": numerical "
+                "experiments ==")
+    text.append(f"Theorem 3: log-log slope of ||Y - Y~||_F vs sigma_(d~+1) = {t3.slope:.3f} "
+                "(paper: 1)")
+    text.append(
         f"Theorem 3: slope of the error vs width d at fixed d~ = {t3w.slope:.3f} "
         f"(paper's reference: 0.5; see theorem3_width_experiment's docstring)"
     )
-    print("Theorem 4: eps-rank of X + MH-Attention(X) by number of heads")
-    print(f"  {'eps':>8} {'input':>6} " + " ".join(f"h={h:<4d}" for h in t4.heads))
+    text.append("Theorem 4: eps-rank of X + MH-Attention(X) by number of heads")
+    text.append(f"  {'eps':>8} {'input':>6} " + " ".join(f"h={h:<4d}" for h in t4.heads))
     for e in t4.eps:
-        print(
+        text.append(
             f"  {e:>8g} {t4.input_eps_rank[e]:>6d} "
             + " ".join(f"{r:<6d}" for r in t4.output_eps_rank[e])
         )
@@ -97,8 +100,9 @@ def _dense_copy(tree):
 
 
 def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool = True,
-             steps: int | None = None, seed: int = 0, overwrite: bool = False) -> dict:
-    """Run the demo, print its report, and return it as a JSON-able dict.
+             steps: int | None = None, seed: int = 0, overwrite: bool = False,
+             status: Progress | None = None) -> Outcome:
+    """Run the demo; return its results, and its report as lines.
 
     ``rows`` holds the pretraining comparison (keys ``method``, ``size_ratio``, ``time_ratio``,
     ``wql``, ``mase``, relative to the dense model); ``appendix_j`` and ``model`` the first two
@@ -107,13 +111,15 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     Args:
       quick: smaller sizes, a 2 + 1 layer model and 40 training steps (about a minute).
       plots_dir: save PNG plots there. It follows the command's output rules
-        (:mod:`lowrank_jax.cli.outputs`): checked before anything runs, written whole at the end
-        (nothing appears there if the demo fails), and never over anything lowrank-jax did not
-        write there.
-      progress: tqdm progress bars (status lines are printed either way).
+        (:mod:`lowrank_jax.recipes.outputs`): checked before anything runs, written whole at
+        the end (nothing appears there if the demo fails), and never over anything lowrank-jax
+        did not write there.
+      progress: tqdm progress bars (status lines are shown either way).
       steps: training steps per pretrained model, an int >= 1 (default 600; quick: 40).
       seed: seed of the pretraining part (initialization, batch order, factor draws).
       overwrite: replace ``plots_dir`` if it is a previous lowrank-jax plots directory.
+      status: progress reporting (default: status lines on stderr, bars as ``progress``
+        says).
 
     Raises:
       ConfigError: ``steps`` or ``seed`` out of range, or ``plots_dir`` not writable (before
@@ -124,7 +130,7 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
     seed = check_seed(seed)
     if plots_dir:
         outputs.check_plots_out(plots_dir, {}, overwrite=overwrite)
-    status = Status("demo", bars=bool(progress))
+    status = lines(status, "demo", bars=bool(progress))
     with one_blas_thread():
         if not plots_dir:
             return _run_demo(bool(quick), None, status, steps, seed)
@@ -133,16 +139,18 @@ def run_demo(quick: bool = False, plots_dir: str | None = None, progress: bool =
             result = _run_demo(bool(quick), tmp, status, steps, seed)
     names = [os.path.basename(p) for p in result["plots"]]
     result["plots"] = [os.path.join(plots_dir, n) for n in names]
-    print(f"wrote {len(names)} plots to {plots_dir}: {', '.join(names)}")
+    result.lines.append(f"wrote {len(names)} plots to {plots_dir}: {', '.join(names)}")
     return result
 
 
-def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | None,
-              seed: int) -> dict:
+def _run_demo(quick: bool, plots_dir: str | None, status: Progress, steps: int | None,
+              seed: int) -> Outcome:
     t0 = time.perf_counter()
     seconds = {}
+    result = Outcome()
+    text = result.lines
     status.say("part 1 of 3: the App. J experiments")
-    result: dict = {"appendix_j": _appendix_j(quick, status)}
+    result["appendix_j"] = _appendix_j(quick, status, text)
     seconds["appendix_j"] = time.perf_counter() - t0
 
     # Part 2: the built-in model on real series.
@@ -160,13 +168,13 @@ def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | N
         y, hidden = apply(params, x)
         patches = pe.patchify(x, cfg)
         emb = pe.embed(params, patches, cfg)
-    print(
+    text.append(
         f"\n== Built-in model: {cfg.num_layers}-layer patch encoder, d_model={cfg.d_model}, "
         f"{cfg.num_heads} heads, patch={cfg.patch} =="
     )
-    print(f"data: {x.shape[0]} windows of {context} values from {source}")
+    text.append(f"data: {x.shape[0]} windows of {context} values from {source}")
     er = embedding_rank(emb, eps=(1e-2, 1e-3))
-    print(
+    text.append(
         f"embedding of {x.shape[0] * patches.shape[1]} patches: eps-rank "
         + ", ".join(f"{r} @ eps={e:g}" for e, r in er["eps_rank"].items())
         + f" out of d_model={cfg.d_model} (patch size {cfg.patch}; Theorem 2 of [1])"
@@ -179,15 +187,15 @@ def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | N
             hidden=hidden,
             pattern=r"attn/(qk/q|qk/k|v|o)$",
         )
-    print("\nflow-of-ranks: eps-rank of the hidden states entering each layer")
+    text.append("\nflow-of-ranks: eps-rank of the hidden states entering each layer")
     for h in report.hidden:
-        print(
+        text.append(
             f"  layer {h.layer}: "
             + ", ".join(f"{r:>3d} @ eps={e:g}" for e, r in h.eps_ranks.items())
         )
-    print("attention weights (random init) are nearly full rank: mean eps-rank per layer")
+    text.append("attention weights (random init) are nearly full rank: mean eps-rank per layer")
     for row in report.layer_summary():
-        print(
+        text.append(
             f"  layer {row['layer']}: "
             + ", ".join(f"{row[f'mean_rank@{e:g}']:.1f} @ eps={e:g}" for e in report.eps)
         )
@@ -224,17 +232,17 @@ def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | N
         rows.append({"method": method if isinstance(rank, int) else f"{method} {rank}",
                      "rank": rank, "size_ratio": qkv_size(new_enc["layers"]) / full,
                      "rel_error": _rel(y, y_c)})
-    print("\ncompressing attention q/k/v (no fine-tuning): final-state error on the windows")
-    print(f"  {'method':<26} {'rank':>5} {'size ratio':>11} {'rel. error':>11}")
+    text.append("\ncompressing attention q/k/v (no fine-tuning): final-state error on the windows")
+    text.append(f"  {'method':<26} {'rank':>5} {'size ratio':>11} {'rel. error':>11}")
     for row in rows[:2 * len(COMPRESSION_RANKS)]:
-        print(f"  {row['method']:<26} {row['rank']:>5d} {row['size_ratio']:>11.3f} "
-              f"{row['rel_error']:>11.4f}")
-    print(
+        text.append(f"  {row['method']:<26} {row['rank']:>5d} {row['size_ratio']:>11.3f} "
+                    f"{row['rel_error']:>11.4f}")
+    text.append(
         "\nrank per layer from the flow-of-ranks vs uniform at the same budget (input projection)"
     )
     for (label, ranks, _), row in zip(jobs[2 * len(COMPRESSION_RANKS):],
                                       rows[2 * len(COMPRESSION_RANKS):], strict=True):
-        print(
+        text.append(
             f"  {label:<24} ranks={str(ranks):<18} size ratio {row['size_ratio']:.3f}  "
             f"rel. error {row['rel_error']:.4f}"
         )
@@ -255,15 +263,17 @@ def _run_demo(quick: bool, plots_dir: str | None, status: Status, steps: int | N
     status.say("part 3 of 3: pretraining compressed Chronos-Bolt models")
     pre = run_pretraining_demo(quick=quick, steps=steps, seed=seed, plots_into=plots_dir,
                                progress=status.bars, datasets=(groups, source), status=status)
+    text.extend(pre.lines)
     result["rows"] = pre.pop("rows")
-    result["pretraining"] = pre
+    result["pretraining"] = dict(pre)
     if plots_dir:
         result["plots"] += pre.pop("plots")
     seconds["pretraining"] = time.perf_counter() - t2
     seconds["total"] = time.perf_counter() - t0
     result["seconds"] = seconds
-    print(f"\ndemo finished in {seconds['total']:.1f} s (App. J {seconds['appendix_j']:.0f} s, "
-          f"built-in model {seconds['model']:.0f} s, pretraining {seconds['pretraining']:.0f} s)")
+    text.append(f"\ndemo finished in {seconds['total']:.1f} s (App. J {seconds['appendix_j']:.0f} "
+                f"s, built-in model {seconds['model']:.0f} s, pretraining "
+                f"{seconds['pretraining']:.0f} s)")
     return result
 
 
@@ -292,3 +302,6 @@ def _plots(plots_dir: str, report, appj: dict) -> list[str]:
             title="Theorem 3 (App. J.1)",
         ),
     ]
+
+
+__all__ = ["APPENDIX_J_SIZES", "COMPRESSION_RANKS", "run_demo"]

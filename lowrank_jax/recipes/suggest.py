@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 from typing import Any, Sequence
 
-from lowrank_jax.cli.status import Status
 from lowrank_jax.errors import PlanError
+from lowrank_jax.recipes.progress import Progress
 
 #: A plan whose selected weights keep more than this fraction of their parameters changed little.
 LITTLE = 0.95
@@ -33,7 +33,7 @@ LITTLE = 0.95
 TARGETS = (0.5, 0.25)
 
 
-def svd_truncations(params: Any, plan: Any, status: Status) -> list:
+def svd_truncations(params: Any, plan: Any, status: Progress) -> list:
     """The decomposed weights that the plan's ``svd`` steps select in ``params`` (first step
     wins for a weight selected twice), without the rules' eps/rank overrides.
 
@@ -116,7 +116,7 @@ def suggestions(cands: Sequence, targets: Sequence[float] = TARGETS) -> list[dic
     return out
 
 
-def check_change(report: Any, params: Any, plan: Any, status: Status) -> dict | None:
+def check_change(report: Any, params: Any, plan: Any, status: Progress) -> dict | None:
     """``None`` when the plan changed enough; otherwise a dict with the ``message`` lines for
     the user and the ``suggestions`` (for the JSON report)."""
     ratio = report.ratio

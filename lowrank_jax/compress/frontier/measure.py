@@ -1,0 +1,77 @@
+"""What a frontier run counts and times: the rows each weight leaf sees, the multiply-adds of
+the weight leaves, XLA's count of a compiled program, and interleaved timing."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Mapping, Sequence
+
+import jax
+import numpy as np
+
+from lowrank_jax.leaves import is_leaf, named_leaves
+from lowrank_jax.leaves.channel_masked import count_rows
+from lowrank_jax.models import family_of
+
+
+def leaf_rows(config: Any, params: Any, inputs: Mapping | None = None) -> dict[str, int]:
+    """Rows (tokens times batch) each weight leaf sees in one forward pass of one sample of the
+    family's representative inputs (or of ``inputs``): an abstract trace
+    (:func:`~lowrank_jax.leaves.channel_masked.count_rows`), nothing is computed."""
+    fam = family_of(config)
+    if inputs is None:
+        inputs = fam.sample_inputs(config, np.random.default_rng(0), 1)
+    else:
+        inputs = {k: np.asarray(v)[:1] for k, v in inputs.items()}
+    return count_rows(lambda p: fam.apply(p, dict(inputs), config), params)
+
+
+def model_flops(config: Any, params: Any, inputs: Mapping | None = None, *,
+                rows: Mapping[str, int] | None = None) -> int:
+    """Multiply-adds of the weight leaves in one forward pass of one sample: each leaf's
+    ``flops(rows)`` with the rows it sees (:func:`leaf_rows`).
+
+    Args:
+      config, params, inputs: as for :func:`leaf_rows`.
+      rows: rows per path already counted (for example on the uncompressed model, whose paths a
+        compressed one often keeps); used when it covers every weight leaf of ``params``.
+
+    Attention score products are not included (see :func:`lowrank_jax.nn.attention_score_flops`);
+    :func:`frontier` reports them inside XLA's count of the compiled program.
+    """
+    leaves = [(path, node) for path, node in named_leaves(params) if is_leaf(node)]
+    if rows is None or any(path not in rows for path, _ in leaves):
+        rows = leaf_rows(config, params, inputs)
+    return int(sum(node.flops(rows.get(path, 0)) for path, node in leaves))
+
+
+def xla_flops(compiled) -> float | None:
+    """XLA's FLOP count of a compiled program, or ``None`` where the backend gives none."""
+    try:
+        cost = compiled.cost_analysis()
+    except Exception:  # noqa: BLE001 - an optional estimate some backends do not give
+        return None
+    if isinstance(cost, (list, tuple)):
+        cost = cost[0] if cost else None
+    value = (cost or {}).get("flops")
+    return float(value) if value is not None and value >= 0 else None
+
+
+def time_interleaved(calls: Sequence[Callable[[], Any]], runs: int) -> list[float]:
+    """Median seconds of each call, the calls run in turn every round (the order reversed on
+    odd rounds), so that machine noise hits them alike. Each call is run once first (warm-up).
+    """
+    for call in calls:
+        jax.block_until_ready(call())
+    times: list[list[float]] = [[] for _ in calls]
+    order = list(range(len(calls)))
+    for i in range(runs):
+        for j in (order if i % 2 == 0 else order[::-1]):
+            t0 = time.perf_counter()
+            jax.block_until_ready(calls[j]())
+            times[j].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+__all__ = ["leaf_rows", "model_flops", "time_interleaved", "xla_flops"]
