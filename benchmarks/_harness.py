@@ -111,11 +111,13 @@ def run_as_main(spec) -> None:
 
 
 def command(module: str, argv: list[str] | None) -> str:
-    """The command that runs benchmark ``module`` (``benchmarks.<topic>.<name>``) with
-    ``argv``."""
+    """The command that runs benchmark ``module`` with ``argv``: ``python -m benchmarks.<topic>
+    <name> ...`` for a topic's ``benchmarks.<topic>.<name>``, ``python -m benchmarks.<name>
+    ...`` for a module of its own (``benchmarks.<name>``, such as an accelerator's)."""
     parts = module.split(".")
     args = sys.argv[1:] if argv is None else argv
-    return " ".join(["python -m", ".".join(parts[:2]), parts[-1], *args])
+    head = ["python -m", ".".join(parts[:2])] + parts[2:]
+    return " ".join(head + list(args))
 
 
 # -- setup -----------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ def test_measured_ratios_and_time_per_flop():
 def test_run_writes_one_schema(tmp_path, capsys):
     run = H.Run("benchmarks.layers.linear", ["--quick", "--d", "256"], runs=3)
     assert run.setup["command"] == "python -m benchmarks.layers linear --quick --d 256"
+    assert H.command("benchmarks.gpu", ["--quick"]) == "python -m benchmarks.gpu --quick"
     path = tmp_path / "out.json"
     out = run.finish(str(path), rows=[{"d": 256, "ms": np.float32(1.5)}],
                      goals=H.goal("a thing", 0.5, target="<= 1", holds=True,
