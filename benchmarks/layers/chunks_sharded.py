@@ -35,7 +35,10 @@ def row(what: str, fn, args, runs: int) -> dict:
     out = {"what": what}
     ys = {}
     for mode in ("whole", "chunked"):
-        c = H.compile_with(fn, args, cpu_chunks=True if mode == "chunked" else None)
+        # chunked: forced on, at any size (the attention row's 34 MB of logits is below the
+        # default threshold, so cpu_chunks alone would leave it whole)
+        forced = {"cpu_chunks": True, "attention_chunk_above_bytes": 0, "mlp_chunk_above_bytes": 0}
+        c = H.compile_with(fn, args, **(forced if mode == "chunked" else {}))
         t = H.time_calls({mode: lambda c=c: jax.block_until_ready(c(*args))}, runs=runs,
                          warmup=2)
         ys[mode] = c(*args)
