@@ -71,8 +71,8 @@ class Execution:
         The environment variable ``LOWRANK_JAX_PACKED_KERNEL``, read once when lowrank_jax is
         imported, sets the default.
 
-    The default thresholds were measured on a 2-core AVX-512 CPU (``benchmarks/attention.py``,
-    ``benchmarks/mlp.py``; the README's benchmark section has the figures).
+    The default thresholds were measured on a 2-core AVX-512 CPU (``benchmarks/layers/attention.py``,
+    ``benchmarks/layers/mlp.py``; the README's benchmark section has the figures).
     """
 
     fold_keys: bool = True

@@ -6,7 +6,7 @@ more) with ``mmap`` and returns them to the operating system on ``free``; the ne
 of the same size then faults in every 4 KB page again, and the kernel zeroes each one. A
 ``[8192, 1024]`` float32 output is 32 MB: on a 2-core AVX-512 CPU the ``linear`` of a
 ``LowRank`` leaf of rank 51 into it took 23.3 ms per call with 9845 page faults in a fresh
-process, 11.1 ms with them gone (``benchmarks/allocator.py``).
+process, 11.1 ms with them gone (``benchmarks/machine/allocator.py``).
 
 :func:`keep_freed_memory` tells glibc to serve large blocks from its heap (``M_MMAP_MAX = 0``)
 and not to give freed heap memory back to the system (``M_TRIM_THRESHOLD`` at its maximum), so
@@ -30,7 +30,7 @@ turns that off), and ``LOWRANK_JAX_KEEP_FREED_MEMORY=1`` makes ``import lowrank_
 A faster remedy where it can be installed: preload tcmalloc, which caches freed memory per
 thread with no shared lock (Debian/Ubuntu ``apt install libtcmalloc-minimal4``, then
 ``LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 lowrank-jax ...``; the variable
-must be set when the process starts). ``python benchmarks/allocator.py`` (2 rounds of fresh
+must be set when the process starts). ``python -m benchmarks.machine allocator`` (2 rounds of fresh
 processes, 2-core AVX-512 CPU), speed-up over glibc's default, kept / one arena / tcmalloc: small
 train step 1.13x / 0.57x / 0.99x, ``LowRank`` d 768 and 1024 at 8192 tokens 1.13-1.18x /
 1.01-1.11x / 1.18-1.20x, ViT-Base width on 32 images 1.06x / 0.99x / 1.06x, Chronos-Bolt-base
@@ -56,7 +56,7 @@ to a few thousand wide), so more threads buy little on an idle machine, and on a
 spinning threads wait for cores that other processes hold. :func:`blas_threads` limits them for
 the duration of a ``with`` block (with ``threadpoolctl``); ``apply_plan``, ``frontier`` and
 ``progressive_prune`` take ``blas_threads=`` (default 1) and apply it themselves, and every
-``lowrank-jax`` command runs in :func:`one_blas_thread`. ``python benchmarks/blas_threads.py
+``lowrank-jax`` command runs in :func:`one_blas_thread`. ``python -m benchmarks.machine blas_threads
 --runs 3`` (2-core x86-64, OpenBLAS 0.3.30 from NumPy 2, 3 interleaved pairs per row, on a
 machine shared with other jobs: load average 4-9, so no figure is from an idle machine),
 default (2) threads s / one thread s, median and range: 48 truncated SVDs of 512 x 512 14.6

@@ -25,7 +25,7 @@ PACKAGE = pathlib.Path(lowrank_jax.__file__).parent
 #: The subpackages and top-level modules whose ``__all__`` is the public API.
 PUBLIC = ("analysis", "compress", "convert", "datasets", "decomp", "errors", "execution",
           "interop", "io", "leaves", "leaves.kit", "losses", "models", "nn", "recipes", "runtime",
-          "train")
+          "timing", "train")
 
 
 def library_modules() -> list[str]:

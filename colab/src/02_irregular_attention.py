@@ -22,7 +22,7 @@
 # `FULL = False`: a 2-layer ViT (`d_model` 64, 4 heads), 8 epochs, one FLOPs target for CP and
 # IrrAtt, one fine-tuning epoch of IrrAtt (under a minute on a CPU). `FULL = True`: 4 layers,
 # 30 epochs, every method at every target and 3 fine-tuning epochs of each
-# (`benchmarks/irregular_attention.py` runs it over 3 seeds). This is the pipeline at toy
+# (`benchmarks/methods/irregular_attention.py` runs it over 3 seeds). This is the pipeline at toy
 # scale, not the paper's ImageNet DeiT results: at this size the methods differ by about the
 # seed-to-seed spread.
 

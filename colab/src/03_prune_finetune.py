@@ -21,7 +21,7 @@
 #
 # `FULL = False`: 2 + 1 layers, 100 pretraining steps, an adaptation budget of 30 batches
 # (well under a minute on a CPU). `FULL = True`: 4 + 2 layers, 400 steps, 120 batches, as
-# `benchmarks/prune_then_finetune.py` (which repeats it over 3 seeds). At this scale the two
+# `benchmarks/methods/prune_then_finetune.py` (which repeats it over 3 seeds). At this scale the two
 # arms end up tied: the paper's gain over fine-tuning is not reproduced, but pruning half of
 # the prunable weights costs no accuracy.
 
@@ -221,6 +221,6 @@ assert w["prune-then-fine-tune"] <= 1.05 * w["fine-tune"], w   # tied, with a th
 # %% [markdown]
 # Both arms improve on the zero-shot model; prune-then-fine-tune ends where fine-tuning ends
 # with about two thirds of the parameters (and a proportionally faster forward, see
-# `benchmarks/pruning.py`). The paper reports prune-then-fine-tune *beating* fine-tuning on
+# `benchmarks/methods/pruning.py`). The paper reports prune-then-fine-tune *beating* fine-tuning on
 # large pretrained foundation models; a model this small and briefly pretrained has little
 # redundancy to specialize away, so we do not see that gain here.

@@ -22,7 +22,7 @@
 #
 # `FULL = False` trains for a few epochs only (under a minute on a CPU);
 # `FULL = True` uses the paper's epochs and all the data and also trains the dense twin
-# (`lowrank-jax sbt` and `benchmarks/sbt.py` give the same figures from the command line).
+# (`lowrank-jax sbt` and `benchmarks/models/sbt.py` give the same figures from the command line).
 # Measured with the full settings over 3 seeds: JapaneseVowels dense 98.5 %, SBT `p = 0.5`
 # 96.9 % (paper: 98.0 / 95.3).
 
@@ -166,7 +166,7 @@ assert size_ours > 5 and paper["size_ratio"] > size_ours   # the paper counts 1 
 # float parts stay float. Both FLOP counts are of non-zero multiply-adds; the paper's leaves out
 # the window factor of the linears outside attention, and dense XLA kernels multiply the pruned
 # zeros too, so the measured time falls much less (the packed model runs at about 0.8 of the
-# float masked model's time, `benchmarks/sbt.py`).
+# float masked model's time, `benchmarks/models/sbt.py`).
 #
 # ## 3. Anomaly detection on ECG
 #

@@ -25,7 +25,7 @@
 #
 # `FULL = False` trains 150 steps and compiles the sharded layer at 3 ranks (under a minute on
 # a CPU); `FULL = True` trains 600 steps and measures every rank. On a Colab TPU with 8 cores
-# the devices are real. `benchmarks/partition.py` also measures key compression and timings.
+# the devices are real. `benchmarks/methods/partition.py` also measures key compression and timings.
 
 # %%
 # Colab only: install lowrank_jax (with matplotlib and aeon's data sets).

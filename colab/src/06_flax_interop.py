@@ -19,7 +19,7 @@
 #
 # `FULL = False`: 2 encoder blocks, 6 epochs, ranks 4, 16 and 64 (under a minute on a CPU);
 # `FULL = True`: 4 blocks, 30 epochs, ranks 4-64 and a 3-epoch fine-tune of the factors
-# (`benchmarks/flax_vit_digits.py`).
+# (`benchmarks/methods/flax_vit_digits.py`).
 
 # %%
 # Colab only: install lowrank_jax (with matplotlib and aeon's data sets).

@@ -11,17 +11,16 @@ next to the parameter and FLOP ratios:
   ("Understanding Transformers for Time Series: Rank Structure, Flow-of-Ranks, and
   Compressibility", Table 2, "Overlap");
 * ``time_ratio``: median compressed / median original forward time, both jitted, measured
-  interleaved in one run so machine noise hits both alike; ``time_ratio_quartiles``, the
-  25th and 75th percentiles of the per-run ratios (compressed / original call of the same
-  round), show how far apart single measurements fall: a range that holds 1 means no
-  measurable difference.
+  interleaved in one run (:func:`lowrank_jax.timing.time_interleaved`: the order alternates
+  every round) so machine noise hits both alike; ``time_ratio_quartiles``, the 25th and 75th
+  percentiles of the per-run ratios (compressed / original call of the same round), show how
+  far apart single measurements fall: a range that holds 1 means no measurable difference.
 
 Everything family-specific comes from the family record (:func:`lowrank_jax.models.family_of`).
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import jax
@@ -30,6 +29,7 @@ import numpy as np
 from lowrank_jax.leaves import flops, param_count
 from lowrank_jax.models import apply as model_apply
 from lowrank_jax.models import family_of, primary_output
+from lowrank_jax.timing import time_interleaved
 
 #: ``models.apply`` jitted once per (config, tree structure): repeated comparisons of one model
 #: reuse the compiled forward.
@@ -80,7 +80,7 @@ def compare_models(config: Any, params: Any, new_params: Any, *, inputs: dict | 
       params: original parameters.
       new_params: compressed parameters of the same model.
       inputs: model inputs (default :func:`sample_inputs`).
-      time_runs: timed forward calls of each model (median reported).
+      time_runs: timed forward calls of each model (median reported), at least 1.
       measure_time: set ``False`` to skip timing (tests).
 
     Returns:
@@ -108,24 +108,17 @@ def compare_models(config: Any, params: Any, new_params: Any, *, inputs: dict | 
     }
     if family.token_outputs:
         out["top10_jaccard"] = top_k_jaccard(a, b, 10)
-    if measure_time:
-        t_ref, t_new = [], []
-        for _ in range(time_runs):  # interleaved: noise hits both
-            t0 = time.perf_counter()
-            jax.block_until_ready(fwd(params, inputs))
-            t1 = time.perf_counter()
-            jax.block_until_ready(fwd(new_params, inputs))
-            t2 = time.perf_counter()
-            t_ref.append(t1 - t0)
-            t_new.append(t2 - t1)
-        out["time_ratio"] = float(np.median(t_new) / np.median(t_ref))
-        paired = np.asarray(t_new) / np.asarray(t_ref)
-        out["time_ratio_quartiles"] = [float(np.percentile(paired, 25)),
-                                       float(np.percentile(paired, 75))]
+    if measure_time:  # interleaved (lowrank_jax.timing): noise hits both; compiled above
+        t = time_interleaved({"original": lambda: jax.block_until_ready(fwd(params, inputs)),
+                              "compressed": lambda: jax.block_until_ready(fwd(new_params, inputs))},
+                             runs=time_runs, warmup=0)
+        ratio = t.ratio("compressed", "original")
+        out["time_ratio"] = ratio.value
+        out["time_ratio_quartiles"] = [ratio.paired.q25, ratio.paired.q75]
         out["time_runs"] = int(time_runs)
         out["time_ms"] = {
-            "original": 1e3 * float(np.median(t_ref)),
-            "compressed": 1e3 * float(np.median(t_new)),
+            "original": 1e3 * t.median("original"),
+            "compressed": 1e3 * t.median("compressed"),
         }
     return out
 

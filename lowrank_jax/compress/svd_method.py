@@ -30,7 +30,7 @@ matrix, ``'kept'`` otherwise; counted this way in the ``ratio`` search too).
 per head) is rounded *up* to a multiple of it, capped at the largest rank the matrix has. Not
 from the paper: matrix kernels tile the rank dimension, and rounding up only keeps more
 singular values, so an ``eps`` bound still holds, with a smaller error. What it buys depends
-on the hardware. On a 2-core AVX-512 CPU (XLA:CPU, float32, ``benchmarks/rank_multiple.py``)
+on the hardware. On a 2-core AVX-512 CPU (XLA:CPU, float32, ``benchmarks/layers/rank_multiple.py``)
 a ``[d, d]`` ``LowRank`` leaf of rank 26-30 ran 1.06-1.22x faster at rank 32 (d 512-1024,
 2048 and 8192 tokens); other ranks rounded up to a multiple of 8 ran 0.86-1.10x as fast as
 before (median 1.02 over all rounded ranks), and to 16 often slower (36 -> 48: 0.78-0.96x).

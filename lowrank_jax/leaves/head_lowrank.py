@@ -56,7 +56,7 @@ class HeadLowRank(Leaf):
     ``x @ u[:, kept columns]`` matmul of width ``sum(ranks)`` (the columns are gathered from
     the weight, whose size does not grow with the tokens), then each head's lift on its own
     ``r_i`` columns. Otherwise both products run padded, the padded columns masked, the lift
-    as one batched product with the heads leading. Measured by ``benchmarks/head_lowrank.py``
+    as one batched product with the heads leading. Measured by ``benchmarks/layers/head_lowrank.py``
     (12 heads, ``d = 768``): the exact execution 1.5-2.0x faster than the padded one for ranks
     summing to 50-62 % of the padded ones at 2048-8192 tokens, equal at 512 tokens.
 

@@ -4,7 +4,7 @@ read as bits and unpacked inside the kernel, one block at a time.
 :class:`~lowrank_jax.leaves.PackedBinary` stores a binary weight as two ``uint32`` bit planes
 (bit ``k`` of word ``q`` of output row ``j`` is input ``32 q + k``). On CPU its ``linear``
 unpacks the whole weight once per call and calls XLA's dot (the fastest path there,
-``benchmarks/binary.py``). On GPU and TPU :func:`packed_matmul` is used instead: the weight
+``benchmarks/layers/binary.py``). On GPU and TPU :func:`packed_matmul` is used instead: the weight
 never exists in float in device memory; every program of the grid loads ``bw`` words per output
 of its block (``32 bw`` inputs, 2 bits per weight) and multiplies them in registers.
 

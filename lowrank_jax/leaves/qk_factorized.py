@@ -140,7 +140,7 @@ class CPQueryKey(QK):
         q = queries
         # Heads ahead of the queries, so that the product's rows [b, (H, q_len)] are already
         # the logits' layout: with [b, q_len, H, R] XLA transposes the whole [b, H, q, k]
-        # result afterwards (2.2x slower at 256 tokens, benchmarks/query_key.py).
+        # result afterwards (2.2x slower at 256 tokens, benchmarks/layers/query_key.py).
         mix = jnp.asarray(self.mix).astype(q.dtype)
         qh = q[:, None, :, :] * mix[None, :, None, :]  # [b, H, q_len, R]
         return jnp.einsum("bhqr,bkr->bhqk", qh, keys)
@@ -238,7 +238,7 @@ class BTDQueryKey(QK):
         q = queries
         # The terms with T leading make the head fusion one [H, T] @ [T, b q k] product;
         # fused per batch element ([b, T, q, k] and a batched [H, T] product) XLA:CPU ran it
-        # 2.6x slower at 256 tokens (benchmarks/query_key.py). One transpose of the logits
+        # 2.6x slower at 256 tokens (benchmarks/layers/query_key.py). One transpose of the logits
         # remains.
         terms = jnp.einsum("bqtl,bktl->tbqk", q, keys)  # [T, b, q_len, k_len]
         t, b, nq, nk = terms.shape
@@ -265,7 +265,7 @@ class BTDQueryKey(QK):
         ``[T, batch, N, N]`` intermediate for its head fusion, a pass over memory as large as
         the logits themselves per stage; the CP form executes more (``N^2 H R``) in one
         product with no intermediate. Which is faster depends on the term rank: on a 2-core
-        AVX-512 CPU (``benchmarks/query_key.py``, ``N = 256``, 512-8192 tokens, ``H`` = 8 and
+        AVX-512 CPU (``benchmarks/layers/query_key.py``, ``N = 256``, 512-8192 tokens, ``H`` = 8 and
         12 terms) the CP form was 1.0-1.9x faster at term rank 5 (though it executes 1.8-1.9x
         the multiply-adds), 0.7-1.2x at 14 and 0.6-0.9x at 30; measure on your
         hardware before choosing. The counts follow the form: a CPQueryKey counts what it

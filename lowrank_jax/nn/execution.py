@@ -34,7 +34,7 @@ def cpu_chunks() -> bool:
     backend with one device only. With several devices a block's input may be sharded over
     them (a batch split over a mesh), and a ``lax.map`` over chunks of a sharded axis makes XLA
     gather the whole input onto every device: on 8 simulated CPU devices with the batch sharded
-    (``benchmarks/chunks_sharded.py``), an attention block ran 5.1-5.4x slower chunked than
+    (``benchmarks/layers/chunks_sharded.py``), an attention block ran 5.1-5.4x slower chunked than
     whole (32 x 256 tokens, d 256) and an MLP block 7.9x (6400 tokens, d 512 / 2048), their
     outputs replicated instead of sharded. On GPU and TPU the fused kernels want the whole
     input.
@@ -70,7 +70,7 @@ def batch_chunk(batch: int, heads: int, q_len: int, k_len: int, *,
     back from memory; chunk by chunk (``lax.map``) they stay in cache. On a 2-core AVX-512 CPU
     the attention of 32 sequences of 256 tokens with 12 heads of 64 ran 1.9x faster one
     sequence at a time (295 -> 154 ms), 6.5x with heads of rank 6 (194 -> 30 ms)
-    (``benchmarks/attention.py``). Since the weighted sum runs heads first (:func:`heads_first`)
+    (``benchmarks/layers/attention.py``). Since the weighted sum runs heads first (:func:`heads_first`)
     whole blocks are 1.2-1.4x faster, and what chunks still gain is mostly glibc's page faults
     on blocks larger than a thread arena's 64 MB heap: with tcmalloc preloaded (no faults)
     chunks gained 0.84-1.02x over eight sizes. Hence the setting
@@ -114,7 +114,7 @@ def token_chunks(n_tokens: int, d_hidden: int, itemsize: int = 4) -> int | None:
     The hidden activations ``[tokens, d_hidden]`` of a large input do not fit in the caches:
     the first product writes them to memory and the second reads them back. A chunk of tokens
     at a time (``lax.map``), they stay in cache. Measured on a 2-core AVX-512 CPU
-    (``benchmarks/mlp.py``): MLP blocks 1.14-1.22x faster at 4096-16384 tokens (d 768 / 3072 on
+    (``benchmarks/layers/mlp.py``): MLP blocks 1.14-1.22x faster at 4096-16384 tokens (d 768 / 3072 on
     16384 tokens 1.17x, gated d 768 / 2048 1.22x, d 1024 / 4096 on 8192 tokens 1.15x), a 4-layer
     ViT-Base-width encoder on 32 images 1.09x; at 12 MB of hidden activations or less chunks
     gained nothing, hence the setting ``mlp_chunk_above_bytes`` of 16 MB, with chunks of at
@@ -168,7 +168,7 @@ def fold_plan(qk: Any, v: Any, heads: HeadLayout, q_len: int, k_len: int):
     the setting ``fold_keys`` (default on). Self-attention never qualifies with dense weights
     (``q_len == k_len`` costs more folded).
 
-    Measured (``benchmarks/peak.py``, 2-core AVX-512 CPU, batch 32 x 33 encoder rows): the
+    Measured (``benchmarks/models/peak.py``, 2-core AVX-512 CPU, batch 32 x 33 encoder rows): the
     Chronos-Bolt-base decoder took 83-92 ms instead of 224-252 ms, the whole forward 1.07-1.15x
     less time.
     """

@@ -29,7 +29,7 @@ Example::
     y16 = fwd(params, context)   # params float32: cast inside; or pass cast_weights(params)
 
 On a CPU without bf16 instructions this is about numbers and memory, not speed: on the AVX2
-machine measured (``benchmarks/peak.py``) XLA:CPU (jax 0.10) runs bf16 products at 0.7x the
+machine measured (``benchmarks/models/peak.py``) XLA:CPU (jax 0.10) runs bf16 products at 0.7x the
 float32 rate, and a bf16 forward takes 1.3-1.5x the float32 time.
 """
 

@@ -8,7 +8,7 @@ machine, and the relative error; for a model checkpoint also the model's output 
 sample inputs. ``plots`` draws the paper's Fig. 5 (``Tr M0`` / ``Tr M1`` per machine, eqs.
 109-110) and the error against the rank next to the SVD-method baseline (Figs. 6-7's
 comparison; here on standard normal inputs, since a checkpoint carries no data:
-``benchmarks/partition.py`` does it on real data). ``out`` saves the partitioned model (the
+``benchmarks/methods/partition.py`` does it on real data). ``out`` saves the partitioned model (the
 leaves run under ``jax.shard_map`` when the model is called under ``jax.set_mesh`` of a mesh
 with a ``model`` axis).
 """

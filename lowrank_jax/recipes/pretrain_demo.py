@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lowrank_jax import timing
 from lowrank_jax.analysis import eps_rank_from_sv, singular_values
 from lowrank_jax.compress import ATTENTION_QKVO, compress, factorize_init, power_schedule
 from lowrank_jax.datasets import builtin_datasets
@@ -199,17 +200,12 @@ def forecast_scores(fwd, params, windows: EvalWindows, levels=QUANTILES) -> dict
 
 
 def _time_ratios(fwd, variants: dict, context, runs: int) -> dict:
-    """Median forward time of each variant over the dense one, measured interleaved."""
-    times = {name: [] for name in variants}
-    for p in variants.values():
-        jax.block_until_ready(fwd(p, context))  # compiled already by the evaluation
-    for _ in range(runs):  # interleaved: machine noise hits every variant alike
-        for name, p in variants.items():
-            t0 = time.perf_counter()
-            jax.block_until_ready(fwd(p, context))
-            times[name].append(time.perf_counter() - t0)
-    base = np.median(times["dense"])
-    return {name: float(np.median(t) / base) for name, t in times.items()}
+    """Median forward time of each variant over the dense one, measured interleaved
+    (:func:`lowrank_jax.timing.time_interleaved`; compiled already by the evaluation)."""
+    t = timing.time_interleaved(
+        {name: (lambda p=p: jax.block_until_ready(fwd(p, context))) for name, p in variants.items()},
+        runs=runs, warmup=1)
+    return {name: t.ratio(name, "dense").value for name in variants}
 
 
 # ---------------------------------------------------------------------------------------------

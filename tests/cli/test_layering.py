@@ -18,8 +18,8 @@ PACKAGE = ROOT / "lowrank_jax"
 
 #: Files outside the command that may import it, and why.
 ALLOWED_CLI = {
-    "benchmarks/call_path.py": "measures the path of a `lowrank-jax compress` call through the "
-                               "code: it runs the command itself",
+    "benchmarks/machine/call_path.py": "measures the path of a `lowrank-jax compress` call "
+                                       "through the code: it runs the command itself",
 }
 
 

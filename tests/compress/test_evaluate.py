@@ -68,22 +68,31 @@ def test_top_k_jaccard_plain():
 
 
 def test_time_ratio_spread_from_paired_runs(t5_small, monkeypatch):
-    """The timing loop reads the clock three times a round (before the original, between,
-    after the compressed call): with a fake clock the per-round ratios are known, and the
-    reported median ratio and quartiles are recomputed here from them."""
+    """The timed forward calls advance a fake clock by known durations (round k: the original
+    takes ``orig[k]``, the compressed ``comp[k]`` seconds, whatever order the round runs
+    them in): the reported median ratio and quartiles are recomputed here from them."""
     import lowrank_jax.compress.evaluate as evaluate
+    import lowrank_jax.timing as timing
 
     cfg, params, small = t5_small
     inputs = sample_inputs(cfg, batch=2)
     orig = [4.0, 5.0, 3.0, 8.0, 6.0]
     comp = [2.0, 4.0, 3.0, 2.0, 9.0]
-    ticks, t = [], 0.0
-    for a, b in zip(orig, comp, strict=True):
-        ticks += [t, t + a, t + a + b]
-        t += a + b + 1.0
-    clock = iter(ticks)
-    monkeypatch.setattr(evaluate, "time", types.SimpleNamespace(perf_counter=lambda: next(clock)))
+    now = [0.0]
+    calls = {id(params): [None, *orig], id(small): [None, *comp]}  # first call: the outputs
+    real_forward = evaluate._forward
+
+    def forward(p, inp, config):
+        step = calls[id(p)].pop(0)
+        if step is not None:
+            now[0] += step
+        return real_forward(p, inp, config)
+
+    monkeypatch.setattr(evaluate, "_forward", forward)
+    monkeypatch.setattr(timing, "time", types.SimpleNamespace(perf_counter=lambda: now[0],
+                                                              process_time=lambda: 0.0))
     ev = compare_models(cfg, params, small, inputs=inputs, time_runs=len(orig))
+    assert calls == {id(params): [], id(small): []}  # one output call, then one per round
     ratios = sorted(b / a for a, b in zip(orig, comp, strict=True))  # .25 .5 .8 1 1.5
     # the 25th and 75th (linear) percentiles of 5 sorted values: the 2nd and the 4th
     assert ev["time_ratio_quartiles"] == pytest.approx([ratios[1], ratios[3]], abs=1e-12)

@@ -3,13 +3,12 @@ the weight leaves, XLA's count of a compiled program, and interleaved timing."""
 
 from __future__ import annotations
 
-import statistics
-import time
 from typing import Any, Callable, Mapping, Sequence
 
 import jax
 import numpy as np
 
+from lowrank_jax import timing
 from lowrank_jax.leaves import is_leaf, named_leaves
 from lowrank_jax.leaves.channel_masked import count_rows
 from lowrank_jax.models import family_of
@@ -61,17 +60,11 @@ def xla_flops(compiled) -> float | None:
 def time_interleaved(calls: Sequence[Callable[[], Any]], runs: int) -> list[float]:
     """Median seconds of each call, the calls run in turn every round (the order reversed on
     odd rounds), so that machine noise hits them alike. Each call is run once first (warm-up).
+    The loop is :func:`lowrank_jax.timing.time_interleaved`'s.
     """
-    for call in calls:
-        jax.block_until_ready(call())
-    times: list[list[float]] = [[] for _ in calls]
-    order = list(range(len(calls)))
-    for i in range(runs):
-        for j in (order if i % 2 == 0 else order[::-1]):
-            t0 = time.perf_counter()
-            jax.block_until_ready(calls[j]())
-            times[j].append(time.perf_counter() - t0)
-    return [statistics.median(t) for t in times]
+    t = timing.time_interleaved([lambda c=c: jax.block_until_ready(c()) for c in calls],
+                                runs=runs, warmup=1)
+    return [t.median(name) for name in t.names]
 
 
 __all__ = ["leaf_rows", "model_flops", "time_interleaved", "xla_flops"]

@@ -1,16 +1,9 @@
-"""Multi-head attention with T5 relative position bias and fixed Q/K/V activation masks.
+"""What the attention block computes: its config, its parameters (``init_attention``), the block
+(``apply_attention``), head surgery (``keep_heads``) and its counts.
 
-An attention block's parameters are ``{'qk', 'v', 'o', 'heads'}``:
-
-* ``qk``: a query-key object (:class:`~lowrank_jax.QueryKey` by default: weight leaves ``q``,
-  ``k`` and per-head widths); the logits come from :func:`~lowrank_jax.attention_logits`, so a
-  factorization of the joint query-key tensor plugs in without a branch here;
-* ``v``, ``o``: ordinary weight leaves (any type), applied with :func:`~lowrank_jax.linear`;
-* ``heads``: the static :class:`~lowrank_jax.HeadLayout` (kept head ids, value widths, scale).
-
-Every size is read from these parameters, so each layer of a stack may have its own head count
-and widths (structured pruning, per-head truncation). Heads are head-major in the projection
-outputs.
+The parameters and their layout are described in :mod:`lowrank_jax.nn.attention`; how the block
+executes is chosen in :mod:`lowrank_jax.nn.execution` and carried out in
+:mod:`lowrank_jax.nn.attention.strategies`.
 """
 
 from __future__ import annotations
