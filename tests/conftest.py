@@ -217,3 +217,23 @@ def _leaf_rule(request):
     lines = "\n".join(f"  {where} read {cls}.{field}" for where, cls, field in found)
     pytest.fail("lowrank_jax read leaf fields outside lowrank_jax/leaves (ask the leaf for a "
                 f"capability instead):\n{lines}", pytrace=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tests marked `accelerator` mean something only on a GPU or TPU (a Pallas kernel run natively,
+# TF32 against `highest`, bf16 error on the device): skipped, with the reason, on a CPU backend.
+# On a GPU machine: JAX_PLATFORMS=cuda python -m pytest -m accelerator tests
+
+
+def pytest_collection_modifyitems(config, items):
+    marked = [item for item in items if "accelerator" in item.keywords]
+    if not marked:
+        return
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return
+    skip = pytest.mark.skip(reason=f"accelerator test: JAX's default backend is {backend!r}; run "
+                                   "on a GPU/TPU machine with JAX_PLATFORMS=cuda (or tpu) "
+                                   "python -m pytest -m accelerator tests")
+    for item in marked:
+        item.add_marker(skip)

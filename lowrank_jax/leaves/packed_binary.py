@@ -24,10 +24,11 @@ exactly (same values, same matmul). The unpacking writes the float32 bit pattern
 (:func:`unpacked_weight`: the gain's bits with the sign bit flipped where the weight is negative,
 zeroed where it is pruned: a few shifts and bitwise operations per weight), so a packed
 ``linear`` costs what the frozen float leaf (:class:`~lowrank_jax.FrozenBinary`) costs, whose
-``int8`` signs are converted and scaled on every call (``benchmarks/layers/binary.py``). On GPU and
-TPU the product runs as a Pallas kernel that unpacks the bits inside the matmul
-(:mod:`lowrank_jax.leaves.packed_kernels`; its outputs equal this one's to float32 round-off,
-not bit for bit).
+``int8`` signs are converted and scaled on every call (``benchmarks/layers/binary.py``). A Pallas
+kernel that unpacks the bits inside the matmul (:mod:`lowrank_jax.leaves.packed_kernels`; its
+outputs equal this one's to float32 round-off, not bit for bit) runs instead where the
+execution setting ``packed_kernel`` asks for it: ``'on'``, or ``'auto'`` (the default) on a
+backend, Pallas backend and JAX version on which it has been checked against NumPy (none yet).
 """
 
 from __future__ import annotations
