@@ -254,8 +254,6 @@ def _call(xp, s_t, m_t, *, plat: str, bm: int, bn: int, bw: int, interpret: bool
         interpret=interpret, name="packed_binary_matmul")(xp, s_t, m_t)
 
 
-@functools.partial(jax.jit, static_argnames=("d_in", "block_m", "block_n", "block_words",
-                                             "platform", "interpret"))
 def packed_matmul(x: jax.Array, sign_bits: jax.Array, mask_bits: jax.Array, alpha: jax.Array,
                   d_in: int, *, block_m: int | None = None, block_n: int | None = None,
                   block_words: int | None = None, platform: str | None = None,
@@ -288,7 +286,21 @@ def packed_matmul(x: jax.Array, sign_bits: jax.Array, mask_bits: jax.Array, alph
       ShapeError: ``x`` does not end in ``d_in``, or the words do not match it.
       ConfigError: a block size that is not a power of two, or an unknown platform.
     """
+    # The platform and interpret mode are resolved here, outside the jitted function, so that
+    # they are part of its cache key.
     plat = _platform_arg(platform)
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    return _packed_matmul(x, sign_bits, mask_bits, alpha, d_in, block_m=block_m,
+                          block_n=block_n, block_words=block_words, plat=plat,
+                          interpret=bool(interpret))
+
+
+@functools.partial(jax.jit, static_argnames=("d_in", "block_m", "block_n", "block_words",
+                                             "plat", "interpret"))
+def _packed_matmul(x, sign_bits, mask_bits, alpha, d_in, *, block_m, block_n, block_words,
+                   plat: str, interpret: bool):
+    """:func:`packed_matmul` for a resolved platform and interpret mode."""
     x = jnp.asarray(x)
     if x.shape[-1] != d_in:
         raise ShapeError(f"packed_matmul: x must end in d_in={d_in}, got shape {x.shape}",
@@ -306,8 +318,6 @@ def packed_matmul(x: jax.Array, sign_bits: jax.Array, mask_bits: jax.Array, alph
         if not _is_pow2(b):
             raise ConfigError(f"packed_matmul: {name} must be a power of two >= 1, got {b!r}",
                               where=name, expected="power of two", actual=b)
-    if interpret is None:
-        interpret = jax.default_backend() == "cpu"
     out_dtype = jnp.result_type(x.dtype, jnp.float32)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, d_in)
@@ -324,7 +334,7 @@ def packed_matmul(x: jax.Array, sign_bits: jax.Array, mask_bits: jax.Array, alph
     xp = jnp.pad(x2, ((0, mp - m), (0, wp * WORD - d_in)))
     s_t = jnp.pad(jnp.asarray(sign_bits, jnp.uint32), ((0, np_ - d_out), (0, wp - n_w))).T
     m_t = jnp.pad(jnp.asarray(mask_bits, jnp.uint32), ((0, np_ - d_out), (0, wp - n_w))).T
-    out = _call(xp, s_t, m_t, plat=plat, bm=bm, bn=bn, bw=bw, interpret=bool(interpret))
+    out = _call(xp, s_t, m_t, plat=plat, bm=bm, bn=bn, bw=bw, interpret=interpret)
     y = out[:m, :d_out] * jnp.asarray(alpha, jnp.float32)
     return y.astype(out_dtype).reshape(lead + (d_out,))
 
