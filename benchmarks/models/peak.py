@@ -46,7 +46,9 @@ One process, one interleaved timing loop:
   the forward's time and of the GEMM rate (``setup.jax_only_loop.parts`` in the JSON).
 
   FLOPs of a JAX forward are XLA's ``cost_analysis()['flops']`` of the compiled program
-  (2 per multiply-add, what it executes, elementwise work included); the PyTorch rows are
+  (2 per multiply-add, what it executes, elementwise work included) on CPU; on another backend
+  (XLA:GPU does not count cuBLAS calls) twice the weight leaves' counted multiply-adds
+  (:func:`program_flops`); the PyTorch rows are
   charged the FLOPs of ``jax dense projected`` (the same algorithm). ``of GEMM`` = FLOPs /
   best time / GEMM rate (the same statistic on both sides; ``fraction_of_gemm_median`` in the
   JSON uses medians).
@@ -153,6 +155,8 @@ def dense_parts(jax, chronos_bolt, cfg, params, x) -> dict:
     forward's rest (the output residual block and the un-normalization) is what the two
     halves leave of the forward's time. The decoder runs as by default (its cross-attention
     keys folded into the queries) and with the keys projected."""
+    from lowrank_jax.compress.frontier.measure import forward_flops
+
     enc_fn = jax.jit(lambda p, c: chronos_bolt.encode(p, c, cfg))
 
     def dec(p, e):
@@ -163,11 +167,21 @@ def dense_parts(jax, chronos_bolt, cfg, params, x) -> dict:
     for name, fn, arg in (("encoder (chronos_bolt.encode)", enc_fn, x),
                           ("decoder (chronos_bolt.decode)", jax.jit(dec), enc),
                           ("decoder, keys projected", jax.jit(keys_projected(dec)), enc)):
-        ca = fn.lower(params, arg).compile().cost_analysis()
-        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-        out[name] = (lambda fn=fn, arg=arg: jax.block_until_ready(fn(params, arg)),
-                     float(ca["flops"]))
+        flops = program_flops(fn.lower(params, arg).compile(),
+                              lambda fn=fn, arg=arg: forward_flops(fn, params, arg))
+        out[name] = (lambda fn=fn, arg=arg: jax.block_until_ready(fn(params, arg)), flops)
     return out
+
+
+def program_flops(compiled, count) -> float:
+    """FLOPs of a compiled forward: XLA's ``cost_analysis`` on CPU (what the program executes,
+    elementwise work included); on other backends, whose count leaves out library calls (XLA:GPU
+    does not count cuBLAS GEMMs), twice the weight leaves' counted multiply-adds (``count()``,
+    :func:`lowrank_jax.compress.frontier.measure.forward_flops`)."""
+    from lowrank_jax.compress.frontier.measure import xla_flops
+
+    flops = xla_flops(compiled)
+    return float(flops) if flops is not None else 2.0 * count()
 
 
 def tree_bytes(jax, tree) -> int:
@@ -218,6 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     import numpy as np
     import torch
 
+    from lowrank_jax.compress.frontier.measure import forward_flops
     from lowrank_jax.convert import load_pretrained
     from lowrank_jax.models import chronos_bolt
     from lowrank_jax.nn.precision import bf16_forward, cast_weights
@@ -272,10 +287,9 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.perf_counter()
     for name, (f, prm, _) in jax_models.items():
         compiled = f.lower(prm, x).compile()
-        ca = compiled.cost_analysis()
-        ca = ca[0] if isinstance(ca, (list, tuple)) else ca
         mem = compiled.memory_analysis()
-        stats[name] = {"flops": float(ca["flops"]), "param_bytes": tree_bytes(jax, prm),
+        flops = program_flops(compiled, lambda f=f, prm=prm: forward_flops(f, prm, x))
+        stats[name] = {"flops": flops, "param_bytes": tree_bytes(jax, prm),
                        "xla": {k: int(getattr(mem, k)) for k in (
                            "argument_size_in_bytes", "output_size_in_bytes",
                            "temp_size_in_bytes", "alias_size_in_bytes",
