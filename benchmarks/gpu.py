@@ -93,7 +93,7 @@ FULL = dict(gemm_n=8192, kernel_cases=[(64, 1000, 300), (38, 100, 45), (5, 77, 3
                         vocab_size=4096, context=512, horizon=64, num_samples=20),
             train_batch=32, runs=10, eps=0.1, mlp_keep=0.3)
 SMOKE = dict(gemm_n=64, kernel_cases=[(38, 100, 45), (5, 77, 33)], kernel_compile=(16, 256, 64),
-             kernel_d=256, kernel_tokens=(8, 32), model=dict(
+             kernel_d=256, kernel_tokens=(8,), model=dict(
                  d_model=32, d_kv=8, num_heads=4, d_ff=64, num_layers=1, context_length=32,
                  batch=4),
              lowrank_d=64, lowrank_tokens=128, lowrank_chain=2,
@@ -332,8 +332,9 @@ def kernel_speed(c, runs, state) -> list[dict]:
             k_on = fns["on"].lower(leaf, x).compile()
         with execution.settings(packed_kernel="off"):
             k_off = fns["off"].lower(leaf, x).compile()
-        calls = {"dense bf16": lambda x=x: dense(w16, x), "packed kernel": lambda x=x: k_on(leaf, x),
-                 "packed XLA": lambda x=x: k_off(leaf, x)}
+        calls = {"dense bf16": lambda x=x: dense(w16, x),
+                 "packed kernel": lambda x=x, f=k_on: f(leaf, x),
+                 "packed XLA": lambda x=x, f=k_off: f(leaf, x)}
         m = H.measure(calls, runs=runs, warmup=1,
                       check={"packed kernel": "dense bf16", "packed XLA": "dense bf16"})
         row = {"what": "packed kernel speed", "d": d, "tokens": n,
@@ -389,8 +390,6 @@ def shaped_spectra(params, tau_div: float = 8.0, seed: int = 0):
 
 def models(c, runs, state) -> list[dict]:
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
     from benchmarks.models import forward as M
     from benchmarks.models import peak as P
