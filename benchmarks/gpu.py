@@ -4,7 +4,7 @@ JSON.
 Run on a GPU machine from the repository root (stock CUDA image: Python 3.12, jax with CUDA,
 PyTorch, transformers; no network; chronos-forecasting, aeon and tensorly are not needed)::
 
-    PYTHONPATH=. python benchmarks/gpu.py --json gpu.json        # under 8 minutes on an H200
+    PYTHONPATH=. python benchmarks/gpu.py --json gpu.json        # sized for < 8 min on an H200
     PYTHONPATH=. python benchmarks/gpu.py --smoke --json s.json  # every row at tiny sizes (CPU)
 
 On a machine whose JAX backend is the CPU it prints that it needs an accelerator and exits 0
