@@ -50,7 +50,8 @@ def operands(m: int, d_in: int, d_out: int, dtype):
 
 @pytest.mark.parametrize("plat", ["cuda", "tpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("m,d_in,d_out", [(70, 1000, 300), (5, 77, 33), (1024, 2048, 2048)])
+@pytest.mark.parametrize("m,d_in,d_out", [(70, 1000, 300), (5, 77, 33), (300, 2080, 520),
+                                          (1024, 2048, 2048)])
 def test_kernel_lowers(plat, dtype, m, d_in, d_out):
     """Multi-block grids and odd sizes, both dtypes: the lowered module holds the platform's
     kernel custom call, once."""
