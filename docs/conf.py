@@ -40,6 +40,7 @@ extensions = [
     "xrefs",
     "notebooks",
     "cli_reference",
+    "benchmark_tables",
 ]
 
 source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-nb"}
