@@ -16,8 +16,8 @@ Python reference in this order:
 4. a name the library defines but does not document (a private helper, a module constant, a
    field of a record) is shown as code without a link.
 
-Anything else (a misspelled or removed name) stays unresolved and fails the nitpicky build (external types are listed in
-``conf.py``'s ``nitpick_ignore_regex``).
+Anything else (a misspelled or removed name) stays unresolved and fails the nitpicky build
+(external types are listed in ``conf.py``'s ``nitpick_ignore_regex``).
 """
 
 from __future__ import annotations
