@@ -24,7 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "'settings'}]} with at least one step, checked before the model is read "
                    "(see lowrank_jax.compress.Plan)")
     g.add_argument("--eps", type=float, help="truncated SVD of every selected matrix: "
-                   "keep the singular values above EPS times the matrix's largest one (relative, 0 < EPS < 1), so that the spectral-norm error is at most EPS ||W||")
+                   "keep the singular values above EPS times the matrix's largest one (relative, "
+                   "0 < EPS < 1), so that the spectral-norm error is at most EPS ||W||")
     g.add_argument("--rank", type=int, help="truncated SVD of every selected matrix to "
                    "this rank (number of singular values kept, >= 1)")
     g.add_argument("--ratio", type=float, help="keep this fraction of the selected "
