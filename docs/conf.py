@@ -10,10 +10,10 @@ suite saves (``_ext/notebooks.py``); the command-line reference from the argpars
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import pathlib
 import sys
+import tomllib
 
 HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -24,10 +24,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 project = "lowrank_jax"
 author = "the lowrank_jax authors"
 copyright = "the lowrank_jax authors"  # noqa: A001 - Sphinx's name
-try:
-    release = importlib.metadata.version("lowrank-jax")
-except importlib.metadata.PackageNotFoundError:  # a checkout without an install
-    release = "unknown"
+# The version of the checkout being documented (pyproject.toml), which an installed copy's
+# metadata (what lowrank_jax.__version__ reads) equals once installed from this checkout.
+release = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 version = release
 
 extensions = [
@@ -47,6 +46,8 @@ source_suffix = {".rst": "restructuredtext", ".md": "myst-nb", ".ipynb": "myst-n
 exclude_patterns = ["_build", "**/.ipynb_checkpoints", "Thumbs.db", ".DS_Store",
                     "notebooks/README.md"]
 root_doc = "index"
+# "--help" stays two hyphens (docutils would make it an en dash), quotes stay straight
+smartquotes = False
 
 # --- MyST / notebooks -------------------------------------------------------------------------
 myst_enable_extensions = ["colon_fence", "deflist", "dollarmath"]

@@ -74,7 +74,7 @@ class CliReference(Directive):
             section = nodes.section(ids=[f"cli-{name}"], names=[f"lowrank-jax {name}"])
             section += nodes.title(text=f"lowrank-jax {name}")
             section += _paragraphs(command.description)
-            section += nodes.literal_block(text=command.format_usage().strip())
+            section += nodes.literal_block(text=command.format_usage().strip(), language="text")
             nested = _subparsers(command)
             if nested:
                 for inner, inner_parser in nested.choices.items():
@@ -82,7 +82,8 @@ class CliReference(Directive):
                                                 names=[f"lowrank-jax {name} {inner}"])
                     sub_section += nodes.title(text=f"lowrank-jax {name} {inner}")
                     sub_section += _paragraphs(inner_parser.description)
-                    sub_section += nodes.literal_block(text=inner_parser.format_usage().strip())
+                    sub_section += nodes.literal_block(text=inner_parser.format_usage().strip(),
+                                                     language="text")
                     sub_section += _options(inner_parser)
                     section += sub_section
             section += _options(command)

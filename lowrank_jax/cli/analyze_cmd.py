@@ -10,8 +10,8 @@ from lowrank_jax.cli import common
 from lowrank_jax.cli.status import Status
 from lowrank_jax.errors import ConfigError
 
-MODEL_HELP = ("a lowrank_jax checkpoint (save_params / save_model, `convert`, `compress`) or "
-              "a Hugging Face directory (config.json + model.safetensors / "
+MODEL_HELP = ("a lowrank_jax checkpoint (written by save_params, save_model, or the convert or "
+              "compress command) or a Hugging Face directory (config.json + model.safetensors / "
               "pytorch_model.bin), converted in memory")
 FAMILY_HELP = "force the model family of a Hugging Face directory instead of detecting it"
 

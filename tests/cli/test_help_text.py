@@ -1,5 +1,5 @@
 """``lowrank-jax --help`` and every subcommand's help read as help: plain sentences (no
-reStructuredText roles or double backticks), every subcommand named in the description, and a
+reStructuredText roles, no backticks), every subcommand named in the description, and a
 help text for every option."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 
 from lowrank_jax.cli.main import build_parser
 
-ROLE = re.compile(r"``|:(mod|func|class|meth|attr|data|exc|obj|ref|doc):`")
+ROLE = re.compile(r"`|:(mod|func|class|meth|attr|data|exc|obj|ref|doc):")
 
 
 def _subparsers(parser):
