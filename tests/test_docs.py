@@ -164,7 +164,7 @@ def test_every_method_guide_cites_its_paper_and_says_what_it_does_not_do(path):
 
 
 def test_guides_and_design_notes_appear_without_editing_an_index():
-    for folder in ("guides", "design", "methods"):
+    for folder in ("guides", "design"):
         index = (DOCS / folder / "index.md").read_text()
         assert ":glob:" in index and "\n*\n" in index, folder
 
@@ -186,3 +186,30 @@ def test_one_version():
 
     assert lowrank_jax.__version__ == importlib.metadata.version("lowrank-jax")
     assert "docs" in meta["optional-dependencies"]
+
+
+def test_notebook_pages_fall_back_to_the_sources_with_a_note(tmp_path, monkeypatch):
+    """Without executed copies the pages are the committed notebooks plus a note (valid
+    notebooks, so the build does not warn); with one, the executed copy is used as it is."""
+    nbformat = pytest.importorskip("nbformat")
+    sys.path.insert(0, str(DOCS / "_ext"))
+    try:
+        import notebooks
+    finally:
+        sys.path.remove(str(DOCS / "_ext"))
+    monkeypatch.setenv("LOWRANK_JAX_EXECUTED_NOTEBOOKS", str(tmp_path / "none"))
+    done = notebooks.copy_notebooks(ROOT, tmp_path / "pages")
+    assert done and not any(done.values())
+    for path in (tmp_path / "pages").glob("*.ipynb"):
+        nb = nbformat.read(path, as_version=4)
+        nbformat.validate(nb)
+        assert "without its outputs" in nb.cells[1].source
+    executed = tmp_path / "executed"
+    executed.mkdir()
+    source = notebooks.sources(ROOT)[0]
+    (executed / source.name).write_text(source.read_text())
+    monkeypatch.setenv("LOWRANK_JAX_EXECUTED_NOTEBOOKS", str(executed))
+    done = notebooks.copy_notebooks(ROOT, tmp_path / "pages")
+    assert done[source.stem] and sum(done.values()) == 1
+    first = nbformat.read(tmp_path / "pages" / source.name, as_version=4)
+    assert "without its outputs" not in first.cells[1].source

@@ -38,7 +38,8 @@ def copy_notebooks(root: pathlib.Path, out: pathlib.Path) -> dict[str, bool]:
         use = executed if executed.exists() else source
         nb = json.loads(use.read_text())
         if use is source:
-            nb["cells"].insert(1, {"cell_type": "markdown", "metadata": {}, "source": NOTE})
+            nb["cells"].insert(1, {"cell_type": "markdown", "id": "unexecuted-note", "metadata": {},
+                                  "source": NOTE})
         text = json.dumps(nb, indent=1) + "\n"
         target = out / source.name
         if not target.exists() or target.read_text() != text:
