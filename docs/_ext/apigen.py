@@ -19,8 +19,9 @@ import pkgutil
 import types
 import warnings
 
-#: Public modules below a subpackage that no ``__all__`` names (the leaf author's kit).
-EXTRA = ("lowrank_jax.leaves.kit",)
+#: Public modules below a subpackage that no ``__all__`` names: the leaf author's kit, and the
+#: frontier (``lowrank-jax frontier`` as a library function).
+EXTRA = ("lowrank_jax.leaves.kit", "lowrank_jax.compress.frontier")
 #: Not an import API: the command line has its own page.
 SKIP = ("lowrank_jax.cli",)
 
@@ -159,10 +160,11 @@ def top_page() -> str:
 
 @functools.cache
 def object_index() -> dict[int, str]:
-    """``id(object) -> documented full name`` for every public class and function: the first
-    public module (parents before children) whose ``__all__`` names it."""
+    """``id(object) -> documented full name`` for every public class and function: the
+    shallowest public module (then the first by name) whose ``__all__`` names it, so a
+    subpackage's page documents what its modules re-export from elsewhere."""
     found: dict[int, str] = {}
-    for module_name in public_modules():
+    for module_name in sorted(public_modules(), key=lambda m: (m.count("."), m)):
         module = importlib.import_module(module_name)
         for n, kind in entries(module_name):
             if kind in ("class", "exception", "function"):
