@@ -35,7 +35,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="'builtin' (the real series shipped with aeon) or an ETT-style CSV file "
                         "(date column, then one column per series)")
     p.add_argument("--context-length", type=int,
-                   help="context of the windows (default: the model's, at most 512)")
+                   help="time steps of context per window (default: the model's, at most 512)")
     p.add_argument("--prune-steps", type=int, default=20,
                    help="pruning batches B of Algorithm 1 (default 20)")
     p.add_argument("--batch-size", type=int, default=32,

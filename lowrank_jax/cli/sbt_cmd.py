@@ -41,7 +41,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=2, help="encoder layers (default 2)")
     p.add_argument("--d-ff", type=int, default=256, help="MLP hidden width (default 256)")
     p.add_argument("--window", type=int, default=50,
-                   help="anomaly / forecast window w (default 50)")
+                   help="anomaly / forecast: time steps per window w (default 50)")
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the initialization and the batches (default 0)")
     p.add_argument("--json", help="write the report as JSON to this file")
