@@ -41,7 +41,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-#: The topics, in the order ``run_all`` and the README list them.
+#: The topics, in the order ``run_all`` and the benchmarks page list them.
 TOPICS = ("layers", "models", "methods", "machine")
 
 

@@ -4,10 +4,16 @@ Parameter trees hold *leaves* (:class:`Dense`, :class:`LowRank`, :class:`HeadLow
 :class:`MaskedBinary`, ...); every block computes ``x @ W`` through :func:`linear` and attention
 logits through :func:`attention_logits` on a query-key object (:class:`QueryKey`, ...).
 Surgery is a :class:`Plan` applied with :func:`apply_plan` (the ``lowrank_jax.compress``
-package holds the methods and the convenience ``compress.compress`` for truncated SVD). See the
-README's architecture section for the layers of the package: ``errors``, ``leaves``, ``nn``,
-``models``, ``analysis``, ``compress``, ``io``, ``train``, ``convert``, ``cli``.
+package holds the methods and the convenience ``compress.compress`` for truncated SVD). The
+documentation's design notes describe the layers of the package: ``errors``, ``leaves``,
+``nn``, ``models``, ``analysis``, ``compress``, ``io``, ``train``, ``convert``, ``cli``.
+
+``__version__`` is the installed distribution's version (``lowrank-jax`` in the package
+metadata), so it cannot disagree with ``pyproject.toml``; ``"unknown"`` when the package runs
+from a checkout that was never installed.
 """
+
+import importlib.metadata as _metadata
 
 from lowrank_jax import runtime as _runtime
 from lowrank_jax.analysis import analyze, eps_rank
@@ -57,7 +63,10 @@ from lowrank_jax.leaves import (
 
 _runtime.apply_env()  # LOWRANK_JAX_KEEP_FREED_MEMORY=1: keep freed memory (lowrank_jax.runtime)
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("lowrank-jax")
+except _metadata.PackageNotFoundError:  # a checkout on sys.path without an install
+    __version__ = "unknown"
 
 __all__ = [
     "BTDQueryKey", "CPQueryKey",

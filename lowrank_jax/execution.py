@@ -72,7 +72,7 @@ class Execution:
         imported, sets the default.
 
     The default thresholds were measured on a 2-core AVX-512 CPU (``benchmarks/layers/attention.py``,
-    ``benchmarks/layers/mlp.py``; the README's benchmark section has the figures).
+    ``benchmarks/layers/mlp.py``; docs/benchmarks.md has the figures).
     """
 
     fold_keys: bool = True

@@ -12,6 +12,11 @@ The kernels share the test suite's persistent XLA compilation cache (``conftest.
 loads the program XLA compiled before, so results do not change, only compile time.
 ``LOWRANK_JAX_NOTEBOOK_TIMEOUT`` (seconds, default 300) is the limit per notebook.
 
+A notebook that ran saves its executed copy to ``docs/_build/notebooks/`` (ignored by git;
+``LOWRANK_JAX_EXECUTED_NOTEBOOKS`` names another folder, an empty string saves nothing): the
+documentation renders those copies without executing anything, so each notebook runs once per
+CI run.
+
 The static checks (committed notebooks equal the builder's output, no outputs committed, the
 install cell, the ``FULL`` flag, the README's badges) need no kernel and run first.
 """
@@ -34,6 +39,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 COLAB = ROOT / "colab"
 NOTEBOOKS = sorted(COLAB.glob("[0-9][0-9]_*.ipynb"))
 TIMEOUT = float(os.environ.get("LOWRANK_JAX_NOTEBOOK_TIMEOUT", "300"))
+EXECUTED = os.environ.get("LOWRANK_JAX_EXECUTED_NOTEBOOKS",
+                          str(ROOT / "docs" / "_build" / "notebooks"))
 REPO_URL = "https://github.com/lowrank-jax/lowrank_jax"
 
 
@@ -152,3 +159,9 @@ def test_notebook_runs(path, tmp_path):
               if o.output_type == "display_data" and "image/png" in o.get("data", {})]
     assert images, "the notebook shows its plots"
     json.dumps(nb)  # the executed notebook is still valid JSON (no stray objects)
+    if EXECUTED:  # for the docs (docs/_ext/notebooks.py); written whole, then renamed
+        folder = pathlib.Path(EXECUTED)
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".{path.name}.{os.getpid()}.tmp"
+        nbformat.write(nb, tmp)
+        os.replace(tmp, folder / path.name)

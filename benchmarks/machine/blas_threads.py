@@ -23,7 +23,7 @@ The table gives per condition and workload the median seconds of each setting an
 ``default s / one-thread s`` of each pair: median, smallest and largest (above 1: one thread is
 faster).
 
-Figures: ``benchmarks/README.md`` (one thread 1.5-15.6x faster in 17 of 18 pairs on a shared
+Figures: ``docs/benchmarks.md`` (one thread 1.5-15.6x faster in 17 of 18 pairs on a shared
 2-core machine, also for 2048 x 2048).
 
 Usage::

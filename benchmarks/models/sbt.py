@@ -4,7 +4,7 @@ FLOP and bit ratios (Table 6 rules), and, for a trained JapaneseVowels SBT, the 
 size of its packed form against float32 and its inference time (float masked-binary leaves vs
 packed leaves vs the dense model), timed interleaved in one run and reported as ratios.
 
-    python -m benchmarks.models sbt --json out.json            # the figures of docs/notes/issue-11.md
+    python -m benchmarks.models sbt --json out.json            # the figures of docs/methods/sparse_binary.md
     python -m benchmarks.models sbt --quick --json quick.json  # a smoke run (about a minute)
     python -m benchmarks.models sbt --tasks classify --seeds 3 --json cls.json
 """

@@ -261,7 +261,7 @@ assert w_design < 1.05 and w_design < w_svd, wql    # ... and more accurate
 # What you see: the model pretrained compressed at a fraction of the attention size stays
 # within a few percent of the dense model, while truncating the dense model's weights to a
 # larger size loses more. At 40 steps the models are barely trained, so the numbers are
-# small; `FULL = True` (600 steps, 4 + 2 layers) gives the figures of the project README
+# small; `FULL = True` (600 steps, 4 + 2 layers) gives the figures of the docs' guide
 # (mean over 3 seeds: flow-of-ranks at 0.21 of the attention size within 3% of dense in WQL,
 # SVD at 0.41 of the size 28% worse). What does *not* hold at this scale is [1]'s advantage
 # of the flow-of-ranks schedule over one uniform rank at the same budget: the two are within

@@ -68,6 +68,14 @@ class HiddenRanks:
 
 @dataclasses.dataclass
 class AnalysisReport:
+    """What :func:`analyze` found: the eps-ranks of every weight and of the hidden states.
+
+    Fields:
+      eps: the tolerances the ranks were counted at.
+      weights: one :class:`WeightRanks` per weight matrix, in tree order.
+      hidden: one :class:`HiddenRanks` per layer (flow-of-ranks); empty without inputs.
+    """
+
     eps: tuple[float, ...]
     weights: list[WeightRanks]
     hidden: list[HiddenRanks] = dataclasses.field(default_factory=list)

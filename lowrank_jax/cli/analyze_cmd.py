@@ -10,8 +10,8 @@ from lowrank_jax.cli import common
 from lowrank_jax.cli.status import Status
 from lowrank_jax.errors import ConfigError
 
-MODEL_HELP = ("a lowrank_jax checkpoint (save_params / save_model, `convert`, `compress`) or "
-              "a Hugging Face directory (config.json + model.safetensors / "
+MODEL_HELP = ("a lowrank_jax checkpoint (written by save_params, save_model, or the convert or "
+              "compress command) or a Hugging Face directory (config.json + model.safetensors / "
               "pytorch_model.bin), converted in memory")
 FAMILY_HELP = "force the model family of a Hugging Face directory instead of detecting it"
 
@@ -21,7 +21,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a = subparsers.add_parser("analyze", help="eps-ranks of every weight of a checkpoint or "
                                               "Hugging Face directory")
     a.add_argument("params", metavar="MODEL", help=MODEL_HELP)
-    a.add_argument("--eps", type=float, nargs="+", default=[0.01, 0.05, 0.1])
+    a.add_argument("--eps", type=float, nargs="+", default=[0.01, 0.05, 0.1],
+                   help="tolerances of the eps-rank: the number of singular values above EPS "
+                   "times the largest one (relative, each in (0, 1); default 0.01 0.05 0.1)")
     a.add_argument("--pattern", help="only weights whose path matches this regular expression")
     a.add_argument("--family", help=FAMILY_HELP)
     a.add_argument("--json", help="write the report as JSON to this file (replaces only a "
@@ -34,7 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "compiled once; model checkpoints only get the output error",
     )
     a.add_argument("--sweep-eps", type=float, nargs="+",
-                   default=[0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01])
+                   default=[0.5, 0.3, 0.2, 0.1, 0.05, 0.02, 0.01],
+                   help="with --sweep: the truncation tolerances of the curve, each relative to "
+                   "a matrix's largest singular value, in (0, 1) (default 0.5 down to 0.01)")
     a.add_argument(
         "--sweep-heads",
         action="store_true",
@@ -42,7 +46,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "counts and widths come from the parameters)",
     )
     a.add_argument("--sweep-ranks", type=int, nargs="+",
-                   help="ranks for --sweep-heads (default: powers of 2 up to d_head)")
+                   help="with --sweep-heads: the ranks per head to try, each from 1 to the head "
+                   "width (default: powers of 2 up to the head width)")
     a.set_defaults(func=run)
     return a
 

@@ -23,10 +23,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--plan", help="a JSON compression plan: {'steps': [{'method', 'rules', "
                    "'settings'}]} with at least one step, checked before the model is read "
                    "(see lowrank_jax.compress.Plan)")
-    g.add_argument("--eps", type=float, help="truncate every selected matrix at this eps")
-    g.add_argument("--rank", type=int, help="truncate every selected matrix to this rank")
-    g.add_argument("--ratio", type=float, help="target parameter ratio of the selected weights")
-    g.add_argument("--schedule", help="layer rank schedule: power:D0:ALPHA or interp:R1:RD:ALPHA")
+    g.add_argument("--eps", type=float, help="truncated SVD of every selected matrix: "
+                   "keep the singular values above EPS times the matrix's largest one (relative, "
+                   "0 < EPS < 1), so that the spectral-norm error is at most EPS ||W||")
+    g.add_argument("--rank", type=int, help="truncated SVD of every selected matrix to "
+                   "this rank (number of singular values kept, >= 1)")
+    g.add_argument("--ratio", type=float, help="keep this fraction of the selected "
+                   "weights' parameters, in (0, 1] (compressed / original)")
+    g.add_argument("--schedule", help="a rank per layer: power:D0:ALPHA (rank "
+                   "ceil(D0 (1 + i)^ALPHA) for layer i) or interp:R1:RD:ALPHA (from rank R1 at the "
+                   "first layer to RD at the last); needs --num-layers")
     c.add_argument(
         "--rule",
         action="append",
@@ -35,8 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
     c.add_argument("--per-head", action="store_true",
                    help="per-head sketching of q/k/v (head widths come from the parameters)")
-    c.add_argument("--seed", type=int, default=0, help="PRNG seed of methods that draw numbers")
-    c.add_argument("--num-layers", type=int, help="number of layers (for --schedule)")
+    c.add_argument("--seed", type=int, default=0, help="PRNG seed of methods that draw random "
+                   "numbers (an integer; default 0)")
+    c.add_argument("--num-layers", type=int, help="number of layers the --schedule spans")
     c.add_argument(
         "--allocation",
         choices=["eps", "energy"],
@@ -62,7 +69,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         action="store_true",
         help="skip running the model (error, overlap, time ratio) for model checkpoints",
     )
-    c.add_argument("--time-runs", type=int, default=20, help="timed forward calls per model")
+    c.add_argument("--time-runs", type=int, default=20, help="timed forward calls per model for the "
+                   "time ratio (default 20)")
     c.add_argument("--no-progress", action="store_true", help="no progress bars")
     c.set_defaults(func=run)
     return c

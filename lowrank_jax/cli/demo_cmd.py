@@ -29,7 +29,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    "whole when the demo ends)")
     d.add_argument("--overwrite", action="store_true",
                    help="replace --plots if lowrank-jax wrote it (nothing else)")
-    d.add_argument("--no-progress", action="store_true")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars or status lines")
     d.set_defaults(func=run)
     return d
 

@@ -1,14 +1,8 @@
-"""The ``lowrank-jax`` command: ``analyze``, ``compress``, ``convert``, ``export``, ``train``,
-``demo``, and the method commands ``prune`` (:mod:`~lowrank_jax.cli.prune_cmd`),
-``partition`` (:mod:`~lowrank_jax.cli.partition_cmd`) and ``sbt``
-(:mod:`~lowrank_jax.cli.sbt_cmd`).
+"""The ``lowrank-jax`` command: one subcommand per workflow of :mod:`lowrank_jax.recipes`.
 
-User errors (bad arguments, missing, unreadable or malformed files, outputs that may not be
-written) print one line (a list of keys may follow) naming the file, key or option, what was
-expected and what was found, and exit with status 2; set ``LOWRANK_JAX_DEBUG=1`` to get the
-traceback instead. Outputs are never an input, and only the tool's own outputs are replaced
-(see :mod:`lowrank_jax.recipes.outputs`). Long phases announce themselves on stderr
-(:mod:`lowrank_jax.cli.status`).
+Each subcommand is a thin module (``cli/<name>_cmd.py``) that parses its options, calls one
+workflow and prints; :data:`DESCRIPTION` is what ``lowrank-jax --help`` prints, in plain
+sentences.
 """
 
 from __future__ import annotations
@@ -34,6 +28,23 @@ from lowrank_jax.cli import (
 )
 from lowrank_jax.errors import LowrankJaxError
 
+#: ``lowrank-jax --help``: what the tool does, every subcommand, how errors and outputs behave.
+DESCRIPTION = """\
+Compress transformers with lowrank_jax. Commands: analyze (eps-ranks of every weight),
+compress (truncated SVD or a compression plan), convert (a Hugging Face checkpoint to a
+lowrank_jax checkpoint), export (back to a directory the PyTorch class loads), demo (the
+offline demonstration), train (pretrain a compressed-by-design Chronos-Bolt from a JSON
+config), prune (structured pruning, then fine-tuning), frontier (which compression should I
+use: every applicable method measured, with Pareto frontiers), partition (split a model over
+machines with low intercommunication) and sbt (sparse binary transformers on time-series
+tasks). Run lowrank-jax COMMAND --help for a command's options.
+
+User errors (bad arguments; missing, unreadable or malformed files; outputs that may not be
+written) print one line naming the file, key or option, what was expected and what was found,
+and exit with status 2; set LOWRANK_JAX_DEBUG=1 to see the traceback instead. Outputs are never
+an input, and only the tool's own earlier outputs are replaced. Long phases announce themselves
+on stderr."""
+
 #: The subcommands in the order ``--help`` lists them; each module adds its parser (with its
 #: ``run`` as ``func``): parse, call one workflow of :mod:`lowrank_jax.recipes`, print.
 COMMANDS = (analyze_cmd, compress_cmd, convert_cmd, export_cmd, demo_cmd, train_cmd, prune_cmd,
@@ -41,10 +52,14 @@ COMMANDS = (analyze_cmd, compress_cmd, convert_cmd, export_cmd, demo_cmd, train_
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lowrank-jax", description=__doc__)
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="lowrank-jax", description=DESCRIPTION,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for command in COMMANDS:
-        command.add_parser(sub)
+        parser = command.add_parser(sub)
+        if parser.description is None:  # the one-line help, as a sentence, heads COMMAND --help
+            text = sub._choices_actions[-1].help or ""  # noqa: SLF001 - argparse keeps it there
+            parser.description = text[:1].upper() + text[1:] + ("." if text else "")
     return p
 
 

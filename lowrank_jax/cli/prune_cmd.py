@@ -35,12 +35,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="'builtin' (the real series shipped with aeon) or an ETT-style CSV file "
                         "(date column, then one column per series)")
     p.add_argument("--context-length", type=int,
-                   help="context of the windows (default: the model's, at most 512)")
+                   help="time steps of context per window (default: the model's, at most 512)")
     p.add_argument("--prune-steps", type=int, default=20,
                    help="pruning batches B of Algorithm 1 (default 20)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="windows per pruning and fine-tuning batch (default 32)")
-    p.add_argument("--alpha", type=float, default=0.5, help="EMA coefficient (default 0.5)")
+    p.add_argument("--alpha", type=float, default=0.5,
+                   help="weight of the newest batch in the moving average of the importance "
+                   "scores, in (0, 1] (default 0.5)")
     p.add_argument("--schedule", choices=("cubic", "linear"), default="cubic",
                    help="how the removed fraction grows over the pruning batches (default cubic)")
     p.add_argument("--finetune-steps", type=int, default=0,

@@ -24,7 +24,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "sbt", help="train and evaluate a sparse binary transformer (SBT) on a time-series "
                     "task: classification, anomaly detection or single-step forecasting")
-    p.add_argument("task", choices=TASKS)
+    p.add_argument("task", choices=TASKS, help="the task: classify (accuracy), anomaly (F1 of "
+                   "detected anomalies) or forecast (single-step MSE / MAE)")
     p.add_argument("--dataset", help="classify: JapaneseVowels | BasicMotions; anomaly: kdd135 "
                                      "| ecg; forecast: daphnet (default: the first)")
     p.add_argument("--prune", type=float, help="pruning rate p of the binary weights (keep = "
@@ -32,16 +33,18 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--dense", action="store_true", help="the dense transformer instead")
     p.add_argument("--epochs", type=int, help="training epochs (default: classify SBT 250, "
                                               "dense 50; anomaly 50; forecast 30)")
-    p.add_argument("--batch-size", type=int, help="default: classify 8, else 128")
+    p.add_argument("--batch-size", type=int, help="samples per training batch (default: "
+                   "classify 8, else 128)")
     p.add_argument("--lr", type=float, default=1e-3, help="Adam learning rate (default 1e-3)")
     p.add_argument("--d-model", type=int, default=32, help="model width d (default 32)")
-    p.add_argument("--heads", type=int, default=2)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--d-ff", type=int, default=256)
+    p.add_argument("--heads", type=int, default=2, help="attention heads per layer (default 2)")
+    p.add_argument("--layers", type=int, default=2, help="encoder layers (default 2)")
+    p.add_argument("--d-ff", type=int, default=256, help="MLP hidden width (default 256)")
     p.add_argument("--window", type=int, default=50,
-                   help="anomaly / forecast window w (default 50)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", help="write the report here")
+                   help="anomaly / forecast: time steps per window w (default 50)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the initialization and the batches (default 0)")
+    p.add_argument("--json", help="write the report as JSON to this file")
     p.add_argument("--plots", help="write plots into this directory")
     p.add_argument("--out", help="save the trained model (binary weights packed) here")
     p.add_argument("--overwrite", action="store_true",

@@ -27,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "detected from the cluster)")
     t.add_argument("--num-processes", type=int, help="with --distributed: number of processes")
     t.add_argument("--process-id", type=int, help="with --distributed: this process's index")
-    t.add_argument("--no-progress", action="store_true")
+    t.add_argument("--no-progress", action="store_true", help="no progress bar or status lines")
     t.set_defaults(func=run)
     return t
 

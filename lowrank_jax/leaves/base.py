@@ -5,7 +5,7 @@ pytree node (its arrays are children, its sizes are static metadata). Blocks nev
 leaf; they call :func:`linear`. A new compression method adds a new :class:`Leaf` subclass that
 implements the abstract methods below, and no block changes.
 
-Conventions (see the README's architecture section):
+Conventions (see docs/design/architecture.md):
 
 * Flax orientation: ``y = x @ W`` with ``W: [d_in, d_out]``.
 * FLOPs count multiply-adds of the matrix products actually executed (the convention of

@@ -11,7 +11,7 @@ the backend and the shapes at hand:
 * :func:`fold_plan`: whether attention folds its keys and values into the queries, with the
   factors it folds through.
 
-None of them changes a result beyond float round-off (README design decision 17). They are
+None of them changes a result beyond float round-off (design decision 17, docs/design/decisions.md). They are
 called while a function is traced; the settings they read are part of ``jax.jit``'s cache key,
 so changing a setting re-traces.
 """

@@ -181,8 +181,9 @@ def run_compress(model: str, *, plan: Any = None, eps: float | None = None,
       ``report`` (the :class:`~lowrank_jax.compress.Report`).
 
     Raises:
-      ConfigError, PlanError: a bad plan or setting; MissingFileError, CheckpointError: an
-      unreadable model; OutputExistsError: ``out`` / ``plots`` may not be written.
+      ConfigError, PlanError: a bad plan or setting.
+      MissingFileError, CheckpointError: an unreadable model.
+      OutputExistsError: ``out`` / ``plots`` may not be written.
     """
     import jax
 

@@ -383,7 +383,7 @@ def run_pretraining_demo(
                 f"MASE {base['mase']:.4f}; size = parameters of the attention matrices; time = "
                 f"median of interleaved forward calls on {EVAL_BATCH} windows")
     text.append("  One seed: differences of a few percent between the pretrained rows are within "
-                "the seed-to-seed spread (the README reports mean and spread over 3 seeds).")
+                "the seed-to-seed spread (the docs report mean and spread over 3 seeds).")
 
     ranks = _layer_ranks(dense)
     out = Outcome({

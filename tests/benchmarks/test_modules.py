@@ -1,5 +1,6 @@
-"""Every benchmark module imports and answers ``--help`` (nothing runs); the READMEs' commands
-name benchmarks that exist; the dispatcher and run_all start as commands."""
+"""Every benchmark module imports and answers ``--help`` (nothing runs); the commands of the
+READMEs and the documentation pages name benchmarks that exist; the dispatcher and run_all
+start as commands."""
 
 from __future__ import annotations
 
@@ -63,8 +64,10 @@ COMMAND = re.compile(r"python -m benchmarks\.(\w+)(?: +([a-z_]+))?")
 
 
 def _readme_commands():
-    for path in ("README.md", "benchmarks/README.md", "benchmarks/README_models.md",
-                 "benchmarks/README_sweep.md"):
+    docs = [os.path.relpath(os.path.join(d, f), ROOT)
+            for d, _, files in os.walk(os.path.join(ROOT, "docs")) if "_build" not in d
+            for f in files if f.endswith(".md")]
+    for path in ("README.md", "benchmarks/README.md", *sorted(docs)):
         with open(os.path.join(ROOT, path)) as f:
             text = f.read()
         yield path, text, COMMAND.findall(text)
