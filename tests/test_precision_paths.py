@@ -19,7 +19,14 @@ import pytest
 import lowrank_jax as lj
 from lowrank_jax import execution, models
 from lowrank_jax.analysis import eps_rank, singular_values
-from lowrank_jax.compress import Plan, Step, apply_plan, compare_models, compress
+from lowrank_jax.compress import (
+    Plan,
+    Step,
+    apply_plan,
+    compare_models,
+    compress,
+    truncated_svd,
+)
 from lowrank_jax.decomp import btd_ll1, cp_als
 from lowrank_jax.errors import ConfigError
 from lowrank_jax.nn import bf16_forward
@@ -82,6 +89,9 @@ def test_svd_compression_and_its_report(dots):
     tree = {"blk": {"w": lowrank(1, 16, 16, 6)}}
     new, report = compress(tree, rules=["blk/w"], rank=3, keep_dense_if_larger=False)
     assert report.rows[0].kind == "svd"
+    assert all_highest(dots)
+    dots.clear()
+    assert truncated_svd(lowrank(2), rank=2).rank == 2  # outside any plan
     assert all_highest(dots)
 
 
