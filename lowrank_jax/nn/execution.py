@@ -34,9 +34,11 @@ from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves import HeadLayout, factors, matmul_flops
 
 #: Whether :func:`shared_input` fuses by default, per backend (``Execution.fuse_products=None``).
-#: CPU: measured (``benchmarks/models/matrix_units.py``, docs/design/execution.md). GPU and TPU:
-#: off until measured there against the unfused blocks; ``fuse_products=True`` opts in.
-FUSE_BY_BACKEND = {"cpu": True, "gpu": False, "tpu": False}
+#: CPU: off, measured: no consistent gain in a small Chronos-Bolt forward
+#: (``benchmarks/models/matrix_units.py``; the design notes on execution have the figures).
+#: GPU and TPU: off until measured there against the unfused blocks; ``fuse_products=True``
+#: opts in.
+FUSE_BY_BACKEND = {"cpu": False, "gpu": False, "tpu": False}
 
 #: Rank multiples by backend (:func:`rank_multiple`). CPU: 1, measured: rounding ranks up to 8
 #: or 16 gained nothing consistent on a 2-core AVX-512 CPU (``benchmarks/layers/rank_multiple.py``).
@@ -227,8 +229,12 @@ def shared_input_plan(weights, n_tokens: int):
     ``fuse_min_tokens`` rows: the factors are concatenated on every call, a copy of the
     weights that a product of one decoding step does not repay.
 
-    Setting ``fuse_products``; ``None`` (default): :data:`FUSE_BY_BACKEND` (on for CPU,
-    where it was measured; off on GPU and TPU until measured there).
+    Setting ``fuse_products``; ``None`` (default): :data:`FUSE_BY_BACKEND`. Off on CPU, where
+    it was measured: a Chronos-Bolt forward (d_model 256, 4 + 4 layers, 16 series x 33
+    tokens) ran 0.94-1.08x the unfused time (this process's CPU time, dense and compressed,
+    float32 and bf16, on a 2-core AVX-512 / AMX Xeon), the concatenation of the weights
+    costing what one wider product saves. Off on GPU and TPU until measured there, where
+    fewer, wider products are the usual gain (fewer kernel launches, fuller tiles).
     """
     s = execution.current()
     on = s.fuse_products
