@@ -216,3 +216,23 @@ def test_cast_weights_stores_factors_and_gains_in_bf16():
         if jnp.issubdtype(arr.dtype, jnp.floating):
             assert arr.dtype == jnp.bfloat16
     assert any(a.dtype == jnp.uint32 for a in jax.tree_util.tree_leaves(cast["v"]))
+
+
+def test_rank_multiple_by_backend_and_in_the_svd_method():
+    from lowrank_jax.compress import compress
+    from lowrank_jax.errors import PlanError
+
+    assert nn_exec.rank_multiple("cpu") == 1
+    assert nn_exec.rank_multiple("gpu") == 16 and nn_exec.rank_multiple("tpu") == 128
+    with pytest.raises(ConfigError, match="backend"):
+        nn_exec.rank_multiple("abacus")
+    tree = {"blk": {"w": lj.init_dense(jax.random.PRNGKey(0), 20, 20)}}
+    _, rep = compress(tree, rules=["blk/w"], rank=5, rank_multiple="backend",
+                      keep_dense_if_larger=False)
+    m = nn_exec.rank_multiple()  # this backend's: 1 on CPU
+    assert rep.rows[0].details["rank"] == min(20, -(-5 // m) * m)
+    _, rep8 = compress(tree, rules=["blk/w"], rank=5, rank_multiple=8,
+                       keep_dense_if_larger=False)
+    assert rep8.rows[0].details["rank"] == 8
+    with pytest.raises(PlanError, match="rank_multiple"):
+        compress(tree, rules=["blk/w"], rank=5, rank_multiple="gpu")
