@@ -11,7 +11,10 @@ FLOPs): a small Chronos-Bolt (d_model 256, 8 heads of 32, d_ff 1024, 4 + 4 layer
   ``benchmarks/models/forward.py``), then ``compress(eps=0.1)``; the dense model gets the same
   shaped weights, so all models share them;
 * ``svd+mlp``: the same plus every MLP's hidden units cut to ``--mlp-keep`` (0.3) of ``d_ff``
-  (physically narrower ``wi`` and ``wo``, the units of largest ``||wi[:, h]|| ||wo[h, :]||``).
+  (physically narrower ``wi`` and ``wo``, the units of largest ``||wi[:, h]|| ||wo[h, :]||``);
+* ``floor``: every attention weight at rank 1 and every MLP cut to one hidden unit: nearly no
+  weight FLOPs left, so its time is what compression cannot remove (norms, softmax, attention
+  scores, casts, the patch embeddings), the fixed part of every model's time.
 
 Each model runs under the execution settings ``fuse_products=False`` (``unfused``: q, k and v
 as three products) and ``fuse_products=True`` (``fused``: one product for the first factors of
@@ -121,7 +124,9 @@ def main(argv=None) -> dict:
     cfg = cb.ChronosBoltConfig(t5=t5c, context_length=512, use_reg_token=True)
     dense = shape_spectra(cb.init(jax.random.key(0), cfg))
     svd, _ = compress(dense, eps=args.eps)
-    models = {"dense": dense, "svd": svd, "svd+mlp": prune_mlps(svd, args.mlp_keep)}
+    floor, _ = compress(dense, rank=1, keep_dense_if_larger=False)
+    models = {"dense": dense, "svd": svd, "svd+mlp": prune_mlps(svd, args.mlp_keep),
+              "floor": prune_mlps(floor, 1e-9)}
     ctx = np.random.default_rng(0).normal(size=(series, 512)).astype(np.float32)
 
     def forward(p, x):
@@ -179,7 +184,7 @@ def main(argv=None) -> dict:
             print(TABLE.line(row), flush=True)
     goals = {}
     for row in rows:
-        if row["model"] == "dense":
+        if row["model"] in ("dense", "floor"):
             continue
         goals.update(H.goal(
             f"{row['model']} {row['dtype']}: time ratio to dense over its FLOP ratio "
@@ -188,6 +193,13 @@ def main(argv=None) -> dict:
             measured=f"{row['ratio_unfused'] / row['flop_ratio']:.2f} unfused, "
                      f"{row['ratio_fused'] / row['flop_ratio']:.2f} fused (FLOP ratio "
                      f"{row['flop_ratio']:.2f})"))
+    for dt in dtypes:
+        fl = next(r for r in rows if r["model"] == "floor" and r["dtype"] == dt)
+        goals.update(H.goal(f"floor {dt}: time of a model with nearly no weight FLOPs over "
+                            "dense (fixed share)", fl["ratio_unfused"],
+                            measured=f"{fl['ratio_unfused']:.2f} (best {fl['ratio_unfused_min']:.2f}"
+                                     f", cpu {fl['ratio_unfused_cpu']:.2f}) at FLOP ratio "
+                                     f"{fl['flop_ratio']:.2f}"))
     for row in rows:
         goals.update(H.goal(f"{row['model']} {row['dtype']}: fused / unfused time",
                             row["fused_over_unfused"],
