@@ -153,3 +153,20 @@ def test_matmul_precision_is_part_of_the_trace_key():
             t2 = f.lower(a).as_text()
         t3 = f.lower(a).as_text()
     assert "HIGHEST" not in t1 and "HIGHEST" in t2 and "HIGHEST" not in t3
+
+
+def test_sweeps_and_experiments(dots):
+    from lowrank_jax.analysis.experiments import theorem3_experiment
+    from lowrank_jax.compress import eps_sweep, head_rank_sweep
+
+    cfg = lj.nn.AttentionConfig()
+    params = lj.nn.init_attention(jax.random.PRNGKey(0), cfg, d_model=8, num_heads=2)
+    head_rank_sweep(params, jnp.ones((1, 3, 8)), cfg, [1, 2])
+    assert all_highest(dots)
+    dots.clear()
+    t5 = models.T5Config(vocab_size=40, d_model=16, d_kv=4, d_ff=16, num_layers=1, num_heads=2)
+    eps_sweep(t5, models.t5.init(jax.random.PRNGKey(0), t5), None, [0.5])
+    assert all_highest(dots)
+    dots.clear()
+    theorem3_experiment(d=8, n_tokens=16, ranks=[2, 4])
+    assert all_highest(dots)
