@@ -22,8 +22,9 @@ weights that read the same input, :func:`lowrank_jax.nn.execution.shared_input`)
 and through :func:`lowrank_jax.nn.bf16_forward` (weights cast once). All contenders run in one
 interleaved loop; ratios are of medians of that loop (wall clock, and this process's CPU
 time), with the quartiles of the per-round ratios, and of the fastest calls (``best``: the
-least disturbed on a busy machine). FLOPs: XLA:CPU's ``cost_analysis`` of each compiled forward (on CPU XLA counts the
-dots; it does not on GPU). Outputs are checked against the unfused twin of each model.
+least disturbed on a busy machine). FLOPs: XLA:CPU's ``cost_analysis`` of each compiled
+forward (on CPU XLA counts the dots; it does not on GPU). Outputs are checked against the
+unfused twin of each model.
 
 Usage::
 
@@ -59,8 +60,14 @@ def prune_mlps(params, keep: float):
     """Every ``.../mlp`` block's hidden units cut to ``round(keep * d_ff)``."""
     import numpy as np
 
-    from lowrank_jax.leaves import (get_path, keep_inputs, keep_outputs, materialize_host,
-                                    named_leaves, replace_paths)
+    from lowrank_jax.leaves import (
+        get_path,
+        keep_inputs,
+        keep_outputs,
+        materialize_host,
+        named_leaves,
+        replace_paths,
+    )
 
     new = {}
     for path, node in named_leaves(params):

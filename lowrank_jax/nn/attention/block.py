@@ -159,7 +159,8 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
       ``[batch, q_len, d_out]``.
 
     How it runs (keys folded into few queries, the projections that read the same input as
-    one product, a CPU batch in chunks, the weighted sum's layout) is decided by :mod:`lowrank_jax.nn.execution` from the execution settings
+    one product, a CPU batch in chunks, the weighted sum's layout) is decided by
+    :mod:`lowrank_jax.nn.execution` from the execution settings
     (:func:`lowrank_jax.execution.settings`); the result is the same up to float round-off.
     """
     qk, v, o, heads = attention_params(params, "apply_attention")
