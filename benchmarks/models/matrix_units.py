@@ -22,9 +22,11 @@ weights that read the same input, :func:`lowrank_jax.nn.execution.shared_input`)
 and through :func:`lowrank_jax.nn.bf16_forward` (weights cast once). All contenders run in one
 interleaved loop; ratios are of medians of that loop (wall clock, and this process's CPU
 time), with the quartiles of the per-round ratios, and of the fastest calls (``best``: the
-least disturbed on a busy machine). FLOPs: XLA:CPU's ``cost_analysis`` of each compiled
-forward (on CPU XLA counts the dots; it does not on GPU). Outputs are checked against the
-unfused twin of each model.
+least disturbed on a busy machine). FLOPs: counted (each weight leaf's multiply-adds at the
+rows it sees, :func:`lowrank_jax.compress.frontier.measure.model_flops`; attention scores
+excluded) on every backend, and XLA's ``cost_analysis`` of each compiled forward on CPU (which
+counts the dots; XLA's GPU count leaves out cuBLAS calls, so it is not used there). Outputs
+are checked against the unfused twin of each model.
 
 Usage::
 
@@ -86,7 +88,7 @@ def prune_mlps(params, keep: float):
 
 TABLE = H.Table(
     H.Col("model", "model", width=8), H.Col("dtype", "dtype", width=5),
-    H.Col("FLOPs", "flop_ratio", ".2f"),
+    H.Col("FLOPs", "flop_ratio", ".2f"), H.Col("XLA", "flop_ratio_xla", ".2f"),
     H.Col("unfused ms", "ms_unfused", ".2f", 10), H.Col("fused ms", "ms_fused", ".2f", 9),
     H.Col("fused/unfused", "fused_over_unfused", ".3f", 13),
     H.Col("q25-q75", "fused_spread", width=11),
@@ -144,6 +146,10 @@ def main(argv=None) -> dict:
     dtypes = {"f32": (f32, lambda p: p)} if args.no_bf16 else {
         "f32": (f32, lambda p: p), "bf16": (b16, cast_weights)}
 
+    from lowrank_jax.compress.frontier.measure import model_flops
+
+    counted = {m: model_flops(cfg, p, {"context": ctx}) for m, p in models.items()}
+    on_cpu = jax.default_backend() == "cpu"
     calls, check, flops = {}, {}, {}
     for dt, (fn, cast) in dtypes.items():
         for m, params in models.items():
@@ -158,10 +164,11 @@ def main(argv=None) -> dict:
                 calls[name] = call
                 if fuse == "fused":
                     check[name] = f"{m} {dt} unfused"
-                with execution.settings(fuse_products=fuse == "fused"):
-                    cost = fn.lower(pp, ctx).compile().cost_analysis()
-                cost = cost[0] if isinstance(cost, list) else cost
-                flops[name] = float(cost.get("flops", 0.0))
+                if on_cpu:
+                    with execution.settings(fuse_products=fuse == "fused"):
+                        cost = fn.lower(pp, ctx).compile().cost_analysis()
+                    cost = cost[0] if isinstance(cost, list) else cost
+                    flops[name] = float(cost.get("flops", 0.0))
     print(f"# {run.describe()}; {series} series x 512 context; median of {runs} interleaved "
           "runs; ratios of medians (wall; cpu: this process's CPU time), q25-q75 of the "
           "per-round ratios, best: fastest over fastest", flush=True)
@@ -173,7 +180,9 @@ def main(argv=None) -> dict:
         for m in models:
             u, f = f"{m} {dt} unfused", f"{m} {dt} fused"
             r = t.ratio(f, u)
-            row = {"model": m, "dtype": dt, "flop_ratio": flops[u] / flops[f"dense {dt} unfused"],
+            row = {"model": m, "dtype": dt, "flop_ratio": counted[m] / counted["dense"],
+                   "flop_ratio_xla": (flops[u] / flops[f"dense {dt} unfused"] if on_cpu
+                                      else None),
                    "ms_unfused": meas.ms(u), "ms_fused": meas.ms(f),
                    "fused_over_unfused": r.value,
                    "fused_spread": f"{r.paired.q25:.3f}-{r.paired.q75:.3f}",
