@@ -86,7 +86,8 @@ class Execution:
         (default): the backend's entry in :data:`lowrank_jax.nn.execution.FUSE_BY_BACKEND`;
         ``True`` / ``False`` force it.
       fuse_min_tokens: fuse only inputs of at least this many rows (the weights are
-        concatenated on every call, a copy that a product of few rows does not repay).
+        concatenated on every call, a copy that a product of few rows does not repay). The
+        default of 64 is a guess, not a measurement: fusion is off by default where measured.
       matmul_precision: ``None`` (default): leave the precision of float32 products to JAX
         (``jax_default_matmul_precision``, unset: the backend's default, TF32 on recent NVIDIA
         GPUs, one bfloat16 pass on TPUs); ``'default'``, ``'high'`` or ``'highest'``

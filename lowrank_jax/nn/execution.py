@@ -24,9 +24,11 @@ so changing a setting re-traces.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax import execution
@@ -38,13 +40,13 @@ from lowrank_jax.leaves import HeadLayout, factors, matmul_flops
 #: (``benchmarks/models/matrix_units.py``; the design notes on execution have the figures).
 #: GPU and TPU: off until measured there against the unfused blocks; ``fuse_products=True``
 #: opts in.
-FUSE_BY_BACKEND = {"cpu": False, "gpu": False, "tpu": False}
+FUSE_BY_BACKEND = types.MappingProxyType({"cpu": False, "gpu": False, "tpu": False})
 
 #: Rank multiples by backend (:func:`rank_multiple`). CPU: 1, measured: rounding ranks up to 8
 #: or 16 gained nothing consistent on a 2-core AVX-512 CPU (``benchmarks/layers/rank_multiple.py``).
 #: GPU and TPU: design values, not measured: tensor cores take the inner dimension of a bf16
 #: product in steps of 16 (8 for TF32), TPU matrix units are 128 wide (256 on the newest).
-RANK_MULTIPLE_BY_BACKEND = {"cpu": 1, "gpu": 16, "tpu": 128}
+RANK_MULTIPLE_BY_BACKEND = types.MappingProxyType({"cpu": 1, "gpu": 16, "tpu": 128})
 
 
 def cpu_chunks() -> bool:
@@ -257,8 +259,6 @@ def shared_input(weights, x: Any) -> list | None:
       weights: weight leaves (or plain arrays) reading the same input.
       x: the input ``[..., d_in]``.
     """
-    import jax.numpy as jnp
-
     n_tokens = math.prod(x.shape[:-1])
     fs = shared_input_plan(weights, n_tokens)
     if fs is None:
