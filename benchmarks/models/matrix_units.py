@@ -33,6 +33,7 @@ Usage::
     python -m benchmarks.models matrix_units              # 16 series, 20 runs
     python -m benchmarks.models matrix_units --quick      # 2 layers each side, 5 runs
     python -m benchmarks.models matrix_units --json mu.json --runs 30 --series 32
+    python -m benchmarks.models matrix_units --matmul-precision highest   # full float32 on GPU
 """
 
 from __future__ import annotations
@@ -112,6 +113,9 @@ def main(argv=None) -> dict:
     p.add_argument("--eps", type=float, default=0.1)
     p.add_argument("--mlp-keep", type=float, default=0.3)
     p.add_argument("--no-bf16", action="store_true", help="float32 contenders only")
+    p.add_argument("--matmul-precision", choices=("default", "high", "highest"), default=None,
+                   help="execution setting matmul_precision for every contender (default: "
+                        "the backend's; on a GPU 'highest' is full float32 instead of TF32)")
     args = p.parse_args(argv)
     runs = args.runs or (5 if args.quick else 20)
     series = args.series or (8 if args.quick else 16)
@@ -127,7 +131,8 @@ def main(argv=None) -> dict:
     from lowrank_jax.nn import bf16_forward, cast_weights
 
     run = H.Run(__name__, argv, runs=runs, series=series, layers=layers, eps=args.eps,
-                mlp_keep=args.mlp_keep)
+                mlp_keep=args.mlp_keep, matmul_precision=args.matmul_precision)
+    prec = args.matmul_precision
     t5c = t5.T5Config(vocab_size=2, d_model=256, d_kv=32, num_heads=8, d_ff=1024,
                       num_layers=layers, num_decoder_layers=layers, feed_forward_proj="relu")
     cfg = cb.ChronosBoltConfig(t5=t5c, context_length=512, use_reg_token=True)
@@ -158,14 +163,15 @@ def main(argv=None) -> dict:
                 name = f"{m} {dt} {fuse}"
 
                 def call(fn=fn, pp=pp, on=fuse == "fused"):
-                    with execution.settings(fuse_products=on):
+                    with execution.settings(fuse_products=on, matmul_precision=prec):
                         return fn(pp, ctx)
 
                 calls[name] = call
                 if fuse == "fused":
                     check[name] = f"{m} {dt} unfused"
                 if on_cpu:
-                    with execution.settings(fuse_products=fuse == "fused"):
+                    with execution.settings(fuse_products=fuse == "fused",
+                                            matmul_precision=prec):
                         cost = fn.lower(pp, ctx).compile().cost_analysis()
                     cost = cost[0] if isinstance(cost, list) else cost
                     flops[name] = float(cost.get("flops", 0.0))
