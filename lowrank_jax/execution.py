@@ -2,7 +2,9 @@
 
 Execution settings change how a computation runs, never what it computes (up to float
 round-off): whether attention folds its keys and values into few queries, whether large
-inputs run a chunk at a time on a CPU, whether a packed binary weight uses its Pallas kernel.
+inputs run a chunk at a time on a CPU, whether weights that read the same input run as one
+product, whether a packed binary weight uses its Pallas kernel, and at what precision float32
+products run on an accelerator.
 They are gathered in one frozen :class:`Execution` record and set for a region of code with
 :func:`settings`::
 
@@ -30,8 +32,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
-from typing import Iterator
+from typing import Callable, Iterator
 
 import jax
 
@@ -40,6 +43,13 @@ from lowrank_jax.errors import ConfigError
 #: Environment variable giving the packed-binary kernel's default (read once, at import).
 PACKED_KERNEL_ENV = "LOWRANK_JAX_PACKED_KERNEL"
 _KERNEL_MODES = ("auto", "on", "off")
+
+#: Values of :attr:`Execution.matmul_precision` besides ``None`` (JAX's
+#: ``jax.default_matmul_precision`` names): ``'default'`` is the backend's fastest float32
+#: product (TF32 on NVIDIA GPUs since Ampere, one bfloat16 pass on TPUs), ``'high'`` three
+#: bfloat16 passes on TPUs (TF32 on GPUs), ``'highest'`` full float32 (six bfloat16 passes on
+#: TPUs). XLA:CPU computes every float32 product in float32 whatever the value.
+MATMUL_PRECISIONS = ("default", "high", "highest")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +80,21 @@ class Execution:
         leaf runs the Pallas kernel (:func:`lowrank_jax.leaves.packed_kernels.use_kernel`).
         The environment variable ``LOWRANK_JAX_PACKED_KERNEL``, read once when lowrank_jax is
         imported, sets the default.
+      fuse_products: run the first products of weights that read the same input as one
+        product (q, k and v of self-attention, k and v of cross-attention, a gated MLP's
+        ``wi_0`` and ``wi_1``; :func:`lowrank_jax.nn.execution.shared_input`). ``None``
+        (default): the backend's entry in :data:`lowrank_jax.nn.execution.FUSE_BY_BACKEND`;
+        ``True`` / ``False`` force it.
+      fuse_min_tokens: fuse only inputs of at least this many rows (the weights are
+        concatenated on every call, a copy that a product of few rows does not repay). The
+        default of 64 is a guess, not a measurement: fusion is off by default where measured.
+      matmul_precision: ``None`` (default): leave the precision of float32 products to JAX
+        (``jax_default_matmul_precision``, unset: the backend's default, TF32 on recent NVIDIA
+        GPUs, one bfloat16 pass on TPUs); ``'default'``, ``'high'`` or ``'highest'``
+        (:data:`MATMUL_PRECISIONS`): :func:`settings` enters
+        ``jax.default_matmul_precision(value)`` with the record, so every product traced in the
+        block carries it. :func:`reference_precision` is ``'highest'``, the precision of the
+        library's own checks and decompositions.
 
     The default thresholds were measured on a 2-core AVX-512 CPU (``benchmarks/layers/attention.py``,
     ``benchmarks/layers/mlp.py``; docs/benchmarks.md has the figures).
@@ -84,11 +109,21 @@ class Execution:
     mlp_chunk_bytes: int = 8 << 20
     heads_first: bool | None = None
     packed_kernel: str = "auto"
+    fuse_products: bool | None = None
+    fuse_min_tokens: int = 64
+    matmul_precision: str | None = None
 
     def __post_init__(self):
         for name in ("fold_keys",):
             _check_bool(name, getattr(self, name), allow_none=False)
-        for name in ("cpu_chunks", "heads_first"):
+        _check_bytes("fuse_min_tokens", self.fuse_min_tokens, allow_none=False, minimum=1)
+        if self.matmul_precision is not None and self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ConfigError(f"Execution.matmul_precision must be None or one of "
+                              f"{MATMUL_PRECISIONS}, got {self.matmul_precision!r}",
+                              where="matmul_precision",
+                              expected="None | " + " | ".join(MATMUL_PRECISIONS),
+                              actual=self.matmul_precision)
+        for name in ("cpu_chunks", "heads_first", "fuse_products"):
             _check_bool(name, getattr(self, name), allow_none=True)
         for name in ("attention_chunk_above_bytes", "factored_attention_chunk_above_bytes",
                      "mlp_chunk_above_bytes"):
@@ -159,15 +194,46 @@ def settings(execution: Execution | None = None, /, **changes) -> Iterator[Execu
 
     Functions traced inside the block (jitted or not) use these settings; ``jax.jit``'s caches
     key on them, so the same jitted function traced earlier with other settings is traced
-    again.
+    again. A ``matmul_precision`` other than ``None`` also enters
+    ``jax.default_matmul_precision`` for the block (itself part of ``jax.jit``'s keys).
     """
     base = current() if execution is None else execution
     if not isinstance(base, Execution):
         raise ConfigError(f"settings: expected an Execution, got {type(base).__name__}",
                           where="execution", expected="Execution", actual=type(base).__name__)
     new = base.replace(**changes) if changes else base
-    with _CONTEXT(new):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_CONTEXT(new))
+        if new.matmul_precision is not None:
+            stack.enter_context(jax.default_matmul_precision(new.matmul_precision))
         yield new
 
 
-__all__ = ["DEFAULT", "Execution", "PACKED_KERNEL_ENV", "current", "settings"]
+def reference_precision() -> contextlib.AbstractContextManager[Execution]:
+    """The active settings with ``matmul_precision='highest'``: float32 products in full
+    float32 on every backend.
+
+    What the library's own numbers run under, whatever the forward's precision: the parity
+    checks against reference implementations, the output errors of compression reports
+    (:func:`lowrank_jax.compress.compare_models`), decompositions (CP, BTD) and the dense
+    matrices handed to SVDs. A GPU's default float32 product (TF32, about 10 bits of mantissa)
+    would otherwise put a relative error near 1e-3 into figures meant to resolve 1e-5. On
+    XLA:CPU it changes nothing (its float32 products are always full float32); the products
+    traced inside carry ``precision=HIGHEST`` all the same.
+    """
+    return settings(matmul_precision="highest")
+
+
+def at_reference_precision(fn: Callable) -> Callable:
+    """``fn`` run under :func:`reference_precision` (a decorator)."""
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with reference_precision():
+            return fn(*args, **kwargs)
+
+    return wrapped
+
+
+__all__ = ["DEFAULT", "MATMUL_PRECISIONS", "Execution", "PACKED_KERNEL_ENV",
+           "at_reference_precision", "current", "reference_precision", "settings"]

@@ -14,6 +14,11 @@ Usage::
     python -m benchmarks.layers rank_multiple               # d 512/768/1024, 2048 + 8192 tokens
     python -m benchmarks.layers rank_multiple --quick       # d 768, 2048 tokens, fewer ranks
     python -m benchmarks.layers rank_multiple --json rank_multiple.json --runs 40
+    python -m benchmarks.layers rank_multiple --dtype bfloat16 --multiples 8 16 32
+
+``--dtype bfloat16`` stores the factors in bf16 and multiplies bf16 operands with float32
+accumulation (:func:`lowrank_jax.nn.bf16_forward`), the form a CPU with bf16 matrix units
+(AMX tiles of 16 rows x 32 bf16) or a GPU's tensor cores run.
 """
 
 from __future__ import annotations
@@ -32,18 +37,25 @@ QUICK_RANKS = [22, 26, 30, 40, 58]
 MULTIPLES = (8, 16)
 
 
-def bench(d: int, n_tokens: int, r: int, *, runs: int, warmup: int, seed: int = 0) -> dict:
+def bench(d: int, n_tokens: int, r: int, *, runs: int, warmup: int, seed: int = 0,
+          multiples=MULTIPLES, dtype: str = "float32") -> dict:
     """One row: rank ``r`` against its round-ups, timed in one loop."""
-    ranks = sorted({r, *(round_up(r, k, d) for k in MULTIPLES)})
+    from lowrank_jax.nn import bf16_forward, cast_weights
+
+    ranks = sorted({r, *(round_up(r, k, d) for k in multiples)})
     kx, *kl = jax.random.split(jax.random.key(seed + r), 1 + len(ranks))
     x = jax.random.normal(kx, (n_tokens, d), jnp.float32)
     leaves = {q: lj.init_lowrank(k, d, d, q) for k, q in zip(kl, ranks, strict=True)}
-    fn = jax.jit(lambda leaf, x: lj.linear(leaf, x))
+    if dtype == "bfloat16":
+        leaves = {q: cast_weights(lf) for q, lf in leaves.items()}
+        fn = jax.jit(bf16_forward(lambda leaf, x: lj.linear(leaf, x), cast=False))
+    else:
+        fn = jax.jit(lambda leaf, x: lj.linear(leaf, x))
     m = H.measure({q: (lambda lf=lf: fn(lf, x)) for q, lf in leaves.items()}, runs=runs,
                   warmup=warmup)
     med = {q: m.timings.median(str(q)) for q in ranks}
     row = {"d": d, "tokens": n_tokens, "rank": r, "ms": 1e3 * med[r], "other_load": m.load}
-    for k in MULTIPLES:
+    for k in multiples:
         q = round_up(r, k, d)
         row[f"rank_{k}"] = q
         row[f"ms_{k}"] = 1e3 * med[q]
@@ -52,10 +64,10 @@ def bench(d: int, n_tokens: int, r: int, *, runs: int, warmup: int, seed: int = 
     return row
 
 
-def summary(rows: list[dict]) -> dict:
+def summary(rows: list[dict], multiples=MULTIPLES) -> dict:
     """Per multiple: how often rounding up was faster, and the median speed-up."""
     out = {}
-    for k in MULTIPLES:
+    for k in multiples:
         rounded = [row for row in rows if row[f"rank_{k}"] != row["rank"]]
         faster = [row for row in rounded if row[f"speedup_{k}"] > 1.0]
         out[k] = {"rounded": len(rounded), "faster": len(faster),
@@ -65,13 +77,18 @@ def summary(rows: list[dict]) -> dict:
     return out
 
 
-TABLE = H.Table(
-    H.Col("d", "d", width=5), H.Col("tokens", "tokens"), H.Col("rank", "rank"),
-    H.Col("ms", "ms", ".3f", 8),
-    *(c for k in MULTIPLES for c in (
-        H.Col(f"| r{k}", f"rank_{k}", width=5), H.Col("ms", f"ms_{k}", ".3f", 8),
-        H.Col("speed-up", f"speedup_{k}", ".2f"), H.Col("FLOPs", f"flops_{k}", ".2f"))),
-    H.Col("| load", "other_load", "%"))
+def table(multiples=MULTIPLES) -> H.Table:
+    """The printed table for these multiples."""
+    return H.Table(
+        H.Col("d", "d", width=5), H.Col("tokens", "tokens"), H.Col("rank", "rank"),
+        H.Col("ms", "ms", ".3f", 8),
+        *(c for k in multiples for c in (
+            H.Col(f"| r{k}", f"rank_{k}", width=5), H.Col("ms", f"ms_{k}", ".3f", 8),
+            H.Col("speed-up", f"speedup_{k}", ".2f"), H.Col("FLOPs", f"flops_{k}", ".2f"))),
+        H.Col("| load", "other_load", "%"))
+
+
+TABLE = table()
 
 
 def main(argv=None) -> dict:
@@ -80,31 +97,37 @@ def main(argv=None) -> dict:
     p.add_argument("--tokens", type=int, nargs="+", default=None)
     p.add_argument("--ranks", type=int, nargs="+", default=None)
     p.add_argument("--runs", type=int, default=None)
+    p.add_argument("--multiples", type=int, nargs="+", default=list(MULTIPLES))
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     args = p.parse_args(argv)
+    multiples = tuple(args.multiples)
+    tab = table(multiples)
     d_list = args.d or ([768] if args.quick else [512, 768, 1024])
     tokens = args.tokens or ([2048] if args.quick else [2048, 8192])
     ranks = args.ranks or (QUICK_RANKS if args.quick else RANKS)
     runs = args.runs or (10 if args.quick else 30)
-    run = H.Run(__name__, argv, runs=runs, multiples=list(MULTIPLES))
+    run = H.Run(__name__, argv, runs=runs, multiples=list(multiples), dtype=args.dtype)
     print(f"# {run.describe()}; median of {runs} interleaved runs; speed-up = time(rank) / "
           "time(rounded rank), FLOPs = rounded / rank; other load = CPU share used by other "
           "processes meanwhile")
-    print(TABLE.header())
+    print(tab.header())
     rows = []
     for d in d_list:
         for n in tokens:
             for r in ranks:
                 if r >= d:
                     continue
-                rows.append(bench(d, n, r, runs=runs, warmup=3))
-                print(TABLE.line(rows[-1]), flush=True)
-    summ = summary(rows)
+                rows.append(bench(d, n, r, runs=runs, warmup=3, multiples=multiples,
+                                  dtype=args.dtype))
+                print(tab.line(rows[-1]), flush=True)
+    summ = summary(rows, multiples)
     goals = {}
     for k, s in summ.items():
         med = "-" if s["median_speedup"] is None else f"{s['median_speedup']:.2f}"
         goals.update(H.goal(
-            f"LowRank leaf, rank rounded up to a multiple of {k} (compress rank_multiple={k}): "
-            "median speed-up over the ranks it changes", s["median_speedup"],
+            f"LowRank leaf{'' if args.dtype == 'float32' else ' (' + args.dtype + ')'}, rank "
+            f"rounded up to a multiple of {k} (compress rank_multiple={k}): median speed-up "
+            "over the ranks it changes", s["median_speedup"],
             measured=f"median {med}; faster in {s['faster']}/{s['rounded']} rounded rows, at "
                      f"ranks {s['faster_ranks']}", faster=f"{s['faster']}/{s['rounded']}"))
     return run.finish(args.json, rows=rows, goals=goals,

@@ -27,6 +27,7 @@ import numpy as np
 
 from lowrank_jax.analysis.rank import eps_rank_from_sv
 from lowrank_jax.errors import ConfigError
+from lowrank_jax.execution import at_reference_precision
 from lowrank_jax.leaves import Dense, HeadLayout, LowRank, QueryKey
 from lowrank_jax.nn import AttentionConfig, apply_attention
 
@@ -102,6 +103,7 @@ def _random_weights(d: int, rng: np.random.Generator):
     return wq, wk, wv
 
 
+@at_reference_precision
 def theorem3_experiment(
     d: int = 512,
     n_tokens: int = 4096,
@@ -170,6 +172,7 @@ def theorem3_experiment(
     )
 
 
+@at_reference_precision
 def theorem3_width_experiment(
     widths=(64, 128, 256, 512),
     rank: int = 8,
@@ -226,6 +229,7 @@ class HeadsRankResult:
         }
 
 
+@at_reference_precision
 def theorem4_experiment(
     d: int = 64,
     n_tokens: int = 256,

@@ -1,5 +1,9 @@
 """eps-rank and spectra (eq. 1 of "Understanding Transformers for Time Series: Rank Structure,
-Flow-of-Ranks, and Compressibility")."""
+Flow-of-Ranks, and Compressibility").
+
+Singular values are computed in float64 with NumPy on the host; a leaf is materialized in
+float64 under :func:`lowrank_jax.execution.reference_precision`, so no accelerator's reduced
+float32 product (TF32) enters a spectrum."""
 
 from __future__ import annotations
 
@@ -8,11 +12,13 @@ from typing import Sequence
 import numpy as np
 
 from lowrank_jax.errors import ConfigError, DataError, ShapeError
+from lowrank_jax.execution import reference_precision
 from lowrank_jax.leaves import materialize_host
 
 
 def _as_matrix(w, name: str = "w") -> np.ndarray:
-    a = materialize_host(w)
+    with reference_precision():  # a factored leaf's product in full precision on any backend
+        a = materialize_host(w)
     if a.ndim != 2:
         raise ShapeError(f"{name}: expected a 2-D matrix, got shape {a.shape}", where=name,
                          expected="2-D", actual=a.shape)

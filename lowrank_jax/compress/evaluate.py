@@ -5,16 +5,20 @@ inputs (the family's representative inputs, :func:`sample_inputs`, unless given)
 next to the parameter and FLOP ratios:
 
 * ``max_abs_error`` and ``rel_error`` (Frobenius) of the family's primary output
-  (:attr:`lowrank_jax.models.ModelFamily.primary_outputs`);
+  (:attr:`lowrank_jax.models.ModelFamily.primary_outputs`), both forwards run under
+  :func:`lowrank_jax.execution.reference_precision` (full float32 products on every backend;
+  a GPU's default TF32 alone would put about 1e-3 into them);
 * ``top10_jaccard`` for families whose primary output is a distribution over tokens (T5,
   Chronos): per position, the Jaccard overlap of the top-10 tokens of the two models, averaged
   ("Understanding Transformers for Time Series: Rank Structure, Flow-of-Ranks, and
   Compressibility", Table 2, "Overlap");
 * ``time_ratio``: median compressed / median original forward time, both jitted, measured
   interleaved in one run (:func:`lowrank_jax.timing.time_interleaved`: the order alternates
-  every round) so machine noise hits both alike; ``time_ratio_quartiles``, the 25th and 75th
-  percentiles of the per-run ratios (compressed / original call of the same round), show how
-  far apart single measurements fall: a range that holds 1 means no measurable difference.
+  every round) so machine noise hits both alike, at the precision active where
+  :func:`compare_models` is called (the backend's default unless set);
+  ``time_ratio_quartiles``, the 25th and 75th percentiles of the per-run ratios (compressed /
+  original call of the same round), show how far apart single measurements fall: a range that
+  holds 1 means no measurable difference.
 
 Everything family-specific comes from the family record (:func:`lowrank_jax.models.family_of`).
 """
@@ -26,6 +30,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from lowrank_jax.execution import reference_precision
 from lowrank_jax.leaves import flops, param_count
 from lowrank_jax.models import apply as model_apply
 from lowrank_jax.models import family_of, primary_output
@@ -94,8 +99,9 @@ def compare_models(config: Any, params: Any, new_params: Any, *, inputs: dict | 
     def fwd(p, inp):
         return _forward(p, inp, config)
 
-    ref = fwd(params, inputs)
-    new = fwd(new_params, inputs)
+    with reference_precision():  # the error in full float32 on any backend (not TF32's)
+        ref = fwd(params, inputs)
+        new = fwd(new_params, inputs)
     key = primary_output(family, ref)
     a, b = np.asarray(ref[key], np.float64), np.asarray(new[key], np.float64)
     n_tok = token_count(inputs)

@@ -27,7 +27,7 @@ from typing import Any, Mapping, Sequence
 
 import jax
 
-from lowrank_jax import runtime
+from lowrank_jax import execution, runtime
 from lowrank_jax._progress import progress_bar
 from lowrank_jax.compress.registry import Context, get_method
 from lowrank_jax.compress.report import Report, StepSummary, count_totals, counts
@@ -292,7 +292,9 @@ def apply_plan(params: Any, plan: Any, *, key=None, inputs: Mapping | None = Non
     rows, summaries, used = [], [], set()
     steps = progress_bar(plan.steps, desc="plan", unit="step",
                          enabled=progress and len(plan.steps) >= 2, leave=True)
-    with runtime.blas_threads(blas_threads):
+    # Decompositions, importance scores and errors in full float32 on every backend
+    # (execution.reference_precision): a GPU's default TF32 products would blur them.
+    with runtime.blas_threads(blas_threads), execution.reference_precision():
         for i, step in enumerate(steps):
             m = get_method(step.method)
             where = f"step {i} ({step.method})"

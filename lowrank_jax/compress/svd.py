@@ -30,6 +30,7 @@ import numpy as np
 
 from lowrank_jax.analysis import eps_rank_from_sv
 from lowrank_jax.errors import ConfigError, LeafTypeError, PlanError, ShapeError
+from lowrank_jax.execution import reference_precision
 from lowrank_jax.leaves import (
     HeadLowRank,
     LowRank,
@@ -125,7 +126,8 @@ def weight_matrix(fn: str, w: Any, path: str) -> tuple[np.ndarray, Any, np.dtype
                 "arrays (binary signs or masks) that a float factorization would discard; "
                 "materialize it first if that is what you want", where=path,
                 expected="a leaf whose arrays are all trainable", actual=type(w).__name__)
-        mat = materialize_host(w)
+        with reference_precision():  # float64 on the host; full precision on any backend
+            mat = materialize_host(w)
         bias, dtype = bias_of(w), leaf_dtype(w)
     else:
         raw = np.asarray(w)

@@ -26,17 +26,24 @@ says ``kind='svd'``. Heads of unequal widths (pruned channels) raise a
 ``keep_dense_if_larger`` (default ``True``): keep the weight when the factorization would not
 have fewer parameters (row kind ``'kept-dense'`` when the weight stores a full ``d_in x d_out``
 matrix, ``'kept'`` otherwise; counted this way in the ``ratio`` search too).
-``rank_multiple`` (int, default ``None``, i.e. 1): every rank the step decides (per matrix, or
-per head) is rounded *up* to a multiple of it, capped at the largest rank the matrix has. Not
-from the paper: matrix kernels tile the rank dimension, and rounding up only keeps more
-singular values, so an ``eps`` bound still holds, with a smaller error. What it buys depends
-on the hardware. On a 2-core AVX-512 CPU (XLA:CPU, float32, ``benchmarks/layers/rank_multiple.py``)
-a ``[d, d]`` ``LowRank`` leaf of rank 26-30 ran 1.06-1.22x faster at rank 32 (d 512-1024,
-2048 and 8192 tokens); other ranks rounded up to a multiple of 8 ran 0.86-1.10x as fast as
-before (median 1.02 over all rounded ranks), and to 16 often slower (36 -> 48: 0.78-0.96x).
-GPU tensor cores tile by 8 or 16 and TPU matrix units by 128 (not measured here). Under
-``ratio`` the rounded ranks are what the budget counts: the eps search runs over rounded
-ranks, and the energy allocation takes singular values in blocks of ``rank_multiple``.
+``rank_multiple`` (int or ``'backend'``, default ``None``, i.e. 1): every rank the step
+decides (per matrix, or per head) is rounded *up* to a multiple of it, capped at the largest
+rank the matrix has. Not from the paper: matrix kernels tile the rank dimension, and rounding
+up only keeps more singular values, so an ``eps`` bound still holds, with a smaller error.
+What it buys depends on the hardware. On a 2-core AVX-512 CPU (XLA:CPU, float32,
+``benchmarks/layers/rank_multiple.py``) a ``[d, d]`` ``LowRank`` leaf of rank 26-30 ran
+1.06-1.22x faster at rank 32 (d 512-1024, 2048 and 8192 tokens); other ranks rounded up to a
+multiple of 8 ran 0.86-1.10x as fast as before (median 1.02 over all rounded ranks), and to 16
+often slower (36 -> 48: 0.78-0.96x). In bf16 on a 2-core Xeon with AMX matrix units (tiles of
+32 bf16 deep) rounding to 8, 16 or 32 changed nothing measurable (median 1.00-1.01 over ranks
+20-58, d 512 and 768, 2048 tokens): the leaf's time barely grows with its rank there.
+``'backend'`` takes the multiple of JAX's default backend from
+:data:`lowrank_jax.nn.execution.RANK_MULTIPLE_BY_BACKEND`: 1 on CPU (measured, as above), 16 on
+GPU and 128 on TPU (design values from their matrix units' tiles, not measured). The default
+stays 1 on every backend, so that a compressed model does not depend on the machine it was
+compressed on. Under ``ratio`` the rounded ranks are what the budget counts: the eps search
+runs over rounded ranks, and the energy allocation takes singular values in blocks of
+``rank_multiple``.
 
 Per-rule overrides ``eps``, ``rank``, ``per_head`` and ``rank_multiple`` take precedence over
 the step's settings for the weights their rule catches; under ``ratio`` such weights are fixed
@@ -155,16 +162,22 @@ def check_settings(settings: Mapping) -> str:
 
 
 def check_rank_multiple(value, where: str) -> int:
-    """``rank_multiple`` as an int >= 1 (``None`` is 1).
+    """``rank_multiple`` as an int >= 1 (``None`` is 1; ``'backend'`` is the multiple of JAX's
+    default backend, :func:`lowrank_jax.nn.execution.rank_multiple`).
 
     Raises:
-      PlanError: not ``None`` and not an int >= 1.
+      PlanError: not ``None``, ``'backend'`` or an int >= 1.
     """
     if value is None:
         return 1
+    if value == "backend":
+        from lowrank_jax.nn.execution import rank_multiple
+
+        return rank_multiple()
     if not is_int(value) or value < 1:
-        raise PlanError(f"svd: {where}: rank_multiple must be an int >= 1 (or None), got "
-                        f"{value!r}", where=where, expected="int >= 1", actual=value)
+        raise PlanError(f"svd: {where}: rank_multiple must be an int >= 1, 'backend' or None, "
+                        f"got {value!r}", where=where, expected="int >= 1 | 'backend'",
+                        actual=value)
     return int(value)
 
 
@@ -497,7 +510,7 @@ def compress(params: Any, *, rules=ATTENTION_QKVO, eps: float | None = None,
              rank: int | None = None, ratio: float | None = None,
              schedule: Sequence[int] | None = None, per_head: bool = False,
              allocation: str = "eps", inputs: Mapping | None = None,
-             keep_dense_if_larger: bool = True, rank_multiple: int | None = None,
+             keep_dense_if_larger: bool = True, rank_multiple: int | str | None = None,
              progress: bool = False, blas_threads: int | None = 1) -> tuple[Any, Report]:
     """Replace the weights chosen by ``rules`` with truncated factorizations: a one-step plan
     ``Step("svd", rules, settings)`` applied with :func:`~lowrank_jax.compress.apply_plan`.
@@ -529,7 +542,9 @@ def compress(params: Any, *, rules=ATTENTION_QKVO, eps: float | None = None,
       keep_dense_if_larger: keep the original leaf when the factorization would not have fewer
         parameters (row kind ``'kept-dense'`` / ``'kept'``).
       rank_multiple: round every decided rank up to a multiple of this (capped at the matrix's
-        largest rank; module docstring): faster kernels, never a larger error.
+        largest rank; module docstring): faster kernels, never a larger error. ``'backend'``:
+        the multiple of JAX's default backend
+        (:func:`lowrank_jax.nn.execution.rank_multiple`).
       progress: show a progress bar over the decompositions.
       blas_threads: the most threads of the host LAPACK during the decompositions (one by
         default; ``None``: leave them as they are): see

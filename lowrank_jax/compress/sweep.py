@@ -28,6 +28,7 @@ from lowrank_jax.compress.rules import ATTENTION_QKVO, select
 from lowrank_jax.compress.svd import check_eps, is_int, split_columns, svd64, truncatable
 from lowrank_jax.compress.svd_method import OVERRIDES, decide_ranks, prepare_truncation
 from lowrank_jax.errors import ConfigError, LeafTypeError, ShapeError
+from lowrank_jax.execution import at_reference_precision
 from lowrank_jax.leaves import (
     Dense,
     HeadLayout,
@@ -132,6 +133,7 @@ def _padded_blocks(mat: np.ndarray, widths: tuple[int, ...], pad: int) -> list[n
     return [np.pad(b, ((0, 0), (0, pad - b.shape[1]))) for b in split_columns(mat, widths)]
 
 
+@at_reference_precision
 def head_rank_sweep(attn_params: dict, x: Array, cfg: AttentionConfig | None,
                     ranks: Sequence[int], *, which: Sequence[str] = _PROJ,
                     kv: Array | None = None, mask: Array | None = None,
@@ -299,6 +301,7 @@ def _tail_scales(t, ranks, kept: bool) -> np.ndarray:
     return np.stack(out)
 
 
+@at_reference_precision
 def eps_sweep(config: Any, params: Any, inputs: dict | None, eps_values: Sequence[float], *,
               rules=ATTENTION_QKVO, loss_fn: Callable[[dict], Array] | None = None,
               per_head: bool = False, batch_size: int | None = None) -> list[dict]:

@@ -54,7 +54,9 @@ What the paper leaves open, and what is done here:
 
 Ranks are arrays, so the whole pipeline (CP-ALS, Algorithm 1, Algorithm 3) is jit-compiled and
 ``jax.vmap`` maps it over a batch of tensors; the term factors are stored zero-padded to a
-static ``max_rank`` (``a: [T, I, L]``, columns ``>= ranks[t]`` exactly zero).
+static ``max_rank`` (``a: [T, I, L]``, columns ``>= ranks[t]`` exactly zero). :func:`fit_term`,
+:func:`btd_from_cp` and :func:`btd_ll1` run under
+:func:`lowrank_jax.execution.reference_precision` (full float32 products on every backend).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ import numpy as np
 
 from lowrank_jax.decomp.cp import cp_als, cp_epc, unfold
 from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.execution import at_reference_precision
 
 Array = jax.Array
 
@@ -184,6 +187,7 @@ def _fit_term(x, rank, c, tol, *, lmax, n_iter_max):
     return _fit_term_loop(x, rank, c, lmax, n_iter_max, tol)
 
 
+@at_reference_precision
 def fit_term(tensor: Array, rank: int, *, c: Array | None = None, n_iter_max: int = 10,
              tol: float = 1e-8) -> BTDResult:
     """Algorithm 2 of "Vision Transformer with Irregular Attention": fit one rank-(L, L, 1)
@@ -263,6 +267,7 @@ def _btd_from_cp(weights, fa, fb, fc, *, n_terms, lmax):
     return a, b, jnp.eye(fc.shape[0], n_terms, dtype=dtype), counts
 
 
+@at_reference_precision
 def btd_from_cp(weights: Array | None, factors: Sequence[Array], *,
                 max_rank: int | None = None) -> BTDResult:
     """Algorithm 1 of "Vision Transformer with Irregular Attention": BTD-(L,L,1) terms and
@@ -374,6 +379,7 @@ def _btd_from_slices(x, ranks, *, lmax):
     return a, b, jnp.eye(x.shape[2], dtype=x.dtype)
 
 
+@at_reference_precision
 def btd_ll1(tensor: Array, rank: int | None = None, *, init="cp", ranks=None,
             max_rank: int | None = None, n_iter_max: int = 100, tol: float = 1e-8,
             n_iter_term: int = 1, cp_n_iter_max: int = 100, cp_tol: float = 1e-8,

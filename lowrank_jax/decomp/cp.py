@@ -37,7 +37,9 @@ our formulation of "keep the error, shrink diverging and cancelling terms"; it i
 the authors' code (which is not public).
 
 All functions work in the dtype of the tensor (float32 by default; float64 under
-``jax.enable_x64``).
+``jax.enable_x64``). :func:`init_cp`, :func:`cp_als` and :func:`cp_epc` run under
+:func:`lowrank_jax.execution.reference_precision`: their products are full float32 on every
+backend (a GPU's default TF32 would stall the fit near 1e-3).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import ConfigError, ShapeError
+from lowrank_jax.execution import at_reference_precision
 
 Array = jax.Array
 
@@ -289,6 +292,7 @@ def _init_cp(tensor, key, *, rank, init):
     return tuple(factors)
 
 
+@at_reference_precision
 def init_cp(tensor: Array, rank: int, *, init: str = "svd", key: Array | None = None
             ) -> tuple[Array, tuple]:
     """Initial CP factors as tensorly's ``initialize_cp`` makes them.
@@ -330,6 +334,7 @@ def _as_init(tensor, rank, init, key, who):
     return factors
 
 
+@at_reference_precision
 def cp_als(tensor: Array, rank: int, *, init="svd", n_iter_max: int = 100, tol: float = 1e-8,
            l2_reg: float = 0.0, linesearch: bool = False, normalize_factors: bool = False,
            key: Array | None = None) -> CPResult:
@@ -436,6 +441,7 @@ def _cp_epc(tensor, factors, delta, tol, *, n_iter_max):
     return CPResult(jnp.ones((rank,), dtype), tuple(factors), errors, it)
 
 
+@at_reference_precision
 def cp_epc(tensor: Array, weights: Array | None, factors: Sequence[Array], *,
            delta: float | Array | None = None, n_iter_max: int = 50, tol: float = 1e-6
            ) -> CPResult:

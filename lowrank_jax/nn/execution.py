@@ -9,7 +9,12 @@ the backend and the shapes at hand:
 * :func:`token_chunks`: an MLP's token chunks;
 * :func:`heads_first`: the layout of attention's weighted sum;
 * :func:`fold_plan`: whether attention folds its keys and values into the queries, with the
-  factors it folds through.
+  factors it folds through;
+* :func:`shared_input`: whether weights that read the same input run their first products as
+  one (q, k and v; k and v of cross-attention; a gated MLP's two input weights), and those
+  products;
+* :func:`rank_multiple`: the multiple a backend's matrix units tile ranks by (used by
+  compression, not by the blocks).
 
 None of them changes a result beyond float round-off (design decision 17, docs/design/decisions.md). They are
 called while a function is traced; the settings they read are part of ``jax.jit``'s cache key,
@@ -19,12 +24,29 @@ so changing a setting re-traces.
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from lowrank_jax import execution
+from lowrank_jax.errors import ConfigError
 from lowrank_jax.leaves import HeadLayout, factors, matmul_flops
+
+#: Whether :func:`shared_input` fuses by default, per backend (``Execution.fuse_products=None``).
+#: CPU: off, measured: no consistent gain in a small Chronos-Bolt forward
+#: (``benchmarks/models/matrix_units.py``; the design notes on execution have the figures).
+#: GPU and TPU: off until measured there against the unfused blocks; ``fuse_products=True``
+#: opts in.
+FUSE_BY_BACKEND = types.MappingProxyType({"cpu": False, "gpu": False, "tpu": False})
+
+#: Rank multiples by backend (:func:`rank_multiple`). CPU: 1, measured: rounding ranks up to 8
+#: or 16 gained nothing consistent on a 2-core AVX-512 CPU (``benchmarks/layers/rank_multiple.py``).
+#: GPU and TPU: design values, not measured: tensor cores take the inner dimension of a bf16
+#: product in steps of 16 (8 for TF32), TPU matrix units are 128 wide (256 on the newest).
+RANK_MULTIPLE_BY_BACKEND = types.MappingProxyType({"cpu": 1, "gpu": 16, "tpu": 128})
 
 
 def cpu_chunks() -> bool:
@@ -189,4 +211,88 @@ def fold_plan(qk: Any, v: Any, heads: HeadLayout, q_len: int, k_len: int):
     return (fk, fv) if folded < projected else None
 
 
-__all__ = ["batch_chunk", "cpu_chunks", "fold_plan", "heads_first", "token_chunks"]
+def _same_rows(fs) -> bool:
+    return len({f.rows for f in fs}) == 1
+
+
+def shared_input_plan(weights, n_tokens: int):
+    """The :class:`~lowrank_jax.leaves.Factors` of ``weights`` when they should run their
+    first products on one input as a single product, else ``None``.
+
+    Not from any paper: an execution choice for matrix units. Weights that read the same input
+    (q, k and v of self-attention, k and v of cross-attention, a gated MLP's ``wi_0`` and
+    ``wi_1``) multiply it by their first factors (``U`` of a rank-``r`` weight ``U V``, the
+    whole matrix of a dense one) side by side: ``x [U_q | U_k | U_v]`` is one product with the
+    sum of the widths instead of three narrow ones, then each part goes through its second
+    factor. Exact: the concatenation of the three products (up to float round-off). Needs every
+    weight to answer :func:`lowrank_jax.leaves.factors` with the same input rows (dense
+    weights, ``LowRank``, a ``ChannelPruned`` that removed the same inputs, or a user's leaf
+    with the capability), at least two weights, and an input of at least
+    ``fuse_min_tokens`` rows: the factors are concatenated on every call, a copy of the
+    weights that a product of one decoding step does not repay.
+
+    Setting ``fuse_products``; ``None`` (default): :data:`FUSE_BY_BACKEND`. Off on CPU, where
+    it was measured: a Chronos-Bolt forward (d_model 256, 4 + 4 layers, 16 series x 33
+    tokens) ran 0.94-1.08x the unfused time (this process's CPU time, dense and compressed,
+    float32 and bf16, on a 2-core AVX-512 / AMX Xeon), the concatenation of the weights
+    costing what one wider product saves. Off on GPU and TPU until measured there, where
+    fewer, wider products are the usual gain (fewer kernel launches, fuller tiles).
+    """
+    s = execution.current()
+    on = s.fuse_products
+    if on is None:
+        on = FUSE_BY_BACKEND.get(jax.default_backend(), False)
+    if not on or len(weights) < 2 or int(n_tokens) < s.fuse_min_tokens:
+        return None
+    fs = [factors(w) for w in weights]
+    if any(f is None for f in fs) or not _same_rows(fs):
+        return None
+    return fs
+
+
+def shared_input(weights, x: Any) -> list | None:
+    """``[linear(w, x) for w in weights]`` computed with one product for the first factors
+    when :func:`shared_input_plan` says so; ``None`` otherwise (the block then runs each
+    weight on its own).
+
+    Args:
+      weights: weight leaves (or plain arrays) reading the same input.
+      x: the input ``[..., d_in]``.
+    """
+    n_tokens = math.prod(x.shape[:-1])
+    fs = shared_input_plan(weights, n_tokens)
+    if fs is None:
+        return None
+    rows = fs[0].rows
+    xr = x if rows is None else x[..., np.asarray(rows, np.int64)]
+    firsts = [f.second if f.first is None else f.first for f in fs]
+    sizes = [int(a.shape[1]) for a in firsts]
+    joint = xr @ jnp.concatenate(firsts, axis=1)  # the one product: [..., sum of widths]
+    outs, at = [], 0
+    for f, n in zip(fs, sizes, strict=True):
+        part = joint[..., at:at + n]
+        at += n
+        y = part if f.first is None else part @ f.second
+        outs.append(y if f.bias is None else y + f.bias)
+    return outs
+
+
+def rank_multiple(backend: str | None = None) -> int:
+    """The multiple that ranks are rounded up to for ``backend`` (default: JAX's default
+    backend), from :data:`RANK_MULTIPLE_BY_BACKEND`: what ``rank_multiple='backend'`` means
+    in the ``svd`` compression method.
+
+    Only the CPU entry is measured (1: no rounding); the GPU (16) and TPU (128) entries are
+    design values from the matrix units' tile sizes, not measured speed-ups.
+    """
+    name = jax.default_backend() if backend is None else backend
+    if name not in RANK_MULTIPLE_BY_BACKEND:
+        raise ConfigError(f"rank_multiple: no entry for backend {name!r}; known: "
+                          f"{sorted(RANK_MULTIPLE_BY_BACKEND)}", where="backend",
+                          expected=sorted(RANK_MULTIPLE_BY_BACKEND), actual=name)
+    return RANK_MULTIPLE_BY_BACKEND[name]
+
+
+__all__ = ["FUSE_BY_BACKEND", "RANK_MULTIPLE_BY_BACKEND", "batch_chunk", "cpu_chunks",
+           "fold_plan", "heads_first", "rank_multiple", "shared_input", "shared_input_plan",
+           "token_chunks"]

@@ -89,7 +89,10 @@ def _hidden_width(params: dict) -> int:
 def _mlp(params: dict, x: Array, cfg: MLPConfig) -> Array:
     act = ACTIVATIONS[cfg.activation]
     if cfg.gated:
-        h = act(linear(params["wi_0"], x)) * linear(params["wi_1"], x)  # [..., d_ff]
+        both = execution.shared_input([params["wi_0"], params["wi_1"]], x)  # one product?
+        if both is None:
+            both = [linear(params["wi_0"], x), linear(params["wi_1"], x)]
+        h = act(both[0]) * both[1]  # [..., d_ff]
     else:
         h = act(linear(params["wi"], x))  # [..., d_ff]
     return linear(params["wo"], h)  # [..., d_out]
@@ -100,7 +103,9 @@ def apply_mlp(params: dict, x: Array, cfg: MLPConfig) -> Array:
 
     The hidden width is whatever the leaves have (each layer of a pruned model its own). On
     CPU a large input runs a chunk of tokens at a time
-    (:func:`lowrank_jax.nn.execution.token_chunks`; same result up to float round-off).
+    (:func:`lowrank_jax.nn.execution.token_chunks`), and a gated MLP's two input weights may
+    run as one product (:func:`lowrank_jax.nn.execution.shared_input`); same result up to
+    float round-off.
 
     Args:
       params: weight leaves from :func:`init_mlp`.

@@ -30,7 +30,15 @@ Example::
 
 On a CPU without bf16 instructions this is about numbers and memory, not speed: on the AVX2
 machine measured (``benchmarks/models/peak.py``) XLA:CPU (jax 0.10) runs bf16 products at 0.7x the
-float32 rate, and a bf16 forward takes 1.3-1.5x the float32 time.
+float32 rate, and a bf16 forward takes 1.3-1.5x the float32 time. On a Xeon with AMX bf16
+matrix units the same XLA:CPU ran a small Chronos-Bolt forward (d_model 256, 16 series) in
+about 0.4x the float32 time (``benchmarks/models/matrix_units.py``).
+
+Float32 forwards (without this module) run at the backend's default precision for float32
+products: full float32 on CPU, TF32 on NVIDIA GPUs since Ampere, one bfloat16 pass on TPUs.
+The execution setting ``matmul_precision`` (:class:`lowrank_jax.execution.Execution`) asks for
+another (``'highest'``: full float32 everywhere); the library's own checks, decompositions and
+compression errors always run at ``'highest'`` (:func:`lowrank_jax.execution.reference_precision`).
 """
 
 from __future__ import annotations

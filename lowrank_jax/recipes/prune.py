@@ -208,7 +208,7 @@ def run_prune(model: str, *, target: float = 0.5, flops_target: bool = False,
     """
     import jax
 
-    from lowrank_jax import param_count
+    from lowrank_jax import execution, param_count
     from lowrank_jax.compress.prune import (
         DEFAULT_RULES,
         add_channel_masks,
@@ -291,7 +291,8 @@ def run_prune(model: str, *, target: float = 0.5, flops_target: bool = False,
     with status.phase("removing the pruned channels"):
         pruned = res.structure.remove(res.removal)
         check_removal(res.structure, res.removal, pruned)
-    with status.phase("comparing the masked and the pruned model on a validation batch"):
+    with status.phase("comparing the masked and the pruned model on a validation batch"), \
+            execution.reference_precision():  # a parity check: full float32 on any backend
         c = np.asarray(val_s.batch(0)["context"])
         diff = float(np.max(np.abs(np.asarray(fwd(res.params, c)) - np.asarray(fwd(pruned, c)))))
     table = layer_table(res.structure, res.removal)

@@ -158,8 +158,9 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
     Returns:
       ``[batch, q_len, d_out]``.
 
-    How it runs (keys folded into few queries, a CPU batch in chunks, the weighted sum's
-    layout) is decided by :mod:`lowrank_jax.nn.execution` from the execution settings
+    How it runs (keys folded into few queries, the projections that read the same input as
+    one product, a CPU batch in chunks, the weighted sum's layout) is decided by
+    :mod:`lowrank_jax.nn.execution` from the execution settings
     (:func:`lowrank_jax.execution.settings`); the result is the same up to float round-off.
     """
     qk, v, o, heads = attention_params(params, "apply_attention")
@@ -168,6 +169,7 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
         raise ShapeError(
             f"apply_attention: x must be [batch, q_len, d_model={qk.d_q_in}], got shape "
             f"{tuple(x.shape)}", where="x", expected=qk.d_q_in, actual=tuple(x.shape))
+    self_attention = kv is None or kv is x
     kv = x if kv is None else jnp.asarray(kv)
     if kv.ndim != 3 or kv.shape[-1] != qk.d_k_in or kv.shape[0] != x.shape[0]:
         raise ShapeError(
@@ -197,6 +199,13 @@ def apply_attention(params: dict, x: Array, cfg: AttentionConfig, *, kv: Array |
     plan = None if cfg.qkv_keep is not None else execution.fold_plan(qk, v, heads, q_len, k_len)
     if plan is not None:
         return strategies.folded(plan, qk, o, heads, x, kv, bias=bias, mask=mask)
+    proj = qk.projections()
+    if proj is not None:  # q, k, v (or k, v) as one product where execution says so
+        flat = execution.shared_input(
+            [proj.q, proj.k, v] if self_attention else [proj.k, v], x if self_attention else kv)
+        if flat is not None:
+            return strategies.shared_input(flat, qk, o, heads, x, bias=bias, mask=mask,
+                                           q_mask=q_mask, k_mask=k_mask, v_mask=v_mask)
     vals = split_heads(linear(v, kv), heads.v)  # [batch, k_len, h, max(w_v)]
     if v_mask is not None:
         vals = vals * v_mask[:, None, :].astype(vals.dtype)
