@@ -80,6 +80,9 @@ class Contender:
 #: The execution settings every model row is timed under, in the same loop.
 CONTENDERS: list[Contender] = [
     Contender("default", {}, "the library's default execution settings"),
+    Contender("fused", {"fuse_products": True},
+              "one product for the first factors of q, k and v and for gated MLP inputs "
+              "(off by default: no gain measured on CPU)"),
 ]
 
 #: Sizes of the full run and of ``--smoke``.
