@@ -50,6 +50,7 @@ Precision Decomposition", arXiv:2405.18886).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any
 
@@ -828,6 +829,81 @@ class SumLeaf(Leaf):
 SumLeaf = leaf_dataclass(SumLeaf)
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Calibration: the inputs a weight sees in a model's own forward.
+
+_SINKS: dict[str, Any] = {}
+
+
+def _sink(tag: str, x) -> None:
+    fn = _SINKS.get(tag)
+    if fn is not None:
+        fn(np.asarray(x))
+
+
+class Tap(Leaf):
+    """A weight leaf that also hands its inputs to the host: ``linear(Tap(w, tag), x)`` is
+    ``linear(w, x)``, and ``x`` is passed (through an ordered ``jax.debug.callback``, so also
+    under ``jit``) to the function registered for ``tag`` with :func:`tap_sinks`. Used to
+    capture calibration statistics through a model's own forward (GPTQ's ``X^T X``); every
+    count and capability is the wrapped leaf's. Not meant to be stored.
+
+    Fields: ``inner`` (the wrapped leaf), static ``tag``.
+    """
+
+    inner: Any
+    tag: str = ""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return _shape(self.inner)
+
+    def apply(self, x: Array) -> Array:
+        jax.debug.callback(functools.partial(_sink, self.tag), x, ordered=True)
+        return linear(self.inner, x)
+
+    def to_dense(self) -> Array:
+        return materialize(self.inner)
+
+    def param_count(self) -> int:
+        return _count(self.inner, "param_count")
+
+    def storage_bits(self) -> int:
+        return _count(self.inner, "storage_bits")
+
+    def flops(self, n_tokens: int) -> int:
+        return _count(self.inner, "flops", n_tokens)
+
+    @property
+    def bias(self):
+        return bias_of(self.inner)
+
+
+Tap = leaf_dataclass(Tap, meta=("tag",))
+
+
+class tap_sinks:
+    """Context manager: ``with tap_sinks({tag: fn}): ...`` sends the inputs of every
+    :class:`Tap` with one of these tags to ``fn(x: np.ndarray)`` while the block runs (the
+    callbacks are flushed on exit)."""
+
+    def __init__(self, sinks: dict):
+        self.sinks = dict(sinks)
+
+    def __enter__(self):
+        _SINKS.update(self.sinks)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            jax.effects_barrier()
+        finally:
+            for k in self.sinks:
+                _SINKS.pop(k, None)
+        return False
+
+
 def is_quantized(x: Any) -> bool:
     """Whether ``x`` is an integer weight leaf (:class:`Int8` / :class:`Int4`) or a leaf built
     of them (:class:`ProductLeaf`, :class:`SumLeaf` with a quantized part)."""
@@ -855,8 +931,8 @@ def dequantize_tree(tree: Any) -> Any:
 
 
 __all__ = [
-    "BITS", "FakeQuant", "Int4", "Int8", "ProductLeaf", "SCALE_DTYPES", "SumLeaf",
+    "BITS", "FakeQuant", "Int4", "Int8", "ProductLeaf", "SCALE_DTYPES", "SumLeaf", "Tap",
     "check_group", "check_scale_dtype", "codes", "dequantize_tree", "expand_groups",
     "fake_quantize", "grid", "group_sizes_for", "grouped_grid", "is_quantized",
-    "pack_nibbles", "qrange", "quantize_weight", "unpack_nibbles",
+    "pack_nibbles", "qrange", "quantize_weight", "tap_sinks", "unpack_nibbles",
 ]
