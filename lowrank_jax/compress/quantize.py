@@ -365,54 +365,72 @@ def _validate(settings: Mapping) -> None:
 # ---------------------------------------------------------------------------------------------
 # Frontier candidates.
 
-#: ``(label, settings)``: the quantized candidates.
+#: ``(least strength, label, settings)``: the variant a frontier strength ``keep`` gets (the
+#: first whose least strength ``keep`` reaches): int8 for ``keep > 0.6``, int4 with groups of 32
+#: for ``keep > 0.35``, int4 with groups of 128 below (about 8, 5 and 4.25 bits per weight).
 VARIANTS = (
-    ("int8", {"bits": 8}),
-    ("int4 g128", {"bits": 4, "group": 128}),
-    ("int4 g32", {"bits": 4, "group": 32}),
+    (0.6, "int8", {"bits": 8}),
+    (0.35, "int4 g32", {"bits": 4, "group": 32}),
+    (0.0, "int4 g128", {"bits": 4, "group": 128}),
 )
 
 
-def _bpw(s: Mapping) -> float:
-    return 8.0 if s["bits"] == 8 else 4 + 32 / s["group"]
+def variant(keep: float) -> tuple[str, dict]:
+    """``(label, settings)`` of the quantized candidate at frontier strength ``keep``
+    (:data:`VARIANTS`)."""
+    for least, label, st in VARIANTS:
+        if keep > least:
+            return label, dict(st)
+    return VARIANTS[-1][1], dict(VARIANTS[-1][2])
 
 
 def candidates(setting: CandidateSetting) -> list[Candidate]:
-    """The ``quantize`` method's frontier candidates: attention and MLP projections at int8 and
-    int4 (groups 128 and 32) by round to nearest, and with GPTQ when the model has a config
-    (calibration through its forward); composed with low rank: ``svd`` of attention at the
-    strongest strength followed by int8 factors, and low rank (rank 8) plus an int4 residual.
-    ``keep`` is the fraction of float32's bits kept (about ``bits / 32``). One variant each
-    (int8, int4 g32) with a single strength (quick frontiers).
+    """The ``quantize`` method's frontier candidates, on the attention and MLP projections:
+    at every strength ``keep`` the variant of :func:`variant` (int8, int4 g32, int4 g128:
+    stronger compression at smaller ``keep``; ``keep`` is the candidate's nominal strength, its
+    measured size is the frontier's), by round to nearest and, for a model with a config
+    (calibration through its forward), by GPTQ; composed with low rank at the smallest
+    strength: ``svd`` of attention at that ratio with int8 factors, and low rank (rank 8) plus
+    an int4 g32 residual.
 
     Raises:
       NotApplicableError: no attention or MLP projection to quantize.
     """
     from lowrank_jax.compress.candidates import require
 
-    rules = ATTENTION + MLP
-    require(setting.params, "quantize", rules)
-    quick = len(setting.strengths) <= 1
-    variants = [v for v in VARIANTS if not quick or v[0] in ("int8", "int4 g32")]
+    rules = ()
+    for part in (ATTENTION, MLP):  # a rule that selects nothing is a plan error
+        try:
+            require(setting.params, "quantize", part)
+            rules += tuple(part)
+        except NotApplicableError:
+            pass
+    if not rules:
+        raise NotApplicableError("no attention or MLP projection it can quantize",
+                                 where="quantize")
     algos = ["rtn"] + (["gptq"] if setting.config is not None else [])
-    out = []
+    out, seen = [], set()
     for algo in algos:
-        for label, s in variants:
-            st = {**s, "algorithm": algo}
-            keep = round(_bpw({**DEFAULTS, **st}) / 32, 6)
-            out.append(Candidate(name=f"quantize {algo} {label}", group=f"quantize {algo}",
-                                 keep=keep, plan=Plan((Step("quantize", rules, st),))))
+        for k in setting.strengths:
+            label, st = variant(k)
+            name = f"quantize {algo} {label}"
+            if name in seen:
+                continue
+            seen.add(name)
+            out.append(Candidate(name=name, group=f"quantize {algo}", keep=float(k),
+                                 plan=Plan((Step("quantize", rules,
+                                                 {**st, "algorithm": algo}),))))
+    k = min(setting.strengths)
     try:
         require(setting.params, "svd", ATTENTION)
-        k = min(setting.strengths)
         out.append(Candidate(
-            name=f"svd attn {k:g} + int8 factors", group="svd + quantize", keep=k / 4,
+            name=f"svd attn {k:g} + int8 factors", group="svd + quantize", keep=float(k),
             plan=Plan((Step("svd", ATTENTION, {"ratio": k}),
                        Step("quantize", ATTENTION, {"bits": 8})))))
     except NotApplicableError:
         pass
     out.append(Candidate(
-        name="lowrank 8 + int4 g32 residual", group="lowrank + quantize", keep=round(4.5 / 32, 6),
+        name="lowrank 8 + int4 g32 residual", group="lowrank + quantize", keep=float(k),
         plan=Plan((Step("quantize", rules, {"bits": 4, "group": 32, "rank": 8}),))))
     return out
 
@@ -420,5 +438,6 @@ def candidates(setting: CandidateSetting) -> list[Candidate]:
 register_method("quantize", quantize, settings=SETTINGS, overrides=OVERRIDES,
                 accepts=truncatable, validate=_validate, candidates=candidates)
 
-__all__ = ["ALGORITHMS", "DEFAULTS", "OVERRIDES", "SCALE_DTYPES", "SETTINGS", "capture_grams",
-           "check_settings", "quantize", "quantize_node", "stage_of"]
+__all__ = ["ALGORITHMS", "DEFAULTS", "OVERRIDES", "SCALE_DTYPES", "SETTINGS", "VARIANTS",
+           "candidates", "capture_grams", "check_settings", "quantize", "quantize_node",
+           "stage_of", "variant"]

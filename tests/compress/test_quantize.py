@@ -222,3 +222,30 @@ def test_quantized_model_saves_and_loads_bit_exact(params, tmp_path):
     b = models.patch_encoder.apply(back, inputs, CFG)["last_hidden_state"]
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert dataclasses.is_dataclass(get_path(back, "encoder/layers/0/mlp/wi"))
+
+
+def test_frontier_measures_quantized_and_composed_candidates():
+    from lowrank_jax.compress.frontier import ClassificationData, frontier
+    from lowrank_jax.compress.registry import CandidateSetting
+    from lowrank_jax.models import vit
+
+    cfg = vit.ViTConfig(image_size=8, patch_size=4, num_channels=1, hidden_size=32,
+                        num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                        num_labels=5)
+    params = vit.init(jax.random.PRNGKey(0), cfg)
+    from lowrank_jax.compress.quantize import candidates
+
+    cands = candidates(CandidateSetting(params=params, config=cfg, strengths=(0.5,)))
+    groups = {c.group for c in cands}
+    assert {"quantize rtn", "quantize gptq", "svd + quantize", "lowrank + quantize"} <= groups
+    x = np.random.default_rng(0).normal(size=(16, 1, 8, 8)).astype(np.float32)
+    res = frontier(cfg, params, ClassificationData({"pixel_values": x}, np.arange(16) % 5),
+                   candidates=cands, time_runs=1)
+    rows = {r["name"]: r for r in res.rows}
+    for c in cands:
+        r = rows[c.name]
+        assert r["error"] is None, r["error"]
+        assert 0 < r["size_ratio"] < 1 and r["accuracy"] is not None
+    # the same grid by either algorithm: the same size
+    assert rows["quantize rtn int4 g32"]["size_ratio"] == rows["quantize gptq int4 g32"][
+        "size_ratio"]
