@@ -640,6 +640,43 @@ class FakeQuant(Leaf):
 FakeQuant = leaf_dataclass(FakeQuant, meta=("bits", "group", "zero_point", "scale_dtype"))
 
 
+def as_fake_quant(leaf: Any, *, bits: int = 4, group: int | None = 128,
+                  zero_point: bool = False, scale_dtype: str = "float32") -> Leaf:
+    """A weight made ready for quantization-aware training: a leaf with stored factors
+    (``W = U V``, :class:`~lowrank_jax.LowRank`) becomes a :class:`ProductLeaf` of two
+    :class:`FakeQuant` factors (low rank and ``bits``-bit by design; the group of ``V``, whose
+    inputs are the rank, is capped at the rank), any other weight one :class:`FakeQuant` of its
+    dense matrix. The bias stays in float. :func:`freeze_fake_quant` turns the trained tree
+    into integer leaves."""
+    from lowrank_jax.leaves.base import factors
+
+    kw = dict(bits=bits, zero_point=zero_point, scale_dtype=scale_dtype)
+    g = group if bits == 4 else None
+    f = factors(leaf) if isinstance(leaf, Leaf) else None
+    if f is not None and f.first is not None and f.rows is None:
+        r = int(f.first.shape[1])
+        gv = None if g is None else min(int(g), max(r, 1))
+        return ProductLeaf(FakeQuant(jnp.asarray(f.first), group=g, **kw),
+                           FakeQuant(jnp.asarray(f.second), group=gv, **kw), b=f.bias)
+    return FakeQuant(jnp.asarray(materialize(leaf)), bias_of(leaf) if isinstance(leaf, Leaf)
+                     else None, group=g, **kw)
+
+
+def freeze_fake_quant(tree: Any) -> Any:
+    """``tree`` with every :class:`FakeQuant` replaced by its integer leaf
+    (:meth:`FakeQuant.freeze`): after quantization-aware training, the weights as stored."""
+    from lowrank_jax.leaves.base import is_leaf
+
+    def one(x):
+        if isinstance(x, FakeQuant):
+            return x.freeze()
+        if isinstance(x, (ProductLeaf, SumLeaf)):
+            return dataclasses.replace(x, first=one(x.first), second=one(x.second))
+        return x
+
+    return jax.tree_util.tree_map(one, tree, is_leaf=is_leaf)
+
+
 # ---------------------------------------------------------------------------------------------
 # Composition.
 
@@ -932,7 +969,7 @@ def dequantize_tree(tree: Any) -> Any:
 
 __all__ = [
     "BITS", "FakeQuant", "Int4", "Int8", "ProductLeaf", "SCALE_DTYPES", "SumLeaf", "Tap",
-    "check_group", "check_scale_dtype", "codes", "dequantize_tree", "expand_groups",
-    "fake_quantize", "grid", "group_sizes_for", "grouped_grid", "is_quantized",
+    "as_fake_quant", "check_group", "check_scale_dtype", "codes", "dequantize_tree", "expand_groups",
+    "fake_quantize", "freeze_fake_quant", "grid", "group_sizes_for", "grouped_grid", "is_quantized",
     "pack_nibbles", "qrange", "quantize_weight", "tap_sinks", "unpack_nibbles",
 ]
