@@ -942,13 +942,13 @@ class tap_sinks:
 
 
 def is_quantized(x: Any) -> bool:
-    """Whether ``x`` is an integer weight leaf (:class:`Int8` / :class:`Int4`) or a leaf built
-    of them (:class:`ProductLeaf`, :class:`SumLeaf` with a quantized part)."""
-    if isinstance(x, (Int8, Int4)):
-        return True
-    if isinstance(x, (ProductLeaf, SumLeaf)):
-        return is_quantized(x.first) or is_quantized(x.second)
-    return False
+    """Whether ``x`` is or holds an integer weight leaf (:class:`Int8` / :class:`Int4`): one
+    itself, a :class:`ProductLeaf` / :class:`SumLeaf` with a quantized part, or any wrapper
+    around one (a pruned weight's :class:`~lowrank_jax.leaves.ChannelPruned`)."""
+    def integer(n):
+        return isinstance(n, (Int8, Int4))
+
+    return any(integer(n) for n in jax.tree_util.tree_leaves(x, is_leaf=integer))
 
 
 def dequantize_tree(tree: Any) -> Any:
