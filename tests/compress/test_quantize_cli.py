@@ -34,7 +34,8 @@ def test_compress_plan_quantize_then_export(tmp_path, capsys):
     config, params = load_model(small)
     quant = {p: n for p, n in lj.named_leaves(params) if lj.leaves.is_quantized(n)}
     assert len(quant) == 6
-    ints = [a for n in quant.values() for a in jax.tree_util.tree_leaves(n) if np.asarray(a).dtype.kind in "ui"]
+    ints = [a for n in quant.values() for a in jax.tree_util.tree_leaves(n)
+            if np.asarray(a).dtype.kind in "ui"]
     assert {np.asarray(a).dtype for a in ints} == {np.dtype(np.uint8), np.dtype(np.int8)}
     capsys.readouterr()
 
