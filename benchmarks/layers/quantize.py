@@ -15,7 +15,10 @@ medians of the per-run ratios (both calls timed in the same run) with their quar
 ``err`` is the largest ``|y - y_ref| / (|x| @ |W_q|)``.
 
 Quality (``--quality``): a random model with Chronos-Bolt-base's sizes (``d_model`` 768,
-``d_ff`` 3072, 12 + 12 layers, 12 heads of 64; weights ``N(0, 1/d_in)``), its attention and MLP
+``d_ff`` 3072, 12 + 12 layers, 12 heads of 64; weights ``N(0, 1/d_in)``, the queries' further
+divided by ``sqrt(d_kv)`` as T5's initialization does (Hugging Face's ``T5PreTrainedModel.
+_init_weights``), so that attention logits have unit scale; ``--no-query-scale`` leaves them
+``N(0, 1/d_in)``, logits of standard deviation about 8), its attention and MLP
 projections quantized by a plan, run on real series windows (the family's ``sample_inputs``);
 the error is ``max |y_q - y| / max |y|`` of the normalized quantile outputs (the output scale),
 and its RMS counterpart. Variants: RTN int8, RTN int4 g128, GPTQ int4 g128 (calibration through
@@ -119,7 +122,7 @@ def bolt_base(layers: int):
                              input_patch_size=16, input_patch_stride=16, use_reg_token=True)
 
 
-def quality(layers: int, samples: int) -> list[dict]:
+def quality(layers: int, samples: int, query_scale: bool = True) -> list[dict]:
     """Rows of the ``--quality`` run (module docstring)."""
     import time
 
@@ -131,10 +134,14 @@ def quality(layers: int, samples: int) -> list[dict]:
     g = np.random.default_rng(0)
 
     def fill(path, s):
+        name = L.path_str(path)
         if "scale" in str(path[-1]) or len(s.shape) == 1:
             return jnp.ones(s.shape, s.dtype) if "scale" in str(path[-1]) else jnp.zeros(
                 s.shape, s.dtype)
-        return jnp.asarray(g.standard_normal(s.shape) / np.sqrt(np.prod(s.shape[:-1])), s.dtype)
+        std = 1 / np.sqrt(np.prod(s.shape[:-1]))
+        if query_scale and "/qk/q/" in name + "/":  # T5's initialization: unit-scale logits
+            std /= np.sqrt(cfg.t5.d_kv)
+        return jnp.asarray(g.standard_normal(s.shape) * std, s.dtype)
 
     params = jax.tree_util.tree_map_with_path(fill, shapes)
     inputs = chronos_bolt.sample_inputs(cfg, np.random.default_rng(123), 8)
@@ -180,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
                    help="also the output error on a random Chronos-Bolt-base-sized model")
     p.add_argument("--quality-layers", type=int, default=12,
                    help="encoder and decoder layers of the quality model (default 12, the base's)")
+    p.add_argument("--no-query-scale", action="store_true",
+                   help="quality model: queries N(0, 1/d_in) like every weight (sharp attention)")
     p.add_argument("--samples", type=int, default=16, help="GPTQ calibration series (default 16)")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 15; quick 5)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up runs (default 2; quick 1)")
@@ -206,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{args.quality_layers} layers), attention and MLP projections quantized; error "
               "of the normalized quantile outputs against the float32 model's")
         print(QTABLE.header())
-        q = quality(args.quality_layers, args.samples)
+        q = quality(args.quality_layers, args.samples, not args.no_query_scale)
         extra["quality_rows"] = q
         by = {r["variant"]: r for r in q}
         result_goals.update(H.goal(
