@@ -32,6 +32,12 @@ Usage::
     python -m benchmarks.layers quantize --quick         # d = 768, 2048; 512 tokens; 5 runs
     python -m benchmarks.layers quantize --quick --json out.json
     python -m benchmarks.layers quantize --quick --quality --quality-layers 2
+    python -m benchmarks.layers quantize --quick --demo    # the demo model's WQL, seeds 0 1 2
+
+Demo (``--demo``): the dense Chronos-Bolt of ``lowrank-jax demo`` (d_model 64), pretrained
+once per seed and cached like ``lowrank-jax frontier demo`` does, quantized (RTN int8, RTN and
+GPTQ int4 with groups of 32, and low rank 4 with int8 factors plus an int4 g64 residual, about
+the size of int4 g32), scored by WQL and MASE on the built-in series' held-out test windows.
 """
 
 from __future__ import annotations
@@ -178,6 +184,90 @@ QTABLE = H.Table(
     H.Col("model size", "size_ratio", ".3f", 10), H.Col("s", "seconds", ".0f", 5))
 
 
+DEMO_VARIANTS = (
+    ("rtn int8", {"bits": 8}),
+    ("rtn int4 g32", {"bits": 4, "group": 32}),
+    ("gptq int4 g32", {"bits": 4, "group": 32, "algorithm": "gptq", "data": "builtin"}),
+    ("lowrank 4 (int8) + int4 g64", {"bits": 4, "group": 64, "rank": 4, "factor_bits": 8}),
+    ("gptq lowrank 4 (int8) + int4 g64", {"bits": 4, "group": 64, "rank": 4, "factor_bits": 8,
+                                          "algorithm": "gptq", "data": "builtin"}),
+)
+
+
+def demo(seeds: list[int], samples: int) -> list[dict]:
+    """Rows of the ``--demo`` run: the demo's pretrained Chronos-Bolt (``lowrank-jax demo``'s
+    dense model, pretrained once per seed and cached), its attention and MLP projections
+    quantized, WQL and MASE on the held-out test windows of the built-in series against the
+    dense model's. GPTQ calibrates on ``samples`` windows from the first 70 % of the series
+    (``data='builtin'``), apart from the test windows."""
+    from lowrank_jax.compress import Step, apply_plan
+    from lowrank_jax.datasets import builtin_datasets
+    from lowrank_jax.recipes.frontier import demo_model
+    from lowrank_jax.recipes.pretrain_demo import eval_windows, forecast_scores, make_forward
+    from lowrank_jax.recipes.progress import lines
+    from lowrank_jax.train import WindowConfig
+
+    groups, _ = builtin_datasets()
+    rules = [r"attn/(qk/q|qk/k|v|o)$", r"mlp/(wi|wo)$"]
+    rows = []
+    for seed in seeds:
+        cfg, params, _ = demo_model(quick=False, cache=None, status=lines(None, "benchmark"),
+                                    seed=seed)
+        wcfg = WindowConfig(context_length=cfg.context_length, horizon=cfg.prediction_length,
+                            stride=cfg.prediction_length)
+        win = eval_windows(groups, wcfg)
+        fwd = make_forward(cfg)
+        dense = forecast_scores(fwd, params, win)["pooled"]
+        for name, st in DEMO_VARIANTS:
+            st = {**st, "samples": samples} if st.get("algorithm") == "gptq" else st
+            new, report = apply_plan(params, Step("quantize", rules, st), config=cfg)
+            sc = forecast_scores(fwd, new, win)["pooled"]
+            rows.append({
+                "seed": seed, "variant": name, "settings": st, "dense_wql": dense["wql"],
+                "wql": sc["wql"], "wql_rel": sc["wql"] / dense["wql"] - 1,
+                "mase_rel": sc["mase"] / dense["mase"] - 1, "n_windows": sc["n_windows"],
+                "weights_bits_per_weight": sum(r.bits_after for r in report.rows) / sum(
+                    r.params_before for r in report.rows)})
+            print(DTABLE.line(rows[-1]), flush=True)
+    return rows
+
+
+DTABLE = H.Table(
+    H.Col("seed", "seed", width=4), H.Col("variant", "variant", width=34),
+    H.Col("dense WQL", "dense_wql", ".4f", 9), H.Col("WQL", "wql", ".4f", 7),
+    H.Col("WQL rel", lambda r: f"{100 * r['wql_rel']:+.2f}%", width=8),
+    H.Col("MASE rel", lambda r: f"{100 * r['mase_rel']:+.2f}%", width=8),
+    H.Col("bits/weight", "weights_bits_per_weight", ".3f", 11))
+
+
+def demo_goals(rows: list[dict]) -> dict:
+    out = {}
+    by = {}
+    for r in rows:
+        by.setdefault(r["variant"], []).append(r["wql_rel"])
+
+    def summary(v):
+        vals = by[v]
+        return (float(np.mean(vals)),
+                f"mean {100 * np.mean(vals):+.2f}% over {len(vals)} seeds "
+                f"({', '.join(f'{100 * x:+.2f}%' for x in vals)})")
+
+    m, text = summary("rtn int8")
+    out.update(H.goal("demo model WQL, RTN int8 vs dense (relative)", m, target="<= +0.5%",
+                      holds=max(by["rtn int8"]) <= 0.005, measured=text))
+    m, text = summary("gptq int4 g32")
+    out.update(H.goal("demo model WQL, GPTQ int4 g32 vs dense (relative)", m, target="<= +2%",
+                      holds=max(by["gptq int4 g32"]) <= 0.02, measured=text))
+    better = [g < r for g, r in zip(by["gptq int4 g32"], by["rtn int4 g32"], strict=True)]
+    out.update(H.goal("demo model WQL, GPTQ int4 g32 better than RTN int4 g32 (seeds)",
+                      sum(better), target=f"{len(better)} of {len(better)}",
+                      holds=all(better), measured=f"{sum(better)} of {len(better)} seeds"))
+    for v in ("lowrank 4 (int8) + int4 g64", "gptq lowrank 4 (int8) + int4 g64"):
+        m, text = summary(v)
+        out.update(H.goal(f"demo model WQL, {v} vs dense (relative)", m, measured=text))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = H.parser(__doc__, quick="d 768 and 2048, 512 tokens, 5 runs")
     p.add_argument("--d", type=int, nargs="+", default=None, help="widths (default 768 1024 2048)")
@@ -190,6 +280,13 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--no-query-scale", action="store_true",
                    help="quality model: queries N(0, 1/d_in) like every weight (sharp attention)")
     p.add_argument("--samples", type=int, default=16, help="GPTQ calibration series (default 16)")
+    p.add_argument("--demo", action="store_true",
+                   help="also WQL of the demo's pretrained Chronos-Bolt, quantized (pretrains and "
+                        "caches it per seed on first use)")
+    p.add_argument("--demo-seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="pretraining seeds of the demo model (default 0 1 2)")
+    p.add_argument("--demo-samples", type=int, default=64,
+                   help="GPTQ calibration windows for the demo model (default 64)")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 15; quick 5)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up runs (default 2; quick 1)")
     args = p.parse_args(argv)
@@ -235,6 +332,14 @@ def main(argv: list[str] | None = None) -> dict:
                      f"{by['rtn int4 g128']['rms_err_over_rms']:.3e} at "
                      f"{by['lowrank 32 + int4 g128']['weights_bits_per_weight']:.3f} vs "
                      f"{by['rtn int4 g128']['weights_bits_per_weight']:.3f} bits per weight"))
+    if args.demo:
+        print("# demo: the demo's pretrained Chronos-Bolt (d_model 64, so groups of 32), "
+              "attention and MLP projections quantized; pooled WQL and MASE on the held-out "
+              "test windows, relative to the dense model's")
+        print(DTABLE.header())
+        d = demo(args.demo_seeds, args.demo_samples)
+        extra["demo_rows"] = d
+        result_goals.update(demo_goals(d))
     return run.finish(args.json, rows=rows, goals=result_goals, **extra)
 
 

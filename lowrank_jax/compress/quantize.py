@@ -19,7 +19,11 @@ Algorithms (``algorithm``):
   Transformers", arXiv:2210.17323; :mod:`lowrank_jax.compress.gptq`) from ``X^T X`` of each
   weight's calibration inputs. With ``config=`` in :func:`~lowrank_jax.compress.apply_plan`,
   the inputs are captured through the model's own forward on ``samples`` of the family's
-  representative inputs (``sample_inputs``, seeded by ``seed``), layer by layer in the order
+  representative inputs (``data='sample'``, the default: ``sample_inputs``, seeded by
+  ``seed``; or the first batch of a named batch source,
+  :func:`lowrank_jax.compress.prune.batch_source`: ``'builtin'`` gives a forecaster windows
+  from the first 70 % of the built-in series, held apart from later data), layer by layer in
+  the order
   the forward reaches them: the weights of layer ``l`` are quantized from inputs computed with
   layers ``< l`` already quantized, as in the paper (weights of one layer, ``.../layers/<l>/``,
   share one pass; a weight outside ``layers/`` is its own stage). Activations given in
@@ -86,11 +90,11 @@ from lowrank_jax.leaves.quantized import (
 )
 
 SETTINGS = ("bits", "group", "zero_point", "scale_dtype", "algorithm", "damp", "block",
-            "samples", "seed", "rank", "factor_bits", "factors")
+            "samples", "seed", "data", "rank", "factor_bits", "factors")
 OVERRIDES = ("bits", "group", "zero_point", "scale_dtype", "rank", "factor_bits")
 DEFAULTS = {"bits": 8, "group": 128, "zero_point": False, "scale_dtype": "float32",
-            "algorithm": "rtn", "damp": 0.01, "block": 128, "samples": 16, "seed": 0, "rank": 0,
-            "factor_bits": None, "factors": True}
+            "algorithm": "rtn", "damp": 0.01, "block": 128, "samples": 16, "seed": 0,
+            "data": "sample", "rank": 0, "factor_bits": None, "factors": True}
 ALGORITHMS = ("rtn", "gptq")
 
 
@@ -141,6 +145,10 @@ def check_settings(settings: Mapping, where: str | None = None) -> dict:
     if isinstance(d, bool) or not isinstance(d, numbers.Real) or not 0 < d < 1:
         raise PlanError(f"quantize: damp must be in (0, 1), got {d!r}", where="damp",
                         expected="(0, 1)", actual=d)
+    if not isinstance(s["data"], str) or not s["data"]:
+        raise PlanError(f"quantize: data must be 'sample' (the family's sample_inputs) or the "
+                        f"name of a batch source, got {s['data']!r}", where="data",
+                        expected="a name", actual=s["data"])
     _int(s["block"], "block", 1)
     _int(s["samples"], "samples", 1)
     _int(s["seed"], "seed", 0)
@@ -287,11 +295,16 @@ def capture_grams(forward, tree: Any, paths: list[str]) -> tuple[list[str], dict
     return order, grams
 
 
-def _forward(config: Any, samples: int, seed: int):
+def _forward(config: Any, samples: int, seed: int, data: str = "sample"):
     from lowrank_jax.models import family_of
 
     fam = family_of(config)
     inputs = fam.sample_inputs(config, np.random.default_rng(seed), samples)
+    if data != "sample":  # a batch source's first batch, the keys the forward takes
+        from lowrank_jax.compress.prune import batch_source
+
+        batch = batch_source(data)(config, batch_size=samples, seed=seed)(0)
+        inputs = {k: jnp.asarray(batch[k]) for k in inputs}
     if fam.init_state is not None:
         return lambda tree: fam.apply(tree, inputs, config, state=fam.init_state(tree, config),
                                       train=False)
@@ -329,7 +342,8 @@ def quantize(params: Any, selection: list[Selection], settings: dict,
                                 f"config= to apply_plan (inputs are captured through the "
                                 f"model's forward) or inputs= for {rest[:3]}", where=rest[0],
                                 expected="config= or inputs=", actual=None)
-            forward = _forward(ctx.config, int(base_s["samples"]), int(base_s["seed"]))
+            forward = _forward(ctx.config, int(base_s["samples"]), int(base_s["seed"]),
+                               base_s["data"])
             order, first = capture_grams(forward, params, rest)
             stages: dict[str, list[str]] = {}
             for p in order:

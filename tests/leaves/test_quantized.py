@@ -258,3 +258,15 @@ def test_fake_quant_forward_is_the_frozen_leaf_and_gradient_passes_straight_thro
     np.testing.assert_allclose(np.asarray(L.materialize(f8)),
                                np_rtn(w, 8, None, False, "float32",
                                       np.asarray(f8.freeze().scale)[None])[3], rtol=1e-6, atol=0)
+
+
+def test_guide_examples_run(capsys):
+    import pathlib
+    import re
+
+    guide = pathlib.Path(__file__).resolve().parents[2] / "docs" / "guides" / "quantization.md"
+    blocks = re.findall(r"```python\n(.*?)```", guide.read_text(), flags=re.S)
+    assert blocks
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"quantization.md python block {i}", "exec"), {})  # noqa: S102
+    assert "4.25 8.0625" in capsys.readouterr().out
