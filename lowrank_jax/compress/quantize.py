@@ -301,7 +301,7 @@ def _forward(config: Any, samples: int, seed: int, data: str = "sample"):
     fam = family_of(config)
     inputs = fam.sample_inputs(config, np.random.default_rng(seed), samples)
     if data != "sample":  # a batch source's first batch, the keys the forward takes
-        from lowrank_jax.compress.prune import batch_source
+        from lowrank_jax.compress.prune.method import batch_source
 
         batch = batch_source(data)(config, batch_size=samples, seed=seed)(0)
         inputs = {k: jnp.asarray(batch[k]) for k in inputs}

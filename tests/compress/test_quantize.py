@@ -249,3 +249,22 @@ def test_frontier_measures_quantized_and_composed_candidates():
     # the same grid by either algorithm: the same size
     assert rows["quantize rtn int4 g32"]["size_ratio"] == rows["quantize gptq int4 g32"][
         "size_ratio"]
+
+
+def test_gptq_calibrates_on_a_named_batch_source_of_a_forecaster():
+    from lowrank_jax.models import ChronosBoltConfig, T5Config, chronos_bolt
+
+    cfg = ChronosBoltConfig(t5=T5Config(vocab_size=2, d_model=16, d_kv=8, d_ff=32, num_layers=1,
+                                        num_decoder_layers=1, num_heads=2),
+                            context_length=32, prediction_length=8, input_patch_size=8,
+                            input_patch_stride=8, use_reg_token=True)
+    params = chronos_bolt.init(jax.random.PRNGKey(0), cfg)
+    plan = Step("quantize", [r"mlp/(wi|wo)$"], {"bits": 4, "group": 8, "algorithm": "gptq",
+                                                "data": "builtin", "samples": 4})
+    new, report = apply_plan(params, plan, config=cfg)
+    # the encoder's layer is reached (and quantized) before the decoder's
+    assert report.steps[0].info["stages"] == ["encoder/layers/0", "decoder/layers/0"]
+    assert all(r.details["algorithm"] == "gptq" for r in report.rows)
+    with pytest.raises(PlanError, match="unknown batch source"):
+        apply_plan(params, Step("quantize", [r"mlp/wi$"], {"algorithm": "gptq", "data": "nope"}),
+                   config=cfg)
