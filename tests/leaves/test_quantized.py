@@ -239,6 +239,11 @@ def test_product_and_sum_of_quantized_leaves_match_numpy():
     np.testing.assert_allclose(np.asarray(L.materialize(kept)),
                                np.asarray(L.materialize(s))[[0, 5, 39]], rtol=1e-6, atol=1e-6)
     assert L.is_quantized(s) and L.is_quantized(prod) and not L.is_quantized(L.Dense(u))
+    flat = L.dequantize_tree({"s": s, "p": prod, "d": L.Dense(jnp.asarray(u))})
+    assert not L.is_quantized(flat)
+    np.testing.assert_array_equal(np.asarray(L.materialize(flat["s"])),
+                                  np.asarray(L.materialize(s)))
+    np.testing.assert_array_equal(np.asarray(L.bias_of(flat["p"])), f32(18, (9,)))
 
 
 def test_fake_quant_forward_is_the_frozen_leaf_and_gradient_passes_straight_through():
