@@ -21,7 +21,7 @@ _init_weights``), so that attention logits have unit scale; ``--no-query-scale``
 ``N(0, 1/d_in)``, logits of standard deviation about 8), its attention and MLP
 projections quantized by a plan, run on real series windows (the family's ``sample_inputs``);
 the error is ``max |y_q - y| / max |y|`` of the normalized quantile outputs (the output scale),
-and its RMS counterpart. Variants: RTN int8, RTN int4 g128, GPTQ int4 g128 (calibration through
+and its RMS counterpart. Variants: RTN and GPTQ int8, RTN int4 g128, GPTQ int4 g128 (calibration through
 the model's forward on other windows), and low rank (rank 32) plus an int4 g128 residual (the
 same leaves cost a bit more: the rank-32 float32 factors). ``--quality-layers N`` shrinks the
 stacks to ``N`` layers each (a quicker run, the same widths).
@@ -154,7 +154,9 @@ def quality(layers: int, samples: int, query_scale: bool = True) -> list[dict]:
     run = jax.jit(lambda p: chronos_bolt.apply(p, inputs, cfg)["quantile_preds"])
     y = np.asarray(run(params), np.float64)
     rules = [r"attn/(qk/q|qk/k|v|o)$", r"mlp/(wi|wo)$"]
-    variants = [("rtn int8", {"bits": 8}), ("rtn int4 g128", {"bits": 4, "group": 128}),
+    variants = [("rtn int8", {"bits": 8}),
+                ("gptq int8", {"bits": 8, "algorithm": "gptq", "samples": samples}),
+                ("rtn int4 g128", {"bits": 4, "group": 128}),
                 ("gptq int4 g128", {"bits": 4, "group": 128, "algorithm": "gptq",
                                     "samples": samples}),
                 ("lowrank 32 + int4 g128", {"bits": 4, "group": 128, "rank": 32})]

@@ -14,8 +14,10 @@ from lowrank_jax.leaves import (
     freeze_fake_quant,
     get_path,
     init_lowrank,
+    is_quantized,
     map_with_path,
     materialize,
+    named_leaves,
     storage_bits,
 )
 from lowrank_jax.models import chronos_bolt, family_of
@@ -58,10 +60,10 @@ def test_low_rank_4bit_by_design_trains_end_to_end():
     series, _ = builtin_series()
     y = np.asarray(series[0], np.float32)
     ctx, h = BOLT.context_length, BOLT.prediction_length
-    starts = np.arange(0, 40)
+    starts = np.arange(0, 32)
     batch = {"context": np.stack([y[s:s + ctx] for s in starts]),
              "target": np.stack([y[s + ctx:s + ctx + h] for s in starts])}
-    steps = 20
+    steps = 14
     opt = default_optimizer(learning_rate=1e-2, total_steps=steps, warmup_steps=2)
     step = make_train_step(family_of(BOLT).loss(BOLT), opt)
     state = init_train_state(params, opt, key=jax.random.key(0))
@@ -77,10 +79,10 @@ def test_low_rank_4bit_by_design_trains_end_to_end():
     u1 = np.asarray(get_path(trained, p + "/first/w"))
     assert np.abs(u1 - u0).max() > 1e-3  # gradients reached the master weights
     frozen = freeze_fake_quant(trained)
-    np.testing.assert_array_equal(np.asarray(materialize(get_path(frozen, p))),
-                                  np.asarray(materialize(get_path(trained, p))))
-    assert storage_bits(get_path(frozen, p)) == storage_bits(get_path(trained, p))
-    loss = family_of(BOLT).loss(BOLT)
-    a = loss(trained, batch, jax.random.key(0))[0]
-    b = loss(frozen, batch, jax.random.key(0))[0]
-    np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+    fq = [q for q, _ in named_leaves(trained) if re.search(r"mlp/(wi|wo)$", q)]
+    assert len(fq) == 4
+    for q in fq:  # every fake-quantized weight: the integer leaves compute what was trained
+        assert is_quantized(get_path(frozen, q)) and not is_quantized(get_path(trained, q))
+        np.testing.assert_array_equal(np.asarray(materialize(get_path(frozen, q))),
+                                      np.asarray(materialize(get_path(trained, q))))
+        assert storage_bits(get_path(frozen, q)) == storage_bits(get_path(trained, q))
