@@ -181,6 +181,13 @@ def test_quantized_lowrank_factors_and_lowrank_plus_quantized_residual(params):
     plain = apply_plan(params, Step("quantize", MLP, {"bits": 4, "group": 16}))[1]
     assert row.error < {r.path: r for r in plain.rows}[p].error
     assert np.linalg.norm(w - low) > 0  # the residual is not zero: the test can fail
+    # CALDERA's low-precision factors: int8 factors, the residual of their product in int4
+    new, report = apply_plan(params, Step("quantize", MLP, {"bits": 4, "group": 16, "rank": 3,
+                                                            "factor_bits": 8}))
+    qu, qv = np_rtn(lu, 8, None), np_rtn(lv, 8, None)
+    want = np_rtn(w - qu @ qv, 4, 16) + qu @ qv
+    np.testing.assert_allclose(materialize_host(get_path(new, p)), want, rtol=1e-5, atol=1e-5)
+    assert {r.path: r for r in report.rows}[p].details["factor_bits"] == 8
 
 
 def test_quantize_after_structured_pruning(params):
