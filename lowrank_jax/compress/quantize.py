@@ -403,9 +403,9 @@ def candidates(setting: CandidateSetting) -> list[Candidate]:
     at every strength ``keep`` the variant of :func:`variant` (int8, int4 g32, int4 g128:
     stronger compression at smaller ``keep``; ``keep`` is the candidate's nominal strength, its
     measured size is the frontier's), by round to nearest and, for a model with a config
-    (calibration through its forward), by GPTQ; composed with low rank at the smallest
-    strength: ``svd`` of attention at that ratio with int8 factors, and low rank (rank 8) plus
-    an int4 g32 residual.
+    (calibration through its forward), by GPTQ; composed, at the smallest strength ``k``:
+    ``svd`` of attention at ratio ``k`` with int8 factors, ``prune`` removing ``1 - k`` (where
+    it applies) then int8, and low rank (rank 8) plus an int4 g32 residual.
 
     Raises:
       NotApplicableError: no attention or MLP projection to quantize.
@@ -441,6 +441,17 @@ def candidates(setting: CandidateSetting) -> list[Candidate]:
             name=f"svd attn {k:g} + int8 factors", group="svd + quantize", keep=float(k),
             plan=Plan((Step("svd", ATTENTION, {"ratio": k}),
                        Step("quantize", ATTENTION, {"bits": 8})))))
+    except NotApplicableError:
+        pass
+    try:  # structured pruning first, then int8 of what is left
+        from lowrank_jax.compress.prune.api import DEFAULT_RULES
+        from lowrank_jax.compress.prune.method import CANDIDATES as PRUNE
+
+        PRUNE.check(setting)
+        out.append(Candidate(
+            name=f"prune {1 - k:g} + int8", group="prune + quantize", keep=float(k),
+            plan=Plan((Step("prune", DEFAULT_RULES, PRUNE.settings(setting, k)),
+                       Step("quantize", rules, {"bits": 8})))))
     except NotApplicableError:
         pass
     out.append(Candidate(
