@@ -322,6 +322,10 @@ def main(argv: list[str] | None = None) -> dict:
             by["rtn int8"]["max_err_over_scale"], target="<= 0.01",
             holds=by["rtn int8"]["max_err_over_scale"] <= 0.01, layers=args.quality_layers))
         result_goals.update(H.goal(
+            "GPTQ int8 output error / output scale, Chronos-Bolt-base-sized random model",
+            by["gptq int8"]["max_err_over_scale"], target="<= 0.01",
+            holds=by["gptq int8"]["max_err_over_scale"] <= 0.01, layers=args.quality_layers))
+        result_goals.update(H.goal(
             "GPTQ int4 g128 output error / RTN int4 g128's (same size)",
             by["gptq int4 g128"]["rms_err_over_rms"] / by["rtn int4 g128"]["rms_err_over_rms"],
             target="< 1", holds=by["gptq int4 g128"]["rms_err_over_rms"]
