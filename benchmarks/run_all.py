@@ -103,7 +103,8 @@ GOAL_BENCHES = [
     Bench("layers", "linear"), Bench("layers", "libraries"), Bench("layers", "head_lowrank"),
     Bench("layers", "query_key"), Bench("layers", "rank_multiple"),
     Bench("layers", "attention"), Bench("layers", "mlp"), Bench("methods", "pruning"),
-    Bench("models", "forward"), Bench("layers", "binary"), Bench("models", "peak"),
+    Bench("models", "forward"), Bench("layers", "binary"), Bench("layers", "quantize"),
+    Bench("models", "peak"),
     Bench("models", "decode"), Bench("methods", "recipe_quality"),
     # last: its child processes (five malloc settings, one faulting on every call) were
     # followed by 1.2-1.7x slower quick figures in the benchmarks after them in one run

@@ -81,6 +81,7 @@ from lowrank_jax.compress import irregular as irregular  # truncatt, cp, btd, tr
 from lowrank_jax.compress.binarize import binarize_leaf  # binarize
 from lowrank_jax.compress.factorize import factorize_init, reuse_weights  # factorize
 from lowrank_jax.compress import partitioning  # partition, compress_keys
+from lowrank_jax.compress import quantize as quantize  # quantize
 # isort: on
 from lowrank_jax.compress.candidates import Combination
 from lowrank_jax.compress.compose import materialize_leaves

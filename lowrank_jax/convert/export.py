@@ -9,7 +9,9 @@ the layout the family's ``transformers`` class writes itself, so that
 :class:`~lowrank_jax.models.hf.HFSpec`: one exporter for every family.
 
 Hugging Face stores dense matrices, so every compressed leaf (``LowRank``, ``HeadLowRank``,
-``MaskedBinary``, a leaf type defined outside lowrank_jax, ...) is densified with
+``MaskedBinary``, ``Int8`` / ``Int4`` (dequantized to float32: the checkpoint
+``transformers`` loads is a float one; the lowrank_jax checkpoint keeps the packed integers), a
+leaf type defined outside lowrank_jax, ...) is densified with
 :func:`~lowrank_jax.materialize` for the export. That is never silent: the paths are logged,
 returned in the summary and recorded in the safetensors metadata
 (``lowrank_jax_materialized``). A leaf's bias is read with :func:`~lowrank_jax.bias_of`.
@@ -74,6 +76,7 @@ from lowrank_jax.leaves import (
     get_path,
     is_dense,
     is_leaf,
+    is_quantized,
     is_query_key,
     materialize,
     named_leaves,
@@ -523,7 +526,9 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
 
     Returns:
       A summary: ``{'family', 'architecture', 'path', 'files', 'n_tensors', 'n_parameters',
-      'materialized' (tree paths of densified leaves), 'widened' (zero-padded blocks),
+      'materialized' (tree paths of densified leaves), 'dequantized' (those of them that
+      are integer weights, :class:`~lowrank_jax.leaves.Int8` / ``Int4``, written as their
+      float32 values), 'widened' (zero-padded blocks),
       'config_changed' (the ``config.json`` keys that differ from the source's; ``None`` when
       the config records no source files), 'load_kwargs' (what ``from_pretrained`` needs
       beyond the path)}``.
@@ -544,12 +549,18 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
     if materialized:
         logger.warning("export materialized %d compressed leaves: %s", len(materialized),
                        ", ".join(materialized))
+    # integer weights (Int8 / Int4) are written as their float32 values
+    dequantized = [p for p, node in named_leaves(params) if is_quantized(node)]
+    if dequantized:
+        logger.info("export dequantized %d integer weights to float32: %s", len(dequantized),
+                    ", ".join(dequantized))
     if widened:
         logger.info("export zero-padded %d narrower blocks to the config's widths: %s",
                     len(widened), ", ".join(widened))
     metadata = {"format": "pt", "lowrank_jax_family": family.name,
                 "lowrank_jax_materialized": ",".join(materialized),
-                "lowrank_jax_widened": ",".join(widened)}
+                "lowrank_jax_widened": ",".join(widened),
+                "lowrank_jax_dequantized": ",".join(dequantized)}
 
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
@@ -570,6 +581,7 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
         "n_tensors": len(state),
         "n_parameters": int(sum(a.size for a in state.values())),
         "materialized": materialized,
+        "dequantized": dequantized,
         "widened": widened,
         "config_changed": changed,
         "load_kwargs": dict(spec.load_kwargs(config)),

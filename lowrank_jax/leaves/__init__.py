@@ -79,6 +79,19 @@ from lowrank_jax.leaves.packed_binary import (
 )
 from lowrank_jax.leaves.partitioned import CompressedKeys, Partitioned
 from lowrank_jax.leaves.qk_factorized import BTDQueryKey, CPQueryKey, augmented_joint
+from lowrank_jax.leaves.quantized import (
+    FakeQuant,
+    Int4,
+    Int8,
+    ProductLeaf,
+    SumLeaf,
+    as_fake_quant,
+    dequantize_tree,
+    fake_quantize,
+    freeze_fake_quant,
+    is_quantized,
+    quantize_weight,
+)
 from lowrank_jax.leaves.query_key import (
     QueryKey,
     as_query_key,
@@ -104,8 +117,11 @@ from lowrank_jax.leaves.tree import (
 
 __all__ = [
     "BTDQueryKey", "CPQueryKey", "ChannelMasked", "ChannelPruned", "CompressedKeys", "Dense",
-    "FixedBias", "FrozenBinary", "HeadLayout", "HeadLowRank", "LoRA", "LowRank",
-    "MaskedBinary", "PackedBinary", "Partitioned", "QueryKey", "add_lora", "alpha_divisor",
+    "FakeQuant", "FixedBias", "FrozenBinary", "HeadLayout", "HeadLowRank", "Int4", "Int8",
+    "LoRA", "LowRank", "MaskedBinary", "PackedBinary", "Partitioned", "ProductLeaf", "QueryKey",
+    "SumLeaf", "as_fake_quant", "dequantize_tree", "fake_quantize", "freeze_fake_quant",
+    "is_quantized", "quantize_weight", "add_lora",
+    "alpha_divisor",
     "as_query_key", "attention_logits", "augmented_joint", "bias_of", "channel_masks",
     "check_tokens", "combine", "count_rows", "factors", "flops", "get_path", "head_offsets",
     "init_dense", "init_head_lowrank", "init_lora", "init_lowrank", "init_masked_binary",

@@ -97,6 +97,9 @@ def run_export(model: str, out: str, *, overwrite: bool = False,
         f"{summary['n_tensors']} tensors, {summary['n_parameters']:,} parameters",
         "materialized (densified) " + _listing(summary["materialized"],
                                                "none: every weight was dense"),
+        *(["dequantized (integer weights written as float32 values; the lowrank-jax "
+           "checkpoint keeps the packed integers) " + _listing(summary["dequantized"], "none")]
+          if summary.get("dequantized") else []),
         f"zero-padded to the config's widths {_listing(summary['widened'], 'none')}",
         f"load it with {arch}.from_pretrained({out!r}{kwargs})",
     ])

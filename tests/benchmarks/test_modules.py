@@ -32,7 +32,7 @@ def same_environment():
 
 EXPECTED = {
     "layers": {"linear", "mlp", "attention", "query_key", "head_lowrank", "binary", "libraries",
-               "rank_multiple", "chunks_sharded"},
+               "rank_multiple", "chunks_sharded", "quantize"},
     "models": {"forward", "peak", "decode", "train", "sbt"},
     "methods": {"sweep", "pruning", "partition", "irregular_attention", "cp_als",
                 "pretrain_seeds", "prune_then_finetune", "recipe_quality", "flax_vit_digits"},

@@ -165,8 +165,9 @@ def test_built_in_candidates_in_registration_order():
                                  if len(c.plan.steps) == 1))
     assert methods == [m for m in registry.registered_methods()
                        if m in {"svd", "prune", "truncatt", "cp", "btd", "truncatt_vo",
-                                "binarize"}]
-    assert methods == ["svd", "prune", "truncatt", "cp", "btd", "truncatt_vo", "binarize"]
+                                "binarize", "quantize"}]
+    assert methods == ["svd", "prune", "truncatt", "cp", "btd", "truncatt_vo", "binarize",
+                       "quantize"]
     assert groups[-len(COMBINATIONS):] == [e.group for e in COMBINATIONS]
 
 

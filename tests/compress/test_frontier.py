@@ -123,7 +123,8 @@ def test_default_candidates_decided_by_the_leaves():
     params = {"mlp": {"wi": lj.init_dense(key, 8, 16), "wo": lj.init_dense(key, 16, 8)}}
     cands, skipped = default_candidates(params, None, quick=True)
     binary = ["binarize mlp"] if "binarize" in registered_methods() else []
-    assert [c.group for c in cands] == ["svd mlp"] + binary
+    quant = ["quantize rtn", "lowrank + quantize"] if "quantize" in registered_methods() else []
+    assert [c.group for c in cands] == ["svd mlp"] + binary + quant
     for m in ("truncatt", "cp", "btd", "truncatt_vo"):
         assert skipped[m].startswith("not applicable")
     assert "model config" in skipped["prune"]

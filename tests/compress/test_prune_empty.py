@@ -584,6 +584,10 @@ METHOD_STEPS = {
     "binarize": (lj.Step("binarize", (WEIGHTS,), {"keep": 0.5}), False),
     "binarize uniform": (lj.Step("binarize", (WEIGHTS,), {"keep": 0.5, "scores": "uniform"}),
                          False),
+    "quantize": (lj.Step("quantize", (WEIGHTS,), {"bits": 4, "group": 8}), False),
+    "quantize lowrank residual": (lj.Step("quantize", (WEIGHTS,), {"bits": 4, "group": 8,
+                                                                   "rank": 1, "factor_bits": 8}),
+                                  False),
 }
 
 
