@@ -342,6 +342,8 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
         if r.kind == "linear":
             arr = arr.T  # -> [out, in] (reshaped to [d, C, p, p] for a patch convolution)
         state[r.key] = np.ascontiguousarray(arr.reshape(r.shape))
+    state = {k: np.ascontiguousarray(v) for k, v in
+             hf_spec(family).to_checkpoint(config, state).items()}
     return state, sorted(set(materialized), key=materialized.index), sorted(widener.widened)
 
 

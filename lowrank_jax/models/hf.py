@@ -134,6 +134,15 @@ def _no_load_kwargs(cfg: Any) -> dict:
     return {}
 
 
+def _same_state(state: Mapping) -> dict:
+    return dict(state)
+
+
+def _same_export(cfg: Any, state: dict) -> dict:
+    del cfg
+    return state
+
+
 @dataclasses.dataclass(frozen=True)
 class HFSpec:
     """How a model family maps to Hugging Face checkpoints (held in ``ModelFamily.hf``).
@@ -160,6 +169,11 @@ class HFSpec:
       load_kwargs: ``load_kwargs(cfg) -> dict``: keyword arguments the PyTorch class needs to
         load an export, beyond its directory (``{'add_pooling_layer': False}``: not recordable
         in ``config.json``).
+      from_checkpoint: ``from_checkpoint(state) -> state``: the checkpoint's tensors in the
+        table's form, applied before the table is read (GPT-2 splits its fused ``c_attn`` into
+        q, k and v rows and turns its ``Conv1D`` ``[in, out]`` weights into ``[out, in]``).
+      to_checkpoint: ``to_checkpoint(cfg, state) -> state``: the inverse, applied to an
+        export's tensors.
     """
 
     detect: Callable[[dict], bool]
@@ -170,6 +184,8 @@ class HFSpec:
     rename: Callable[[str], str] = _identity
     base_prefixes: tuple[str, ...] = ()
     load_kwargs: Callable[[Any], dict] = _no_load_kwargs
+    from_checkpoint: Callable[[Mapping], dict] = _same_state
+    to_checkpoint: Callable[[Any, dict], dict] = _same_export
 
 
 # ---------------------------------------------------------------------------------------------
