@@ -11,6 +11,7 @@ from lowrank_jax.models import (
     causal,
     chronos,
     chronos_bolt,
+    generation,
     gpt2,
     llama,
     patch_encoder,
@@ -30,6 +31,7 @@ from lowrank_jax.models.family import (
     primary_output,
     register_family,
 )
+from lowrank_jax.models.generation import Sampling, generate
 from lowrank_jax.models.gpt2 import GPT2Config
 from lowrank_jax.models.llama import LlamaConfig
 from lowrank_jax.models.patch_encoder import PatchEncoderConfig
@@ -39,7 +41,8 @@ from lowrank_jax.models.vit import ViTConfig
 
 __all__ = [
     "BertConfig", "ChronosBoltConfig", "ChronosConfig", "GPT2Config", "LlamaConfig", "ModelFamily",
-    "PatchEncoderConfig", "SBTConfig", "T5Config", "ViTConfig", "apply", "bert", "causal",
-    "chronos", "chronos_bolt", "families", "family_of", "get_family", "gpt2", "llama",
-    "patch_encoder", "primary_output", "register_family", "sbt", "t5", "vit",
+    "PatchEncoderConfig", "SBTConfig", "Sampling", "T5Config", "ViTConfig", "apply", "bert",
+    "causal", "chronos", "chronos_bolt", "families", "family_of", "generate", "generation",
+    "get_family", "gpt2", "llama", "patch_encoder", "primary_output", "register_family", "sbt",
+    "t5", "vit",
 ]
