@@ -143,6 +143,10 @@ def _same_export(cfg: Any, state: dict) -> dict:
     return state
 
 
+def _as_is(cfg: Any, params: Any) -> tuple[Any, Any, list]:
+    return cfg, params, []
+
+
 @dataclasses.dataclass(frozen=True)
 class HFSpec:
     """How a model family maps to Hugging Face checkpoints (held in ``ModelFamily.hf``).
@@ -174,6 +178,11 @@ class HFSpec:
         q, k and v rows and turns its ``Conv1D`` ``[in, out]`` weights into ``[out, in]``).
       to_checkpoint: ``to_checkpoint(cfg, state) -> state``: the inverse, applied to an
         export's tensors.
+      prepare_export: ``prepare_export(cfg, params) -> (cfg, params, padded_paths)``, run by
+        :func:`~lowrank_jax.convert.save_pretrained` first: a family whose config can describe
+        a smaller model (Llama's explicit ``head_dim``) returns the config of the params' head
+        counts and widths when every layer agrees, and params zero-padded to the config (the
+        paths it padded listed) otherwise.
     """
 
     detect: Callable[[dict], bool]
@@ -186,6 +195,7 @@ class HFSpec:
     load_kwargs: Callable[[Any], dict] = _no_load_kwargs
     from_checkpoint: Callable[[Mapping], dict] = _same_state
     to_checkpoint: Callable[[Any, dict], dict] = _same_export
+    prepare_export: Callable[[Any, Any], tuple] = _as_is
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,7 +32,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import ConfigError, DataError
-from lowrank_jax.leaves import init_dense, linear, weight_shape
+from lowrank_jax.leaves import (
+    Dense,
+    HeadLayout,
+    bias_of,
+    init_dense,
+    linear,
+    materialize,
+    weight_shape,
+)
 from lowrank_jax.models import causal
 from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models.hf import (
@@ -399,44 +407,119 @@ def config_from_hf(hf_config: dict, state) -> LlamaConfig:
     return LlamaConfig.from_hf_dict(dict(hf_config))
 
 
-def _head_counts(params: dict) -> tuple[int, int, int]:
-    """``(query heads, key-value heads, d_ff)`` of every layer, if all layers agree."""
-    counts = set()
-    for lp in params["layers"]:
-        a = lp["attn"]
-        counts.add((a["q_heads"].num_heads, a["kv_heads"].num_heads,
-                    weight_shape(lp["mlp"]["wo"])[0]))
-    return counts.pop() if len(counts) == 1 else None
+def _regular_groups(q_ids: tuple, kv_ids: tuple, group: int) -> int | None:
+    """``r`` when the kept query heads are ``r`` per kept key-value head, in order (so that a
+    config with ``len(q_ids)`` heads over ``len(kv_ids)`` key-value heads maps them the same)."""
+    if not kv_ids or len(q_ids) % len(kv_ids):
+        return None
+    r = len(q_ids) // len(kv_ids)
+    owners = [i // group for i in q_ids]
+    return r if owners == [k for k in kv_ids for _ in range(r)] else None
 
 
-def config_for_params(cfg: LlamaConfig, params: dict) -> LlamaConfig:
-    """``cfg`` with the head counts and MLP width of ``params`` when every layer has the same
-    (after structured pruning): the export is then physically smaller. Layers that differ
-    raise a :class:`~lowrank_jax.errors.ConfigError` naming their counts (Hugging Face configs
-    have one head count and one ``intermediate_size`` for all layers)."""
-    counts = _head_counts(params)
-    if counts is None:
-        per_layer = [(lp["attn"]["q_heads"].num_heads, lp["attn"]["kv_heads"].num_heads,
-                      weight_shape(lp["mlp"]["wo"])[0]) for lp in params["layers"]]
-        raise ConfigError(
-            f"llama.config_for_params: layers have different (query heads, key-value heads, "
-            f"d_ff) {per_layer}; a Hugging Face config has one of each",
-            where="layers", expected="equal counts", actual=per_layer)
-    h, g, ff = counts
-    if h % g or h // g != cfg.num_attention_heads // cfg.num_key_value_heads:
-        raise ConfigError(
-            f"llama.config_for_params: {h} query heads over {g} key-value heads do not keep the "
-            f"model's group size {cfg.num_attention_heads // cfg.num_key_value_heads}; prune "
-            "whole key-value groups or the same number of query heads in every group",
-            where="q_heads", expected=cfg.num_attention_heads // cfg.num_key_value_heads,
-            actual=(h, g))
-    return dataclasses.replace(cfg, num_attention_heads=h, num_key_value_heads=g,
-                               head_dim=cfg.d_head, intermediate_size=ff)
+def _scatter_cols(a: np.ndarray, ids, width: int, total: int, axis: int) -> np.ndarray:
+    """Head ``n`` of ``a`` (``width`` channels along ``axis``) to slot ``ids[n]`` of ``total``
+    heads; other slots zero."""
+    shape = list(a.shape)
+    shape[axis] = total * width
+    out = np.zeros(shape, np.float32)
+    idx = np.concatenate([np.arange(i * width, (i + 1) * width) for i in ids] or
+                         [np.zeros(0, np.int64)]).astype(np.int64)
+    sl = [slice(None)] * a.ndim
+    sl[axis] = idx
+    out[tuple(sl)] = a
+    return out
+
+
+def _dense(w: np.ndarray, b) -> Dense:
+    return Dense(w=jnp.asarray(w), b=None if b is None else jnp.asarray(b))
+
+
+def _pad_attention(block: dict, cfg: LlamaConfig) -> dict:
+    """A grouped block with removed heads as a full-width block of Dense leaves: kept heads at
+    their original positions, the others zero (exact: a removed query head's output rows are
+    zero, a removed key-value head is read by no kept query head)."""
+    w, h, g = cfg.d_head, cfg.num_attention_heads, cfg.num_key_value_heads
+    qh, kvh = block["q_heads"], block["kv_heads"]
+    out = {}
+    for name, leaf, ids, total in (("q", block["qk"]["q"], qh.ids, h),
+                                   ("k", block["qk"]["k"], kvh.ids, g),
+                                   ("v", block["v"], kvh.ids, g)):
+        b = bias_of(leaf)
+        out[name] = _dense(_scatter_cols(np.asarray(materialize(leaf)), ids, w, total, 1),
+                           None if b is None else _scatter_cols(np.asarray(b), ids, w, total, 0))
+    o = block["o"]
+    out["o"] = _dense(_scatter_cols(np.asarray(materialize(o)), qh.ids, w, h, 0), bias_of(o))
+    return {**block, "qk": {"q": out["q"], "k": out["k"]}, "v": out["v"], "o": out["o"],
+            "q_heads": HeadLayout.uniform(h, w, qh.scale), "kv_heads": HeadLayout.uniform(g, w)}
+
+
+def _pad_mlp(mlp: dict, d_ff: int) -> dict:
+    """An MLP narrower than ``d_ff`` with zero hidden channels appended (exact: ``silu(0) * 0``
+    adds nothing)."""
+    out = dict(mlp)
+    for name in ("wi_0", "wi_1"):
+        leaf = mlp[name]
+        a, b = np.asarray(materialize(leaf)), bias_of(leaf)
+        pad = d_ff - a.shape[1]
+        out[name] = _dense(np.pad(a, ((0, 0), (0, pad))),
+                           None if b is None else np.pad(np.asarray(b), (0, pad)))
+    wo = mlp["wo"]
+    a = np.asarray(materialize(wo))
+    out["wo"] = _dense(np.pad(a, ((0, d_ff - a.shape[0]), (0, 0))), bias_of(wo))
+    return out
+
+
+def prepare_export(cfg: LlamaConfig, params: dict) -> tuple[LlamaConfig, dict, list[str]]:
+    """The config and params of a Hugging Face export (``HFSpec.prepare_export``).
+
+    Hugging Face configs have one head count and one ``intermediate_size`` for all layers.
+    When every layer kept the same number of query heads per key-value head and the same
+    number of key-value heads (whole groups removed, or the same query heads of every group),
+    the config gets those counts (``head_dim`` stays explicit) and the export is physically
+    smaller; likewise ``intermediate_size`` when every MLP kept the same width. Otherwise the
+    narrower blocks are zero-padded to the config's widths (exact), and their paths are
+    returned (the export summary's ``widened``).
+    """
+    group = cfg.num_attention_heads // cfg.num_key_value_heads
+    layers = params["layers"]
+    counts, regular = set(), True
+    for lp in layers:
+        qh, kvh = lp["attn"]["q_heads"], lp["attn"]["kv_heads"]
+        r = _regular_groups(qh.ids, kvh.ids, group)
+        regular = regular and r is not None
+        counts.add((qh.num_heads, kvh.num_heads))
+    ffs = {weight_shape(lp["mlp"]["wo"])[0] for lp in layers}
+    new_layers, padded, updates = list(layers), [], {}
+    if regular and len(counts) == 1:
+        h, g = counts.pop()
+        if (h, g) != (cfg.num_attention_heads, cfg.num_key_value_heads):
+            updates.update(num_attention_heads=h, num_key_value_heads=g, head_dim=cfg.d_head)
+    else:
+        for i, lp in enumerate(layers):
+            a = lp["attn"]
+            if (a["q_heads"].ids != tuple(range(cfg.num_attention_heads))
+                    or a["kv_heads"].ids != tuple(range(cfg.num_key_value_heads))):
+                new_layers[i] = {**new_layers[i], "attn": _pad_attention(a, cfg)}
+                padded.append(f"layers/{i}/attn")
+    if len(ffs) == 1:
+        if ffs != {cfg.intermediate_size}:
+            updates["intermediate_size"] = ffs.pop()
+    else:
+        for i, lp in enumerate(layers):
+            if weight_shape(lp["mlp"]["wo"])[0] != cfg.intermediate_size:
+                new_layers[i] = {**new_layers[i], "mlp": _pad_mlp(lp["mlp"],
+                                                                  cfg.intermediate_size)}
+                padded.append(f"layers/{i}/mlp")
+    if updates:
+        cfg = dataclasses.replace(cfg, **updates)
+    return cfg, {**params, "layers": new_layers}, padded
 
 
 HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
                  config_to_hf=lambda cfg: cfg.to_hf_dict(), key_table=hf_key_table,
-                 optional=hf_optional_keys, rename=rename_hf_key)
+                 optional=hf_optional_keys, rename=rename_hf_key,
+                 prepare_export=prepare_export)
 
 FAMILY = register_family(ModelFamily(
     name="llama", config_cls=LlamaConfig, init=init, apply=apply, sample_inputs=sample_inputs,
@@ -444,5 +527,5 @@ FAMILY = register_family(ModelFamily(
     init_cache=init_cache, apply_cached=apply_cached))
 
 
-__all__ = ["FAMILY", "LlamaConfig", "apply", "apply_cached", "config_for_params", "init",
-           "init_cache", "loss", "sample_inputs"]
+__all__ = ["FAMILY", "LlamaConfig", "apply", "apply_cached", "init", "init_cache", "loss",
+           "prepare_export", "sample_inputs"]
