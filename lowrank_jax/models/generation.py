@@ -95,13 +95,15 @@ def _causal_family(cfg) -> ModelFamily:
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "pad_token_id",
-                                             "with_scores"))
+                                             "with_scores", "factored_cache"))
 def _generate(params, ids, mask, key, temperature, top_k, top_p, stops, *, cfg,
-              max_new_tokens: int, pad_token_id: int, with_scores: bool):
+              max_new_tokens: int, pad_token_id: int, with_scores: bool,
+              factored_cache: bool = False):
     fam = _causal_family(cfg)
     batch, prompt = ids.shape
     total = prompt + max_new_tokens
-    cache = fam.init_cache(params, cfg, batch=batch, max_len=total)
+    cache = fam.init_cache(params, cfg, batch=batch, max_len=total,
+                           **({"factored": True} if factored_cache else {}))
     key_mask = key_mask_for_cache(mask, total)
     logits, cache = fam.apply_cached(params, ids, cfg, cache,
                                      positions=positions_from_mask(mask), key_mask=key_mask)
@@ -124,7 +126,7 @@ def _generate(params, ids, mask, key, temperature, top_k, top_p, stops, *, cfg,
 
 def generate(params, cfg, input_ids, attention_mask=None, *, max_new_tokens: int,
              sampling: Sampling = Sampling(), stop_tokens=(), pad_token_id: int = 0,
-             seed: int = 0, return_scores: bool = False):
+             seed: int = 0, return_scores: bool = False, factored_cache: bool = False):
     """Continue every prompt by ``max_new_tokens`` tokens with a key-value cache.
 
     Args:
@@ -139,6 +141,9 @@ def generate(params, cfg, input_ids, attention_mask=None, *, max_new_tokens: int
       pad_token_id: what a finished row emits.
       seed: random seed of the sampling.
       return_scores: also return the logits each token was chosen from.
+      factored_cache: keep low-rank keys and values as ``x U`` in the cache where that is
+        exact and smaller (:mod:`lowrank_jax.nn.attention.factored_cache`); the tokens are
+        those of the full cache.
 
     Returns:
       ``tokens int32[batch, max_new_tokens]`` (NumPy), and with ``return_scores`` also
@@ -173,7 +178,8 @@ def generate(params, cfg, input_ids, attention_mask=None, *, max_new_tokens: int
                                jax.random.PRNGKey(seed), np.float32(sampling.temperature),
                                np.int32(sampling.top_k), np.float32(sampling.top_p),
                                jnp.asarray(stops), cfg=cfg, max_new_tokens=max_new_tokens,
-                               pad_token_id=int(pad_token_id), with_scores=bool(return_scores))
+                               pad_token_id=int(pad_token_id), with_scores=bool(return_scores),
+                               factored_cache=bool(factored_cache))
     if return_scores:
         return np.asarray(tokens), np.asarray(scores)
     return np.asarray(tokens)

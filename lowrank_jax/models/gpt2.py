@@ -61,6 +61,10 @@ from lowrank_jax.nn import (
     init_mlp,
     init_norm,
 )
+from lowrank_jax.nn.attention.factored_cache import (
+    apply_attention_factored,
+    init_factored_cache,
+)
 
 Array = jax.Array
 
@@ -229,17 +233,20 @@ def apply(params: dict, inputs: dict, cfg: GPT2Config) -> dict:
 
 
 def init_cache(params: dict, cfg: GPT2Config, *, batch: int, max_len: int,
-               dtype=jnp.float32) -> dict:
+               dtype=jnp.float32, factored: bool = False) -> dict:
     """An empty key-value cache of ``max_len`` positions (what each layer's query-key object
-    keeps of the keys, :func:`~lowrank_jax.nn.init_attention_cache`)."""
+    keeps of the keys, :func:`~lowrank_jax.nn.init_attention_cache`). With ``factored``, a
+    layer with low-rank keys or values keeps ``x U_k`` / ``x U_v`` instead
+    (:mod:`lowrank_jax.nn.attention.factored_cache`)."""
     if max_len > params["wpe"].shape[0]:
         raise DataError(f"gpt2.init_cache: max_len {max_len} exceeds n_positions="
                         f"{params['wpe'].shape[0]}", where="max_len",
                         expected=f"<= {params['wpe'].shape[0]}", actual=max_len)
     del cfg
+    make = ((lambda a: init_factored_cache(a, batch, max_len, dtype=dtype)) if factored
+            else (lambda a: init_attention_cache(a, batch, max_len, dtype)))
     return {"index": jnp.zeros((), jnp.int32),
-            "layers": [init_attention_cache(lp["attn"], batch, max_len, dtype)
-                       for lp in params["layers"]]}
+            "layers": [make(lp["attn"]) for lp in params["layers"]]}
 
 
 def apply_cached(params: dict, input_ids: Array, cfg: GPT2Config, cache: dict, *,
@@ -250,8 +257,13 @@ def apply_cached(params: dict, input_ids: Array, cfg: GPT2Config, cache: dict, *
     x = _embed(params, jnp.asarray(input_ids), jnp.asarray(positions))
     index, layers = cache["index"], []
     for lp, c in zip(params["layers"], cache["layers"], strict=True):
-        out, c = apply_attention_cached(lp["attn"], apply_norm(lp["ln_1"], x, cfg.norm),
-                                        cfg.attention, c, index=index, mask=key_mask)
+        h = apply_norm(lp["ln_1"], x, cfg.norm)
+        if set(c) == {"k", "v"}:
+            out, c = apply_attention_cached(lp["attn"], h, cfg.attention, c, index=index,
+                                            mask=key_mask)
+        else:
+            out, c = apply_attention_factored(lp["attn"], h, cfg.attention, c, index=index,
+                                              mask=key_mask)
         x = _mlp(lp, x + out, cfg)
         layers.append(c)
     return _logits(params, x, cfg), {"index": index + x.shape[1], "layers": layers}

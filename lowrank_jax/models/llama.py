@@ -52,6 +52,10 @@ from lowrank_jax.models.hf import (
     norm_rows,
 )
 from lowrank_jax.nn import MLPConfig, NormConfig, apply_mlp, apply_norm, init_mlp, init_norm
+from lowrank_jax.nn.attention.factored_cache import (
+    apply_attention_factored,
+    init_factored_cache,
+)
 from lowrank_jax.nn.attention.grouped import (
     GroupedAttentionConfig,
     apply_grouped_attention,
@@ -310,13 +314,16 @@ def apply(params: dict, inputs: dict, cfg: LlamaConfig) -> dict:
 
 
 def init_cache(params: dict, cfg: LlamaConfig, *, batch: int, max_len: int,
-               dtype=jnp.float32) -> dict:
+               dtype=jnp.float32, factored: bool = False) -> dict:
     """An empty key-value cache of ``max_len`` positions: per layer ``{'k', 'v'}`` of shape
-    ``[batch, max_len, num_key_value_heads, head_dim]`` (once per key-value head)."""
+    ``[batch, max_len, num_key_value_heads, head_dim]`` (once per key-value head). With
+    ``factored``, a low-rank value projection's layer keeps ``x U_v`` instead of the values
+    (:mod:`lowrank_jax.nn.attention.factored_cache`; keys stay full: rotary embeddings)."""
     _check_window(cfg, int(max_len), "llama.init_cache")
+    make = ((lambda a: init_factored_cache(a, batch, max_len, dtype=dtype)) if factored
+            else (lambda a: init_grouped_cache(a, batch, max_len, dtype)))
     return {"index": jnp.zeros((), jnp.int32),
-            "layers": [init_grouped_cache(lp["attn"], batch, max_len, dtype)
-                       for lp in params["layers"]]}
+            "layers": [make(lp["attn"]) for lp in params["layers"]]}
 
 
 def apply_cached(params: dict, input_ids: Array, cfg: LlamaConfig, cache: dict, *,
@@ -328,9 +335,14 @@ def apply_cached(params: dict, input_ids: Array, cfg: LlamaConfig, cache: dict, 
     x = jnp.take(params["embed"], jnp.asarray(input_ids), axis=0)
     index, layers = cache["index"], []
     for lp, c in zip(params["layers"], cache["layers"], strict=True):
-        out, c = apply_grouped_attention_cached(
-            lp["attn"], apply_norm(lp["input_norm"], x, cfg.norm), cfg.attention, c,
-            index=index, positions=positions, mask=key_mask)
+        h = apply_norm(lp["input_norm"], x, cfg.norm)
+        if set(c) == {"k", "v"}:
+            out, c = apply_grouped_attention_cached(lp["attn"], h, cfg.attention, c,
+                                                    index=index, positions=positions,
+                                                    mask=key_mask)
+        else:
+            out, c = apply_attention_factored(lp["attn"], h, cfg.attention, c, index=index,
+                                              positions=positions, mask=key_mask)
         x = x + out
         x = x + apply_mlp(lp["mlp"], apply_norm(lp["post_norm"], x, cfg.norm), cfg.mlp)
         layers.append(c)
