@@ -124,13 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
         ids[mask == 0] = 0
         ids_t, mask_t = torch.tensor(ids), torch.tensor(mask)
 
-        def torch_generate():
+        def torch_generate(ids=ids, ids_t=ids_t, mask_t=mask_t):
             with torch.inference_mode():
                 out = model.generate(input_ids=ids_t, attention_mask=mask_t, do_sample=False,
                                      max_new_tokens=new, min_new_tokens=new, pad_token_id=0)
             return out[:, ids.shape[1]:].numpy()
 
-        def jax_gen(prm, factored=False):
+        def jax_gen(prm, factored=False, ids=ids, mask=mask):
             return generate(prm, cfg, ids, mask, max_new_tokens=new, factored_cache=factored)
 
         t0 = time.perf_counter()
