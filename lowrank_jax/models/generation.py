@@ -61,12 +61,23 @@ class Sampling:
 def sample_logits(logits: Array, key: Array, temperature, top_k, top_p) -> Array:
     """One token per row of ``logits [batch, vocab]``: the argmax where ``temperature == 0``,
     else a sample of ``softmax(logits / temperature)`` restricted to the top-k tokens and the
-    top-p nucleus (the most likely token is always allowed). All three settings may be traced.
+    top-p nucleus (the most likely token is always allowed). All three settings may be traced;
+    greedy decoding skips the sort the sampling needs (``lax.cond``).
     """
     logits = logits.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    greedy = jnp.argmax(logits, axis=-1)
     t = jnp.asarray(temperature, jnp.float32)
+
+    def greedy():
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+    def sample():
+        return _sample(logits, key, t, top_k, top_p)
+
+    return jax.lax.cond(t > 0, sample, greedy)
+
+
+def _sample(logits: Array, key: Array, t, top_k, top_p) -> Array:
+    vocab = logits.shape[-1]
     scaled = logits / jnp.maximum(t, 1e-6)
     ordered = -jnp.sort(-scaled, axis=-1)  # descending
     k = jnp.asarray(top_k, jnp.int32)
@@ -81,8 +92,8 @@ def sample_logits(logits: Array, key: Array, temperature, top_k, top_p) -> Array
     inside = before < jnp.asarray(top_p, jnp.float32)
     cutoff = jnp.min(jnp.where(inside, ordered, jnp.inf), axis=-1, keepdims=True)
     keep = jnp.logical_and(keep, scaled >= cutoff)
-    sampled = jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf), axis=-1)
-    return jnp.where(t > 0, sampled, greedy).astype(jnp.int32)
+    return jax.random.categorical(key, jnp.where(keep, scaled, -jnp.inf),
+                                  axis=-1).astype(jnp.int32)
 
 
 def _causal_family(cfg) -> ModelFamily:
