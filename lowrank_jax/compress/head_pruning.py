@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.compress.registry import register_method
+from lowrank_jax.compress.prune.method import check_prunable
+from lowrank_jax.compress.registry import Candidates, CandidateSetting, register_method
 from lowrank_jax.compress.report import Row
 from lowrank_jax.errors import NotApplicableError, PlanError
 from lowrank_jax.leaves import Dense, HeadLayout, bias_of, get_path, materialize, replace_paths
@@ -180,9 +181,30 @@ def prune_heads(params: Any, selection, settings: dict, ctx) -> tuple[Any, list[
     return replace_paths(params, new), rows
 
 
+def _check_candidates(setting: CandidateSetting) -> None:
+    """Candidates for the decoder-only language models (other families' heads go with their
+    channels under ``prune``), with ``prune``'s requirements (a loss, a batch source)."""
+    from lowrank_jax.models import family_of
+
+    if setting.config is None or family_of(setting.config).apply_cached is None:
+        raise NotApplicableError("its frontier candidates are for decoder-only language models "
+                                 "(prune removes other models' heads with their channels)",
+                                 where="config")
+    check_prunable(setting)
+
+
+def _candidate_settings(setting: CandidateSetting, keep: float) -> dict:
+    return {"target": round(1.0 - keep, 6), "steps": max(1, setting.prune_steps // 2),
+            "data": setting.prune_data}
+
+
+#: Frontier candidates: ``1 - keep`` of every block's query heads removed (the same share of
+#: every key-value group), scored on the setting's batch source, as ``prune``'s.
+CANDIDATES = Candidates(groups=(("prune_heads", (r"attn/o$",)),), settings=_candidate_settings,
+                        label="target={removed:g}", check=_check_candidates)
+
 register_method("prune_heads", prune_heads, settings=SETTINGS, overrides=(),
-                validate=_validate,
-                no_candidates="needs a batch source of the model's own data (data=)")
+                validate=_validate, candidates=CANDIDATES)
 
 
-__all__ = ["DEFAULTS", "SETTINGS", "UNITS", "prune_heads"]
+__all__ = ["CANDIDATES", "DEFAULTS", "SETTINGS", "UNITS", "prune_heads"]

@@ -157,3 +157,18 @@ def test_query_key_methods_refuse_rotary_blocks(llama):
     cfg, params = load_pretrained(llama)
     with pytest.raises(PlanError, match="matches no"):
         apply_plan(params, Step("truncatt", [r"attn/qk$"], {"rank": 2}), config=cfg)
+
+
+def test_frontier_candidates_of_head_pruning(llama):
+    from lowrank_jax.compress.frontier import default_candidates
+
+    cfg, params = load_pretrained(llama)
+    cands, skipped = default_candidates(params, cfg, methods=["prune_heads", "truncatt"],
+                                        strengths=[0.5], prune_data="lm_test_tokens",
+                                        prune_steps=2, combinations=False)
+    assert [c.name for c in cands] == ["prune_heads target=0.5"]
+    assert "matches" in skipped["truncatt"]  # nothing to select in a rotary model
+    small, _ = apply_plan(params, cands[0].plan, config=cfg)
+    assert [lp["attn"]["q_heads"].num_heads for lp in small["layers"]] == [4, 4]
+    _, skipped = default_candidates(params, cfg, methods=["prune_heads"], strengths=[0.5])
+    assert "batches" in skipped["prune_heads"]  # no built-in text for a language model
