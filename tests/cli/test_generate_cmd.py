@@ -55,3 +55,24 @@ def test_generate_without_tokenizer_fails_cleanly(llama_dir, tmp_path, capsys):
     assert main(["generate", str(d), "--prompt", "x", "--tokenizer",
                  str(tmp_path / "none.json")]) == 2
     assert "no tokenizer at" in capsys.readouterr().err
+
+
+def test_convert_compress_export_on_a_llama_directory(llama_dir, tmp_path):
+    from lowrank_jax.io import load_model
+    from lowrank_jax.models import apply
+
+    d, tok = llama_dir
+    assert main(["convert", str(d), "--out", str(tmp_path / "ck")]) == 0
+    assert main(["compress", str(tmp_path / "ck"), "--rank", "3",
+                 "--out", str(tmp_path / "small")]) == 0
+    assert main(["export", str(tmp_path / "small"), "--out", str(tmp_path / "hf")]) == 0
+    cfg, params = load_model(tmp_path / "small")
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    ids = np.array([tok.encode("def f(x):\n    return x").ids])
+    with torch.no_grad():
+        ref = model(input_ids=torch.tensor(ids)).logits.numpy()
+    got = np.asarray(apply(params, {"input_ids": ids}, cfg)["logits"])
+    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
+    # the compressed checkpoint generates too
+    assert main(["generate", str(tmp_path / "small"), "--tokenizer", str(d), "--prompt",
+                 "x = ", "--max-new-tokens", "3"]) == 0
