@@ -175,11 +175,6 @@ class LlamaConfig:
     def norm(self) -> NormConfig:
         return NormConfig(kind="rms", eps=self.rms_norm_eps)
 
-    @property
-    def max_len(self) -> int | None:
-        """The longest sequence this model runs (the sliding window, if any)."""
-        return self.sliding_window
-
     @classmethod
     def from_hf_dict(cls, d: dict, **overrides) -> "LlamaConfig":
         """Configuration from a Hugging Face ``config.json`` dict (``model_type`` llama,

@@ -313,13 +313,7 @@ def is_grouped_block(node) -> bool:
             and isinstance(node.get("kv_heads"), HeadLayout) and isinstance(node.get("qk"), dict))
 
 
-def grouped_cache_bytes(params: dict, dtype=jnp.float32) -> int:
-    """Bytes the cache of this block holds per token: ``2 * G * w * itemsize``."""
-    _, _, _, _, _, kvh, w = grouped_params(params, "grouped_cache_bytes")
-    return 2 * kvh.num_heads * w * jnp.dtype(dtype).itemsize
-
-
 __all__ = ["GroupedAttentionConfig", "apply_grouped_attention", "apply_grouped_attention_cached",
-           "grouped_cache_bytes", "grouped_head_widths", "grouped_params", "init_grouped_attention",
+           "grouped_head_widths", "grouped_params", "init_grouped_attention",
            "init_grouped_cache", "is_grouped_block", "keep_kv_groups", "keep_query_heads",
            "kv_index"]
