@@ -21,6 +21,7 @@ from lowrank_jax.cli import (
     demo_cmd,
     export_cmd,
     frontier_cmd,
+    generate_cmd,
     partition_cmd,
     prune_cmd,
     sbt_cmd,
@@ -48,7 +49,7 @@ on stderr."""
 #: The subcommands in the order ``--help`` lists them; each module adds its parser (with its
 #: ``run`` as ``func``): parse, call one workflow of :mod:`lowrank_jax.recipes`, print.
 COMMANDS = (analyze_cmd, compress_cmd, convert_cmd, export_cmd, demo_cmd, train_cmd, prune_cmd,
-            frontier_cmd, partition_cmd, sbt_cmd)
+            frontier_cmd, partition_cmd, sbt_cmd, generate_cmd)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -81,6 +81,7 @@ from lowrank_jax.compress import irregular as irregular  # truncatt, cp, btd, tr
 from lowrank_jax.compress.binarize import binarize_leaf  # binarize
 from lowrank_jax.compress.factorize import factorize_init, reuse_weights  # factorize
 from lowrank_jax.compress import partitioning  # partition, compress_keys
+from lowrank_jax.compress import head_pruning  # prune_heads
 from lowrank_jax.compress import quantize as quantize  # quantize
 # isort: on
 from lowrank_jax.compress.candidates import Combination
@@ -135,7 +136,7 @@ __all__ = [
     "attention_blocks", "binarize_leaf", "compare_models", "compare_truncations", "compress",
     "eps_sweep", "factorize_init", "get_method", "head_rank_sweep", "head_truncated_svd",
     "interpolation_schedule", "materialize_leaves", "normalize_rules",
-    "partitioning", "power_schedule", "project_inputs",
+    "head_pruning", "partitioning", "power_schedule", "project_inputs",
     "prune", "register_candidates", "register_method", "registered_methods", "reuse_weights",
     "sample_inputs", "select", "top_k_jaccard", "truncated_svd", "uniform_schedule",
     "validate_plan",

@@ -270,14 +270,13 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
                 wrong_kind.append(f"{r.path} (bias {r.key}) must be a weight leaf, got "
                                   f"{type(node).__name__}")
                 continue
-            node = bias_of(node)
+            leaf, node = node, bias_of(node)
             if r.kind == "zero":
                 if node is not None and np.any(np.asarray(node) != 0):
                     unexpected[name] = _shape(node)
                 continue
-            if node is None:
-                missing[name] = want
-                continue
+            if node is None:  # a weight without a bias is one with a zero bias
+                node = np.zeros((_shape(leaf)[-1],), np.float32)
         if r.kind == "linear" and r.path not in has_bias:
             # A zero bias where Hugging Face has none (what the importer fills in for ViT without
             # qkv_bias) loses nothing when dropped; any other bias cannot be stored.
@@ -345,6 +344,8 @@ def state_dict_from_params(config: Any, params: Any) -> tuple[dict, list[str], l
         if r.kind == "linear":
             arr = arr.T  # -> [out, in] (reshaped to [d, C, p, p] for a patch convolution)
         state[r.key] = np.ascontiguousarray(arr.reshape(r.shape))
+    state = {k: np.ascontiguousarray(v) for k, v in
+             hf_spec(family).to_checkpoint(config, state).items()}
     return state, sorted(set(materialized), key=materialized.index), sorted(widener.widened)
 
 
@@ -542,7 +543,9 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
     _check_target(path, overwrite)
     family = family_of(config)
     spec = hf_spec(family)
+    config, params, padded = spec.prepare_export(config, params)
     state, materialized, widened = state_dict_from_params(config, params)
+    widened = sorted(set(widened) | set(padded))
     hf_config, generation, changed = config_files(config, state)
     if changed:
         logger.info("export config.json: the source's, with %s changed", ", ".join(changed))

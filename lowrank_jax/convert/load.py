@@ -117,6 +117,7 @@ def params_from_state_dict(config: Any, state: Mapping[str, Any], *,
     """
     family = family_of(config)
     spec = hf_spec(family)
+    state = spec.from_checkpoint(state)
     rows = spec.key_table(config)
     table = {r.key: r for r in rows if r.key is not None}
     optional = {k: (None if s is None else tuple(s)) for k, s in spec.optional(config).items()}

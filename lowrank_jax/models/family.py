@@ -54,6 +54,11 @@ class ModelFamily:
         ``prune`` method scores channels on with ``data='builtin'``. ``None``: a forecaster
         (``batch_from_windows``) gets windows of the built-in series
         (:func:`lowrank_jax.compress.prune.builtin_batches`), other families have none.
+      init_cache: decoder-only language models: ``init_cache(params, cfg, *, batch, max_len,
+        dtype) -> cache``, an empty key-value cache (:mod:`lowrank_jax.models.generation`).
+      apply_cached: ``apply_cached(params, input_ids [batch, n], cfg, cache, *, positions
+        [batch, n], key_mask [batch, max_len]) -> (logits [batch, n, vocab], cache)``: the
+        next ``n`` tokens against the cache, whose ``'index'`` advances by ``n``.
     """
 
     name: str
@@ -70,6 +75,8 @@ class ModelFamily:
     hf: Any = None
     init_state: Callable[..., Any] | None = None
     batches: Callable[..., Callable[[int], dict]] | None = None
+    init_cache: Callable[..., Any] | None = None
+    apply_cached: Callable[..., Any] | None = None
 
 
 _FAMILIES: dict[str, ModelFamily] = {}

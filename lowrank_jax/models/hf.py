@@ -134,6 +134,19 @@ def _no_load_kwargs(cfg: Any) -> dict:
     return {}
 
 
+def _same_state(state: Mapping) -> dict:
+    return dict(state)
+
+
+def _same_export(cfg: Any, state: dict) -> dict:
+    del cfg
+    return state
+
+
+def _as_is(cfg: Any, params: Any) -> tuple[Any, Any, list]:
+    return cfg, params, []
+
+
 @dataclasses.dataclass(frozen=True)
 class HFSpec:
     """How a model family maps to Hugging Face checkpoints (held in ``ModelFamily.hf``).
@@ -160,6 +173,16 @@ class HFSpec:
       load_kwargs: ``load_kwargs(cfg) -> dict``: keyword arguments the PyTorch class needs to
         load an export, beyond its directory (``{'add_pooling_layer': False}``: not recordable
         in ``config.json``).
+      from_checkpoint: ``from_checkpoint(state) -> state``: the checkpoint's tensors in the
+        table's form, applied before the table is read (GPT-2 splits its fused ``c_attn`` into
+        q, k and v rows and turns its ``Conv1D`` ``[in, out]`` weights into ``[out, in]``).
+      to_checkpoint: ``to_checkpoint(cfg, state) -> state``: the inverse, applied to an
+        export's tensors.
+      prepare_export: ``prepare_export(cfg, params) -> (cfg, params, padded_paths)``, run by
+        :func:`~lowrank_jax.convert.save_pretrained` first: a family whose config can describe
+        a smaller model (Llama's explicit ``head_dim``) returns the config of the params' head
+        counts and widths when every layer agrees, and params zero-padded to the config (the
+        paths it padded listed) otherwise.
     """
 
     detect: Callable[[dict], bool]
@@ -170,6 +193,9 @@ class HFSpec:
     rename: Callable[[str], str] = _identity
     base_prefixes: tuple[str, ...] = ()
     load_kwargs: Callable[[Any], dict] = _no_load_kwargs
+    from_checkpoint: Callable[[Mapping], dict] = _same_state
+    to_checkpoint: Callable[[Any, dict], dict] = _same_export
+    prepare_export: Callable[[Any, Any], tuple] = _as_is
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ Python results (the new tree) beside it. It never prints: stages are reported th
 :func:`run_prune`         structured pruning then fine-tuning of a forecaster
 :func:`run_partition`     a model split over machines with low intercommunication
 :func:`run_frontier`      every applicable compression of a model: size, time, accuracy
+:func:`run_generate`      text continued by a decoder-only language model (cached decoding)
 :func:`run_train`         compressed pretraining of a forecaster from a JSON config
 :func:`run_sbt`           a sparse binary transformer on a time-series task
 :func:`run_demo`          the App. J experiments, the built-in model, the pretraining demo
@@ -48,6 +49,7 @@ _NAMES = {
     "run_prune": "prune",
     "run_partition": "partition",
     "run_frontier": "frontier",
+    "run_generate": "generate",
     "run_train": "train",
     "build_model_config": "train_config", "load_train_config": "train_config",
     "validate_train_config": "train_config",

@@ -202,9 +202,9 @@ def test_config_that_does_not_match_weights(saved, tmp_path):
 
 def test_unknown_family_and_override(saved, tmp_path):
     path, _ = saved
-    d = copy_dir(path, tmp_path / "gpt", None,
-                 {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})
-    with pytest.raises(ValueError, match="unknown model family.*gpt2"):
+    d = copy_dir(path, tmp_path / "opt", None,
+                 {"model_type": "opt", "architectures": ["OPTForCausalLM"]})
+    with pytest.raises(ValueError, match="unknown model family.*opt"):
         load_pretrained(d)
     cfg, _ = load_pretrained(d, family="t5")
     assert isinstance(cfg, T5Config)

@@ -277,14 +277,19 @@ def head_widths(tree, path: str) -> tuple[int, ...] | None:
       per-head widths (``QueryKey.widths``);
     * ``'.../attn/v'``: the outputs, by the head layout's value widths;
     * ``'.../attn/o'``: the *inputs*, by the value widths;
+    * in a grouped-query block (:mod:`lowrank_jax.nn.attention.grouped`): ``q`` and ``o``
+      by its query heads, ``k`` and ``v`` by its key-value heads;
     * anything else (or a query-key object without per-head widths): ``None``.
     """
     from lowrank_jax.leaves import get_path
+    from lowrank_jax.nn.attention.grouped import grouped_head_widths, is_grouped_block
 
     parts = path.split("/")
     for depth, tail in ((2, ("qk", "q")), (2, ("qk", "k")), (1, ("v",)), (1, ("o",))):
         if len(parts) > depth and tuple(parts[-depth:]) == tail:
             block = get_path(tree, "/".join(parts[:-depth]))
+            if is_grouped_block(block):  # grouped-query: q, o by query heads; k, v by kv heads
+                return grouped_head_widths(block, tail)
             if not isinstance(block, dict) or not isinstance(block.get("heads"), HeadLayout):
                 return None
             if tail[0] == "qk":

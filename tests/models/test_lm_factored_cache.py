@@ -1,0 +1,45 @@
+"""The factored key-value cache: the same decoding as the full cache, smaller by what its
+shapes say."""
+
+import jax
+import numpy as np
+import pytest
+
+from lowrank_jax.compress import Step, apply_plan
+from lowrank_jax.models import GPT2Config, LlamaConfig, generate, gpt2, llama
+from lowrank_jax.nn.attention.factored_cache import cache_bytes_per_token
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_factored_cache_decodes_as_the_full_cache(kind):
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=31, n_positions=24, n_embd=16, n_layer=2, n_head=2)
+        mod = gpt2
+    else:
+        cfg = LlamaConfig(vocab_size=31, hidden_size=16, intermediate_size=24,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          qkv_bias=True, o_bias=True)
+        mod = llama
+    params = mod.init(jax.random.PRNGKey(0), cfg)
+    # layer 0 low-rank keys and values (rank 3), layer 1 left dense
+    small, _ = apply_plan(params, Step("svd", [r"layers/0/attn/(qk/k|v)$"], {"rank": 3}))
+    ids, mask = np.array([[0, 3, 4, 5], [6, 7, 8, 9]]), np.array([[0, 1, 1, 1], [1, 1, 1, 1]])
+    full_tokens, full_scores = generate(small, cfg, ids, mask, max_new_tokens=6,
+                                        return_scores=True)
+    tokens, scores = generate(small, cfg, ids, mask, max_new_tokens=6, return_scores=True,
+                              factored_cache=True)
+    np.testing.assert_allclose(scores, full_scores, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(tokens, full_tokens)
+
+    full = mod.init_cache(small, cfg, batch=2, max_len=10)
+    fact = mod.init_cache(small, cfg, batch=2, max_len=10, factored=True)
+    f32 = 4
+    if kind == "gpt2":  # keys and values folded: rank 3 each instead of 2 heads x 8
+        assert set(fact["layers"][0]) == {"ku", "vu"}
+        assert cache_bytes_per_token(fact["layers"][0]) == 2 * 3 * f32
+        assert cache_bytes_per_token(full["layers"][0]) == 2 * 16 * f32
+    else:  # rotary keys stay full (2 kv heads x 4); values rank 3 instead of 2 x 4
+        assert set(fact["layers"][0]) == {"k", "vu"}
+        assert cache_bytes_per_token(fact["layers"][0]) == (8 + 3) * f32
+        assert cache_bytes_per_token(full["layers"][0]) == 2 * 8 * f32
+    assert set(fact["layers"][1]) == {"k", "v"}  # dense layer: the full cache
