@@ -37,8 +37,9 @@ lowrank_jax checkpoint), export (back to a directory the PyTorch class loads), d
 offline demonstration), train (pretrain a compressed-by-design Chronos-Bolt from a JSON
 config), prune (structured pruning, then fine-tuning), frontier (which compression should I
 use: every applicable method measured, with Pareto frontiers), partition (split a model over
-machines with low intercommunication) and sbt (sparse binary transformers on time-series
-tasks). Run lowrank-jax COMMAND --help for a command's options.
+machines with low intercommunication), sbt (sparse binary transformers on time-series
+tasks), and generate (continue text prompts with a GPT-2 or Llama-style model). Run
+lowrank-jax COMMAND --help for a command's options.
 
 User errors (bad arguments; missing, unreadable or malformed files; outputs that may not be
 written) print one line naming the file, key or option, what was expected and what was found,
