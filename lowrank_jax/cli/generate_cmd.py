@@ -19,11 +19,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--tokenizer", help="tokenizer.json (default: MODEL/tokenizer.json)")
     g.add_argument("--max-new-tokens", type=int, default=32,
                    help="tokens to generate after each prompt, at most (default 32)")
-    g.add_argument("--temperature", type=float, default=0.0, help="softmax temperature of the sampling; 0 picks the most likely token "
-                        "each step (greedy, the default)")
-    g.add_argument("--top-k", type=int, default=0, help="sample only among the K most likely tokens; 0 (default) keeps all")
-    g.add_argument("--top-p", type=float, default=1.0, help="sample only among the most likely tokens whose probabilities add up to "
-                        "this mass, between 0 and 1 (default 1: all tokens)")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="softmax temperature of the sampling; 0 picks the most likely "
+                        "token each step (greedy, the default)")
+    g.add_argument("--top-k", type=int, default=0,
+                   help="sample only among the K most likely tokens; 0 (default) "
+                        "keeps all")
+    g.add_argument("--top-p", type=float, default=1.0,
+                   help="sample only among the most likely tokens whose probabilities "
+                        "add up to this mass, between 0 and 1 (default 1: all tokens)")
     g.add_argument("--seed", type=int, default=0,
                    help="random seed of the sampling (default 0; unused when greedy)")
     g.add_argument("--stop-token", type=int, action="append",
