@@ -15,6 +15,10 @@ Time Series Foundation Models via Structured Pruning" (arXiv:2505.23195) on a fo
    updates with ``lora=RANK``) with the family's loss;
 5. validation and test WQL / MASE before pruning, after pruning and after fine-tuning.
 
+A decoder-only language model (GPT-2, Llama-style) takes the workflow of
+:mod:`lowrank_jax.recipes.prune_lm` instead: query heads, whole key-value groups and MLP
+channels, scored and fine-tuned on text with the next-token loss, held-out perplexity.
+
 The result has a per-layer table of the kept heads and channels (:func:`format_table`);
 ``plots`` draws the pruned fraction of the input and the output channels per layer and weight
 (the paper's Fig. 6) and the pruning history (:func:`plot`); ``out`` saves the pruned (and
@@ -162,21 +166,32 @@ def evaluate_windows(forecast, sampler, levels: tuple, max_batches: int) -> dict
             "mase": float(mase(median, target, context)), "n_windows": int(keep)}
 
 
-def run_prune(model: str, *, target: float = 0.5, flops_target: bool = False,
-              data: str = "builtin", context_length: int | None = None, prune_steps: int = 20,
-              batch_size: int = 32, alpha: float = 0.5, schedule: str = "cubic",
-              finetune_steps: int = 0, lr: float = 1e-4, lora: int = 0,
+def run_prune(model: str, *, target: float | None = None, flops_target: bool = False,
+              data: str | None = None, context_length: int | None = None,
+              prune_steps: int = 20, batch_size: int = 32, alpha: float = 0.5,
+              schedule: str = "cubic", finetune_steps: int = 0, lr: float = 1e-4, lora: int = 0,
               rules: list[str] | None = None, eval_batches: int = 8, seed: int = 0,
               family: str | None = None, out: str | None = None, plots: str | None = None,
-              overwrite: bool = False, status: Progress | None = None) -> Outcome:
-    """Prune then fine-tune a forecaster (module docstring).
+              overwrite: bool = False, heads: float | None = None,
+              kv_groups: float | None = None, mlp: float | None = None,
+              text: str | None = None, tokenizer: str | None = None,
+              seq_len: int | None = None, status: Progress | None = None) -> Outcome:
+    """Prune then fine-tune a forecaster (module docstring), or a decoder-only language model
+    (GPT-2, Llama-style: :func:`lowrank_jax.recipes.prune_lm.prune_language_model`, with
+    ``heads``, ``kv_groups``, ``mlp``, ``text``, ``tokenizer`` and ``seq_len``).
+
+    The options of one kind of model are refused for the other (a one-line
+    :class:`~lowrank_jax.errors.ConfigError` naming the option): ``target``, ``flops_target``,
+    ``data``, ``context_length``, ``rules`` and ``plots`` are the forecaster's; ``heads``,
+    ``kv_groups``, ``mlp``, ``text``, ``tokenizer`` and ``seq_len`` the language model's.
 
     Args:
-      model: a lowrank_jax model checkpoint or a Hugging Face directory of a forecasting family.
+      model: a lowrank_jax model checkpoint or a Hugging Face directory of a forecasting family
+        or of a decoder-only language model.
       target: fraction of the prunable parameters (``flops_target``: FLOPs) to remove, in
-        [0, 1).
+        [0, 1) (default 0.5).
       flops_target: ``target`` is a fraction of the prunable FLOPs.
-      data: ``'builtin'`` or an ETT-style CSV file (:func:`load_series`).
+      data: ``'builtin'`` (default) or an ETT-style CSV file (:func:`load_series`).
       context_length: context of the windows (default: the model's, at most 512).
       prune_steps: pruning batches B of Algorithm 1.
       batch_size: windows per pruning and fine-tuning batch.
@@ -195,16 +210,20 @@ def run_prune(model: str, *, target: float = 0.5, flops_target: bool = False,
       out: save the pruned (and fine-tuned) model there.
       plots: draw the pruned-fraction plots into this directory.
       overwrite: replace ``out`` / ``plots`` if lowrank-jax wrote them.
+      heads, kv_groups, mlp, text, tokenizer, seq_len: a language model's (see
+        :func:`~lowrank_jax.recipes.prune_lm.prune_language_model`).
       status: progress reporting (default: status lines on stderr).
 
     Returns:
-      The report (windows, settings, fractions removed, parameters before and after, the
-      per-layer table, the pruning history, ``before`` / ``pruned`` / ``finetuned``
+      For a language model, :func:`~lowrank_jax.recipes.prune_lm.prune_language_model`'s
+      report. For a forecaster, the report (windows, settings, fractions removed, parameters
+      before and after, the per-layer table, the pruning history, ``before`` / ``pruned`` / ``finetuned``
       evaluations), the table and scores as lines; ``values``: ``params`` (the final tree) and
       ``config``.
 
     Raises:
-      ConfigError: ``model`` has no model config or is not a forecaster.
+      ConfigError: ``model`` has no model config, is neither a forecaster nor a language
+        model, or an option of the other kind of model is given.
     """
     import jax
 
@@ -236,10 +255,37 @@ def run_prune(model: str, *, target: float = 0.5, flops_target: bool = False,
                           "needs a model checkpoint (save_model) or a Hugging Face directory",
                           where="MODEL", expected="a model checkpoint", actual="parameters only")
     fam = family_of(cfg)
+    from lowrank_jax.recipes import prune_lm
+
+    lm_options = {"--heads": heads, "--kv-groups": kv_groups, "--mlp": mlp, "--text": text,
+                  "--tokenizer": tokenizer, "--seq-len": seq_len}
+    if prune_lm.is_language_model(cfg):
+        forecaster_options = {"--target": target, "--flops-target": flops_target or None,
+                              "--data": data, "--context-length": context_length,
+                              "--rule": rules, "--plots": plots}
+        for flag, value in forecaster_options.items():
+            if value is not None:
+                raise ConfigError(
+                    f"prune: {flag} is for forecasters; {fam.name!r} is a language model "
+                    "(prune it with --heads, --kv-groups and --mlp on --text)", where=flag,
+                    expected="not given for a language model", actual=value)
+        return prune_lm.prune_language_model(
+            src, heads=heads or 0.0, kv_groups=kv_groups or 0.0, mlp=mlp or 0.0, text=text,
+            tokenizer=tokenizer, seq_len=seq_len, prune_steps=prune_steps,
+            batch_size=batch_size, alpha=alpha, schedule=schedule,
+            finetune_steps=finetune_steps, lr=lr, lora=lora, eval_batches=eval_batches,
+            seed=seed, out=out, overwrite=overwrite, status=status)
+    for flag, value in lm_options.items():
+        if value is not None:
+            raise ConfigError(f"prune: {flag} is for decoder-only language models; "
+                              f"{fam.name!r} is not one", where=flag,
+                              expected="not given for this model", actual=value)
+    target = 0.5 if target is None else target
+    data = "builtin" if data is None else data
     if fam.forecast is None or fam.batch_from_windows is None or fam.loss is None:
         raise ConfigError(f"prune: the command prunes forecasters on series windows; family "
-                          f"{fam.name!r} is not one (use lowrank_jax.compress.prune.prune_model "
-                          "with batches of your own)", where="MODEL",
+                          f"{fam.name!r} is neither one nor a decoder-only language model (use "
+                          "lowrank_jax.compress.prune.prune_model with batches of your own)", where="MODEL",
                           expected="a forecasting family", actual=fam.name)
     series, names, source = load_series(data)
     ctx = context_length or min(int(cfg.context_length), 512)
