@@ -14,7 +14,7 @@ Python results (the new tree) beside it. It never prints: stages are reported th
 :func:`run_compress`      a compression plan (or one truncated-SVD step) applied to a model
 :func:`run_convert`       Hugging Face directory -> lowrank_jax model checkpoint
 :func:`run_export`        lowrank_jax model checkpoint -> Hugging Face directory
-:func:`run_prune`         structured pruning then fine-tuning of a forecaster
+:func:`run_prune`         structured pruning then fine-tuning of a forecaster or a language model
 :func:`run_partition`     a model split over machines with low intercommunication
 :func:`run_frontier`      every applicable compression of a model: size, time, accuracy
 :func:`run_generate`      text continued by a decoder-only language model (cached decoding)

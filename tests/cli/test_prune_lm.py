@@ -196,3 +196,18 @@ def test_gpt2_has_no_key_value_groups(gpt2_dir, tmp_path, capsys):
     assert main(["prune", str(gpt2_dir), "--kv-groups", "0.5", "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--kv-groups" in err and "gpt2" in err
+
+
+def test_language_model_options_are_refused_for_other_models(tmp_path, capsys):
+    import jax
+
+    from lowrank_jax.io import save_model
+    from lowrank_jax.models import t5
+    from lowrank_jax.models.t5 import T5Config
+
+    cfg = T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1,
+                   num_heads=2, feed_forward_proj="relu")
+    save_model(tmp_path / "t5", cfg, t5.init(jax.random.PRNGKey(0), cfg))
+    assert main(["prune", str(tmp_path / "t5"), "--mlp", "0.5", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--mlp" in err and "t5" in err
