@@ -258,7 +258,7 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
         token_counts,
     )
     from lowrank_jax.models import apply, family_of
-    from lowrank_jax.recipes.generate import load_tokenizer
+    from lowrank_jax.recipes.generate import TOKENIZER_NAME, load_tokenizer
     from lowrank_jax.train import default_optimizer, fit, full_params
 
     cfg, params = src.config, src.params
@@ -277,7 +277,12 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
     if limit is not None and seq > limit:
         raise ConfigError(f"--seq-len {seq} exceeds the model's longest sequence {limit}",
                           where="--seq-len", expected=f"<= {limit}", actual=seq)
-    tok = load_tokenizer(tokenizer if tokenizer is not None else src.path)
+    where = tokenizer if tokenizer is not None else src.path
+    file = os.path.join(where, TOKENIZER_NAME) if os.path.isdir(where) else where
+    if not os.path.isfile(file):
+        raise MissingFileError(f"prune: no tokenizer at {file}; pass --tokenizer with a "
+                               "tokenizer.json (or a directory holding one)", where="--tokenizer")
+    tok = load_tokenizer(file)
     need = (prune_steps + finetune_steps + eval_batches) * batch_size * seq
     with status.phase("reading and tokenizing the text"):
         train, held, text_info = text_windows(tok, text=text, seq_len=seq,

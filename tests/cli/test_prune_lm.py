@@ -181,10 +181,12 @@ def test_fine_tuning_with_lora_and_another_tokenizer(gpt2_dir, llama_dir, text_f
     (["--heads", "1.5"], "--heads"),              # refused before loading
     (["--mlp", "0.5", "--text", "NO_SUCH"], "--text"),
     (["--mlp", "0.5", "--seq-len", "64"], "--seq-len"),  # longer than n_positions 32
+    (["--mlp", "0.5", "--tokenizer", "EMPTY_DIR"], "--tokenizer"),  # no tokenizer.json there
 ])
 def test_bad_options_fail_in_one_line(gpt2_dir, tmp_path, capsys, extra, flag):
     extra = [str(tmp_path / "plots") if e == "PLOTS" else e for e in extra]
     extra = [str(tmp_path / "none") if e == "NO_SUCH" else e for e in extra]
+    extra = [str(tmp_path) if e == "EMPTY_DIR" else e for e in extra]
     assert main(["prune", str(gpt2_dir), *extra, "--out", str(tmp_path / "ck"),
                  "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
