@@ -186,7 +186,8 @@ def test_fine_tuning_with_lora_and_another_tokenizer(gpt2_dir, llama_dir, text_f
 def test_bad_options_fail_in_one_line(gpt2_dir, tmp_path, capsys, extra, flag):
     extra = [str(tmp_path / "plots") if e == "PLOTS" else e for e in extra]
     extra = [str(tmp_path / "none") if e == "NO_SUCH" else e for e in extra]
-    extra = [str(tmp_path) if e == "EMPTY_DIR" else e for e in extra]
+    (tmp_path / "empty").mkdir()
+    extra = [str(tmp_path / "empty") if e == "EMPTY_DIR" else e for e in extra]
     assert main(["prune", str(gpt2_dir), *extra, "--out", str(tmp_path / "ck"),
                  "--no-progress"]) == 2
     err = capsys.readouterr().err.strip()
