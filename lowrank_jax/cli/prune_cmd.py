@@ -67,15 +67,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="language models: tokens per text window (default 128, at most the "
                         "model's longest sequence)")
     p.add_argument("--prune-steps", type=int, default=20,
-                   help="pruning batches B of Algorithm 1 (default 20)")
+                   help="pruning batches B of Algorithm 1 (language models: batches the head "
+                        "and MLP-channel importance is averaged over; default 20)")
     p.add_argument("--batch-size", type=int, default=32,
                    help="windows per pruning and fine-tuning batch (default 32; for a language "
                         "model also per perplexity batch)")
-    p.add_argument("--alpha", type=float, default=0.5,
-                   help="weight of the newest batch in the moving average of the importance "
-                   "scores, in (0, 1] (default 0.5)")
-    p.add_argument("--schedule", choices=("cubic", "linear"), default="cubic",
-                   help="how the removed fraction grows over the pruning batches (default cubic)")
+    p.add_argument("--alpha", type=float,
+                   help="forecasters: weight of the newest batch in the moving average of the "
+                        "importance scores, in (0, 1] (default 0.5)")
+    p.add_argument("--schedule", choices=("cubic", "linear"),
+                   help="forecasters: how the removed fraction grows over the pruning batches "
+                        "(default cubic)")
     p.add_argument("--finetune-steps", type=int, default=0,
                    help="fine-tuning steps after pruning (default 0)")
     p.add_argument("--lr", type=float, default=1e-4,
@@ -126,7 +128,7 @@ def _check(args) -> None:
         if value < low:
             raise ConfigError(f"{flag} must be >= {low}, got {value}", where=flag,
                               expected=f">= {low}", actual=value)
-    if not 0.0 < args.alpha <= 1.0:
+    if args.alpha is not None and not 0.0 < args.alpha <= 1.0:
         raise ConfigError(f"--alpha must be in (0, 1], got {args.alpha}", where="--alpha",
                           expected="(0, 1]", actual=args.alpha)
     if args.lr <= 0:

@@ -168,8 +168,8 @@ def evaluate_windows(forecast, sampler, levels: tuple, max_batches: int) -> dict
 
 def run_prune(model: str, *, target: float | None = None, flops_target: bool = False,
               data: str | None = None, context_length: int | None = None,
-              prune_steps: int = 20, batch_size: int = 32, alpha: float = 0.5,
-              schedule: str = "cubic", finetune_steps: int = 0, lr: float = 1e-4, lora: int = 0,
+              prune_steps: int = 20, batch_size: int = 32, alpha: float | None = None,
+              schedule: str | None = None, finetune_steps: int = 0, lr: float = 1e-4, lora: int = 0,
               rules: list[str] | None = None, eval_batches: int = 8, seed: int = 0,
               family: str | None = None, out: str | None = None, plots: str | None = None,
               overwrite: bool = False, heads: float | None = None,
@@ -182,7 +182,8 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
 
     The options of one kind of model are refused for the other (a one-line
     :class:`~lowrank_jax.errors.ConfigError` naming the option): ``target``, ``flops_target``,
-    ``data``, ``context_length``, ``rules`` and ``plots`` are the forecaster's; ``heads``,
+    ``data``, ``context_length``, ``rules``, ``plots``, ``alpha`` and ``schedule`` are the
+    forecaster's; ``heads``,
     ``kv_groups``, ``mlp``, ``text``, ``tokenizer`` and ``seq_len`` the language model's.
 
     Args:
@@ -195,9 +196,9 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
       context_length: context of the windows (default: the model's, at most 512).
       prune_steps: pruning batches B of Algorithm 1.
       batch_size: windows per pruning and fine-tuning batch.
-      alpha: EMA coefficient of the importance.
-      schedule: how the removed fraction grows over the pruning batches (``'cubic'`` or
-        ``'linear'``).
+      alpha: EMA coefficient of the importance (default 0.5).
+      schedule: how the removed fraction grows over the pruning batches (``'cubic'``, the
+        default, or ``'linear'``).
       finetune_steps: fine-tuning steps after pruning (AdamW, warmup over 5 % of the steps,
         cosine decay from ``lr``).
       lr: peak learning rate of the fine-tuning.
@@ -262,7 +263,8 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
     if prune_lm.is_language_model(cfg):
         forecaster_options = {"--target": target, "--flops-target": flops_target or None,
                               "--data": data, "--context-length": context_length,
-                              "--rule": rules, "--plots": plots}
+                              "--rule": rules, "--plots": plots, "--alpha": alpha,
+                              "--schedule": schedule}
         for flag, value in forecaster_options.items():
             if value is not None:
                 raise ConfigError(
@@ -272,8 +274,7 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
         return prune_lm.prune_language_model(
             src, heads=heads or 0.0, kv_groups=kv_groups or 0.0, mlp=mlp or 0.0, text=text,
             tokenizer=tokenizer, seq_len=seq_len, prune_steps=prune_steps,
-            batch_size=batch_size, alpha=alpha, schedule=schedule,
-            finetune_steps=finetune_steps, lr=lr, lora=lora, eval_batches=eval_batches,
+            batch_size=batch_size, finetune_steps=finetune_steps, lr=lr, lora=lora, eval_batches=eval_batches,
             seed=seed, out=out, overwrite=overwrite, status=status)
     for flag, value in lm_options.items():
         if value is not None:
@@ -282,6 +283,8 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
                               expected="not given for this model", actual=value)
     target = 0.5 if target is None else target
     data = "builtin" if data is None else data
+    alpha = 0.5 if alpha is None else alpha
+    schedule = "cubic" if schedule is None else schedule
     if fam.forecast is None or fam.batch_from_windows is None or fam.loss is None:
         raise ConfigError(f"prune: the command prunes forecasters on series windows; family "
                           f"{fam.name!r} is neither one nor a decoder-only language model (use "

@@ -14,10 +14,11 @@ with the next-token loss.
    the ``prune_heads`` plan method (:mod:`lowrank_jax.compress.head_pruning`: importance of a
    gate on each head's output, "Are Sixteen Heads Really Better than One?",
    arXiv:1905.10650), the same number from every layer;
-3. ``mlp``: that fraction of the MLP hidden channels is removed by progressive global pruning
-   ("Less is More", arXiv:2505.23195, Algorithm 1, as the forecaster workflow of
-   :mod:`lowrank_jax.recipes.prune`), ranked across layers, so layers may keep different
-   widths;
+3. ``mlp``: that fraction of all MLP hidden channels is removed, the least important first,
+   ranked across layers (so layers may keep different widths; every layer keeps one), by the
+   same first-order importance of a gate on each channel's output
+   (:func:`mlp_channel_scores`), averaged over ``prune_steps`` batches; only hidden channels
+   go (the residual-width channels stay, unlike the forecaster workflow's Algorithm 1);
 4. the largest difference between the logits of the masked model (the original with the
    removed heads' outputs and the removed channels switched off) and of the physically pruned
    model is reported, on a held-out batch;
@@ -184,6 +185,47 @@ def _gated(original, pruned):
     return replace_paths(original, new)
 
 
+def mlp_channel_scores(params, loss_fn, batches, steps: int) -> list[np.ndarray]:
+    """Per layer, the importance of every MLP hidden channel: the magnitude of the loss
+    derivative with respect to a gate on the channel's output, ``|sum_r W_o[c, r] dL/dW_o[c,
+    r]|`` (the first-order change of the loss when the channel is switched off, as
+    ``prune_heads`` scores heads), averaged over ``batches(0 .. steps - 1)``."""
+    import jax
+    import jax.numpy as jnp
+
+    from lowrank_jax.leaves import Dense, bias_of, get_path, materialize, replace_paths
+
+    paths = [f"layers/{i}/mlp/wo" for i in range(len(params["layers"]))]
+    dense = [jnp.asarray(materialize(get_path(params, p))) for p in paths]
+    biases = [bias_of(get_path(params, p)) for p in paths]
+
+    def loss(ws, batch):
+        new = {p: Dense(w=w, b=b) for p, w, b in zip(paths, ws, biases, strict=True)}
+        return loss_fn(replace_paths(params, new), batch, None)[0]
+
+    grad = jax.jit(jax.grad(loss))
+    total = [np.zeros(w.shape[0], np.float64) for w in dense]
+    for j in range(steps):
+        for acc, w, g in zip(total, dense, grad(dense, batches(j)), strict=True):
+            acc += np.sum(np.asarray(w, np.float64) * np.asarray(g, np.float64), axis=1)
+    return [np.abs(t / steps) for t in total]
+
+
+def select_channels(scores: list[np.ndarray], fraction: float) -> list[np.ndarray]:
+    """Boolean keep masks: the ``floor(fraction * total)`` lowest-scored channels removed,
+    ranked across layers (ties by layer, then channel), every layer keeping at least one."""
+    pool = sorted((float(v), i, c) for i, sc in enumerate(scores) for c, v in enumerate(sc))
+    keep = [np.ones(len(sc), bool) for sc in scores]
+    m = int(np.floor(fraction * len(pool) + 1e-9))
+    for _, i, c in pool:
+        if m == 0:
+            break
+        if keep[i].sum() > 1:
+            keep[i][c] = False
+            m -= 1
+    return keep
+
+
 def export_form(config, params) -> dict:
     """What ``save_pretrained`` (``lowrank-jax export``) will write for ``params``:
     ``{'physically_smaller': bool, 'zero_padded': [block paths], 'config': {changed sizes}}``.
@@ -206,8 +248,7 @@ def export_form(config, params) -> dict:
 def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp: float = 0.0,
                          text: str | None = None, tokenizer: str | None = None,
                          seq_len: int | None = None, prune_steps: int = 20,
-                         batch_size: int = 32, alpha: float = 0.5, schedule: str = "cubic",
-                         finetune_steps: int = 0, lr: float = 1e-4, lora: int = 0,
+                         batch_size: int = 32, finetune_steps: int = 0, lr: float = 1e-4, lora: int = 0,
                          eval_batches: int = 8, seed: int = 0, out: str | None = None,
                          overwrite: bool = False, status: Progress) -> Outcome:
     """Prune, then fine-tune, a decoder-only language model (module docstring).
@@ -224,10 +265,8 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
       tokenizer: a ``tokenizer.json`` or a directory with one (default: the model
         directory's).
       seq_len: tokens per window (default: 128, at most the model's longest sequence).
-      prune_steps: scoring batches of the head pruning and pruning batches of the MLP's
-        Algorithm 1.
+      prune_steps: scoring batches of the head and MLP-channel importance.
       batch_size: windows per scoring, pruning, fine-tuning and evaluation batch.
-      alpha, schedule: the MLP pruning's EMA coefficient and schedule.
       finetune_steps, lr, lora: the fine-tuning (AdamW, warmup over 5 % of the steps, cosine
         decay from ``lr``; LoRA updates of rank ``lora`` on the attention and MLP weights
         instead of all weights when ``lora > 0``).
@@ -252,11 +291,10 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
         DEFAULT_RULES,
         add_channel_masks,
         add_lora_to,
-        check_removal,
-        progressive_prune,
         register_batches,
-        token_counts,
+        remove_masked,
     )
+    from lowrank_jax.leaves import get_path, weight_shape, with_channel_masks
     from lowrank_jax.models import apply, family_of
     from lowrank_jax.recipes.generate import TOKENIZER_NAME, load_tokenizer
     from lowrank_jax.train import default_optimizer, fit, full_params
@@ -303,7 +341,7 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
             return float(np.exp(np.average(nll, weights=sizes)))
 
     settings = {"heads": heads, "kv_groups": kv_groups, "mlp": mlp, "prune_steps": prune_steps,
-                "batch_size": batch_size, "alpha": alpha, "schedule": schedule,
+                "batch_size": batch_size,
                 "finetune_steps": finetune_steps, "lr": lr, "lora": lora, "seed": seed}
     report = Outcome({"model": src.path, "family": fam.name, "text": text_info,
                       "settings": settings})
@@ -320,17 +358,23 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
                     "batch_size": batch_size, "steps": prune_steps, "seed": seed}), config=cfg)
     pruned, masked, removal, struct = head_pruned, head_pruned, None, None
     if mlp:
-        status.say(f"pruning {mlp:.0%} of the MLP channels: {prune_steps} batches of "
-                   f"{batch_size} windows")
-        res = progressive_prune(add_channel_masks(head_pruned, MLP_RULES), loss_fn,
-                                windows.batch, target=float(mlp), steps=prune_steps,
-                                by="params", alpha=alpha, schedule=schedule,
-                                tokens=token_counts(cfg, head_pruned), config=cfg,
-                                progress=status.bars)
-        struct, removal, masked = res.structure, res.removal, res.params
-        with status.phase("removing the pruned channels"):
-            pruned = struct.remove(removal)
-            check_removal(struct, removal, pruned)
+        with status.phase(f"removing {mlp:.0%} of the MLP channels, ranked across layers by "
+                          f"their importance on {prune_steps} batches of {batch_size} windows"):
+            scores = mlp_channel_scores(head_pruned, loss_fn, windows.batch, prune_steps)
+            keep = select_channels(scores, float(mlp))
+            masked = add_channel_masks(head_pruned, MLP_RULES)
+            ones = {}
+            for i, k in enumerate(keep):
+                hid = k.astype(np.float32)
+                for name in ("wi", "wi_0", "wi_1", "wo"):
+                    path = f"layers/{i}/mlp/{name}"
+                    if name not in head_pruned["layers"][i]["mlp"]:
+                        continue
+                    d_in, d_out = weight_shape(get_path(head_pruned, path))
+                    ones[path] = ((hid, np.ones(d_out, np.float32)) if name == "wo"
+                                  else (np.ones(d_in, np.float32), hid))
+            masked = with_channel_masks(masked, ones)
+            pruned, struct, removal = remove_masked(masked, config=cfg, return_structure=True)
     prune_s = time.perf_counter() - t0
     with status.phase("comparing the masked and the pruned model on a held-out batch"), \
             execution.reference_precision():
