@@ -56,6 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--mlp", type=float,
                    help="language models: fraction of all MLP hidden channels to remove, in "
                         "[0, 1), ranked across layers")
+    p.add_argument("--mlp-equal", action="store_true",
+                   help="language models: remove the same share of the MLP channels from every "
+                        "layer, so that the export is physically smaller")
     p.add_argument("--text",
                    help="language models: a text file or a directory of text files to score, "
                         "fine-tune and measure perplexity on (default: the Python standard "
@@ -163,7 +166,8 @@ def run(args) -> int:
         finetune_steps=args.finetune_steps, lr=args.lr, lora=args.lora, rules=args.rule,
         eval_batches=args.eval_batches, seed=args.seed, family=args.family, out=args.out,
         plots=args.plots, overwrite=args.overwrite, heads=args.heads, kv_groups=args.kv_groups,
-        mlp=args.mlp, text=args.text, tokenizer=args.tokenizer, seq_len=args.seq_len,
+        mlp=args.mlp, mlp_equal=args.mlp_equal, text=args.text, tokenizer=args.tokenizer,
+        seq_len=args.seq_len,
         status=Status("prune", bars=not args.no_progress))
     return common.finish(outcome, args.json, command="prune", inputs={"MODEL": args.params},
                          outputs_=(args.out, args.plots))

@@ -174,17 +174,18 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
               family: str | None = None, out: str | None = None, plots: str | None = None,
               overwrite: bool = False, heads: float | None = None,
               kv_groups: float | None = None, mlp: float | None = None,
+              mlp_equal: bool = False,
               text: str | None = None, tokenizer: str | None = None,
               seq_len: int | None = None, status: Progress | None = None) -> Outcome:
     """Prune then fine-tune a forecaster (module docstring), or a decoder-only language model
     (GPT-2, Llama-style: :func:`lowrank_jax.recipes.prune_lm.prune_language_model`, with
-    ``heads``, ``kv_groups``, ``mlp``, ``text``, ``tokenizer`` and ``seq_len``).
+    ``heads``, ``kv_groups``, ``mlp``, ``mlp_equal``, ``text``, ``tokenizer`` and ``seq_len``).
 
     The options of one kind of model are refused for the other (a one-line
     :class:`~lowrank_jax.errors.ConfigError` naming the option): ``target``, ``flops_target``,
     ``data``, ``context_length``, ``rules``, ``plots``, ``alpha`` and ``schedule`` are the
-    forecaster's; ``heads``,
-    ``kv_groups``, ``mlp``, ``text``, ``tokenizer`` and ``seq_len`` the language model's.
+    forecaster's; ``heads``, ``kv_groups``, ``mlp``, ``mlp_equal``, ``text``, ``tokenizer`` and
+    ``seq_len`` the language model's.
 
     Args:
       model: a lowrank_jax model checkpoint or a Hugging Face directory of a forecasting family
@@ -211,7 +212,7 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
       out: save the pruned (and fine-tuned) model there.
       plots: draw the pruned-fraction plots into this directory.
       overwrite: replace ``out`` / ``plots`` if lowrank-jax wrote them.
-      heads, kv_groups, mlp, text, tokenizer, seq_len: a language model's (see
+      heads, kv_groups, mlp, mlp_equal, text, tokenizer, seq_len: a language model's (see
         :func:`~lowrank_jax.recipes.prune_lm.prune_language_model`).
       status: progress reporting (default: status lines on stderr).
 
@@ -258,8 +259,9 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
     fam = family_of(cfg)
     from lowrank_jax.recipes import prune_lm
 
-    lm_options = {"--heads": heads, "--kv-groups": kv_groups, "--mlp": mlp, "--text": text,
-                  "--tokenizer": tokenizer, "--seq-len": seq_len}
+    lm_options = {"--heads": heads, "--kv-groups": kv_groups, "--mlp": mlp,
+                  "--mlp-equal": mlp_equal or None, "--text": text, "--tokenizer": tokenizer,
+                  "--seq-len": seq_len}
     if prune_lm.is_language_model(cfg):
         forecaster_options = {"--target": target, "--flops-target": flops_target or None,
                               "--data": data, "--context-length": context_length,
@@ -272,7 +274,8 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
                     "(prune it with --heads, --kv-groups and --mlp on --text)", where=flag,
                     expected="not given for a language model", actual=value)
         return prune_lm.prune_language_model(
-            src, heads=heads or 0.0, kv_groups=kv_groups or 0.0, mlp=mlp or 0.0, text=text,
+            src, heads=heads or 0.0, kv_groups=kv_groups or 0.0, mlp=mlp or 0.0,
+            mlp_equal=mlp_equal, text=text,
             tokenizer=tokenizer, seq_len=seq_len, prune_steps=prune_steps,
             batch_size=batch_size, finetune_steps=finetune_steps, lr=lr, lora=lora, eval_batches=eval_batches,
             seed=seed, out=out, overwrite=overwrite, status=status)

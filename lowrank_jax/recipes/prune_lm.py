@@ -15,7 +15,8 @@ with the next-token loss.
    gate on each head's output, "Are Sixteen Heads Really Better than One?",
    arXiv:1905.10650), the same number from every layer;
 3. ``mlp``: that fraction of all MLP hidden channels is removed, the least important first,
-   ranked across layers (so layers may keep different widths; every layer keeps one), by the
+   ranked across layers (so layers may keep different widths; every layer keeps one), or
+   with ``mlp_equal`` the same share of every layer, by the
    same first-order importance of a gate on each channel's output
    (:func:`mlp_channel_scores`), averaged over ``prune_steps`` batches; only hidden channels
    go (the residual-width channels stay, unlike the forecaster workflow's Algorithm 1);
@@ -211,9 +212,19 @@ def mlp_channel_scores(params, loss_fn, batches, steps: int) -> list[np.ndarray]
     return [np.abs(t / steps) for t in total]
 
 
-def select_channels(scores: list[np.ndarray], fraction: float) -> list[np.ndarray]:
+def select_channels(scores: list[np.ndarray], fraction: float, *,
+                    equal: bool = False) -> list[np.ndarray]:
     """Boolean keep masks: the ``floor(fraction * total)`` lowest-scored channels removed,
-    ranked across layers (ties by layer, then channel), every layer keeping at least one."""
+    ranked across layers (ties by layer, then channel), every layer keeping at least one; with
+    ``equal``, the ``floor(fraction * n)`` lowest of every layer of ``n`` channels instead."""
+    if equal:
+        keep = []
+        for sc in scores:
+            k = np.ones(len(sc), bool)
+            m = min(int(np.floor(fraction * len(sc) + 1e-9)), len(sc) - 1)
+            k[np.argsort(sc, kind="stable")[:m]] = False
+            keep.append(k)
+        return keep
     pool = sorted((float(v), i, c) for i, sc in enumerate(scores) for c, v in enumerate(sc))
     keep = [np.ones(len(sc), bool) for sc in scores]
     m = int(np.floor(fraction * len(pool) + 1e-9))
@@ -246,7 +257,7 @@ def export_form(config, params) -> dict:
 
 
 def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp: float = 0.0,
-                         text: str | None = None, tokenizer: str | None = None,
+                         mlp_equal: bool = False, text: str | None = None, tokenizer: str | None = None,
                          seq_len: int | None = None, prune_steps: int = 20,
                          batch_size: int = 32, finetune_steps: int = 0, lr: float = 1e-4, lora: int = 0,
                          eval_batches: int = 8, seed: int = 0, out: str | None = None,
@@ -261,6 +272,9 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
       kv_groups: fraction of every layer's key-value groups to remove, in [0, 1) (a
         grouped-query model only); every layer keeps at least one.
       mlp: fraction of all MLP hidden channels to remove, in [0, 1), ranked across layers.
+      mlp_equal: remove ``floor(mlp * width)`` channels from every layer instead, so that every
+        layer keeps the same width (a physically smaller export when the layers had equal
+        widths).
       text: a text file or a directory of text files (default: the standard library's source).
       tokenizer: a ``tokenizer.json`` or a directory with one (default: the model
         directory's).
@@ -340,7 +354,8 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
             sizes = [len(held[i:i + batch_size]) for i in range(0, len(held), batch_size)]
             return float(np.exp(np.average(nll, weights=sizes)))
 
-    settings = {"heads": heads, "kv_groups": kv_groups, "mlp": mlp, "prune_steps": prune_steps,
+    settings = {"heads": heads, "kv_groups": kv_groups, "mlp": mlp, "mlp_equal": mlp_equal,
+                "prune_steps": prune_steps,
                 "batch_size": batch_size,
                 "finetune_steps": finetune_steps, "lr": lr, "lora": lora, "seed": seed}
     report = Outcome({"model": src.path, "family": fam.name, "text": text_info,
@@ -361,7 +376,7 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
         with status.phase(f"removing {mlp:.0%} of the MLP channels, ranked across layers by "
                           f"their importance on {prune_steps} batches of {batch_size} windows"):
             scores = mlp_channel_scores(head_pruned, loss_fn, windows.batch, prune_steps)
-            keep = select_channels(scores, float(mlp))
+            keep = select_channels(scores, float(mlp), equal=mlp_equal)
             masked = add_channel_masks(head_pruned, MLP_RULES)
             ones = {}
             for i, k in enumerate(keep):

@@ -92,10 +92,12 @@ def _export_matches(ck, out, cls, ids):
     return cfg, params, model
 
 
-def test_llama_heads_groups_and_mlp(llama_dir, tok, tmp_path, capsys):
+@pytest.mark.parametrize("equal", [False, True])
+def test_llama_heads_groups_and_mlp(llama_dir, tok, tmp_path, capsys, equal):
     report = tmp_path / "r.json"
     assert main(["prune", str(llama_dir), "--kv-groups", "0.5", "--heads", "0.5", "--mlp",
-                 "0.25", *FAST, "--out", str(tmp_path / "ck"), "--json", str(report)]) == 0
+                 "0.25", *FAST, "--out", str(tmp_path / "ck"), "--json", str(report),
+                 *(["--mlp-equal"] if equal else [])]) == 0
     out = capsys.readouterr().out
     r = json.loads(report.read_text())
     assert "held-out perplexity before" in out and "lowrank-jax export will" in out
@@ -105,6 +107,8 @@ def test_llama_heads_groups_and_mlp(llama_dir, tok, tmp_path, capsys):
         assert (lp["attn"]["q_heads"].num_heads, lp["attn"]["kv_heads"].num_heads) == (2, 1)
     widths = [int(materialize(lp["mlp"]["wo"]).shape[0]) for lp in params["layers"]]
     assert sum(widths) == 40 - 10 and widths == [row["mlp"] for row in r["layers"]]
+    if equal:  # floor(0.25 * 20) from every layer
+        assert widths == [15, 15]
     assert [len(row["head_ids"]) for row in r["layers"]] == [2, 2]
     # masked (NumPy reference from the kept ids) vs pruned logits
     ids = _ids(tok)
@@ -190,6 +194,7 @@ def _error(capsys) -> str:
     (["--mlp", "0.5", "--text", "NO_SUCH"], "--text"),
     (["--mlp", "0.5", "--seq-len", "64"], "--seq-len"),  # longer than n_positions 32
     (["--mlp", "0.5", "--tokenizer", "EMPTY_DIR"], "--tokenizer"),  # no tokenizer.json there
+    (["--mlp", "0.5", "--alpha", "0.3"], "--alpha"),
 ])
 def test_bad_options_fail_in_one_line(gpt2_dir, tmp_path, capsys, extra, flag):
     extra = [str(tmp_path / "plots") if e == "PLOTS" else e for e in extra]
