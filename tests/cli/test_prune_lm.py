@@ -227,3 +227,39 @@ def test_language_model_options_are_refused_for_other_models(tmp_path, capsys):
     assert main(["prune", str(tmp_path / "t5"), "--mlp", "0.5", "--no-progress"]) == 2
     err = _error(capsys)
     assert "--mlp" in err and "t5" in err
+
+
+def test_mlp_channel_scores_match_pytorch_autograd(llama_dir):
+    """The gate derivative of every MLP channel, against the PyTorch original's gradients."""
+    from lowrank_jax.models import family_of
+    from lowrank_jax.recipes.prune_lm import mlp_channel_scores
+
+    cfg, params = load_pretrained(llama_dir)
+    rng = np.random.default_rng(0)
+    batches = [rng.integers(0, 300, (3, 10)) for _ in range(2)]
+    got = mlp_channel_scores(params, family_of(cfg).loss(cfg), lambda j: {
+        "input_ids": batches[j]}, 2)
+    model = transformers.LlamaForCausalLM.from_pretrained(llama_dir).eval()
+    downs = [layer.mlp.down_proj.weight for layer in model.model.layers]  # [d, ff]
+    total = [np.zeros(20) for _ in downs]
+    for ids in batches:
+        model.zero_grad()
+        t = torch.tensor(ids)
+        model(input_ids=t, labels=t).loss.backward()
+        for acc, w in zip(total, downs, strict=True):
+            acc += (w * w.grad).sum(0).detach().double().numpy()
+    for g, want in zip(got, total, strict=True):
+        np.testing.assert_allclose(g, np.abs(want / 2), rtol=1e-4, atol=1e-8)
+
+
+def test_channel_selection_across_layers_and_per_layer():
+    from lowrank_jax.recipes.prune_lm import select_channels
+
+    scores = [np.array([0.1, 0.2, 0.9]), np.array([0.05, 0.3, 0.4, 0.5])]
+    keep = select_channels(scores, 0.6)  # floor(0.6 * 7) = 4 lowest: 0.05, 0.1, 0.2, 0.3
+    assert [k.tolist() for k in keep] == [[False, False, True], [False, False, True, True]]
+    keep = select_channels([np.array([0.1, 0.2]), np.array([0.3, 0.4, 0.5])], 0.8)
+    # 4 of 5 would empty a layer: each keeps its best
+    assert [k.sum() for k in keep] == [1, 1]
+    keep = select_channels(scores, 0.5, equal=True)  # floor(1.5) = 1 and floor(2) = 2
+    assert [k.tolist() for k in keep] == [[False, True, True], [False, False, True, True]]
