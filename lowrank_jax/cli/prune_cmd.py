@@ -58,7 +58,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "[0, 1), ranked across layers")
     p.add_argument("--mlp-equal", action="store_true",
                    help="language models: remove the same share of the MLP channels from every "
-                        "layer, so that the export is physically smaller")
+                        "layer, so that a Llama-style export is physically smaller")
     p.add_argument("--text",
                    help="language models: a text file or a directory of text files to score, "
                         "fine-tune and measure perplexity on (default: the Python standard "

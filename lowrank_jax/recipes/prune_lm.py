@@ -456,9 +456,7 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
                           + (f" (config: {sizes})" if sizes else ""))
     else:
         text_lines.append("lowrank-jax export will zero-pad these blocks to the config's widths "
-                          "(exact, not smaller; layers kept different counts"
-                          + (", and GPT-2's head width is fixed by n_embd / n_head"
-                             if not grouped else "") + "): " + ", ".join(form["zero_padded"]))
+                          "(exact, but not smaller): " + ", ".join(form["zero_padded"]))
     if out:
         from lowrank_jax.io import save_model
         from lowrank_jax.recipes import outputs
