@@ -167,14 +167,17 @@ def test_gpt2_heads_and_mlp_on_a_text_file(gpt2_dir, tok, text_file, tmp_path):
 
 
 def test_fine_tuning_with_lora_and_another_tokenizer(gpt2_dir, llama_dir, text_file, tmp_path):
+    """A lowrank_jax checkpoint (no tokenizer.json of its own), a directory of text, LoRA."""
     report = tmp_path / "r.json"
-    assert main(["prune", str(gpt2_dir), "--mlp", "0.5", "--text", str(text_file),
+    assert main(["convert", str(gpt2_dir), "--out", str(tmp_path / "ck0")]) == 0
+    assert main(["prune", str(tmp_path / "ck0"), "--mlp", "0.5", "--text", str(text_file.parent),
                  "--tokenizer", str(llama_dir / "tokenizer.json"), "--finetune-steps", "3",
                  "--lora", "2", "--lr", "1e-2", *FAST, "--json", str(report)]) == 0
     r = json.loads(report.read_text())
     assert len(r["finetune_loss"]) == 3 and set(r["perplexity"]) == {"before", "pruned",
                                                                       "finetuned"}
     assert r["perplexity"]["finetuned"] != r["perplexity"]["pruned"]
+    assert r["text"]["files"] == 1 and r["text"]["source"] == str(text_file.parent)
 
 
 def _error(capsys) -> str:
