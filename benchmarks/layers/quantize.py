@@ -290,7 +290,7 @@ def demo_goals(rows: list[dict]) -> dict:
 #: down projection) and not one scale per channel.
 LM_SIZES = {
     "full": dict(d_model=256, layers=4, heads=8, kv_heads=4, d_ff=768, vocab=4096, seq=128,
-                 batch=16, steps=400, lr=3e-3, corpus_bytes=3_000_000, eval_windows=128),
+                 batch=8, steps=400, lr=3e-3, corpus_bytes=3_000_000, eval_windows=128),
     "quick": dict(d_model=256, layers=2, heads=8, kv_heads=4, d_ff=512, vocab=1024, seq=64,
                   batch=8, steps=120, lr=5e-3, corpus_bytes=400_000, eval_windows=48),
 }
