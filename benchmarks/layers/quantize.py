@@ -33,8 +33,8 @@ Usage::
     python -m benchmarks.layers quantize --quick --json out.json
     python -m benchmarks.layers quantize --quick --quality --quality-layers 2
     python -m benchmarks.layers quantize --quick --demo    # the demo model's WQL, seeds 0 1 2
-    python -m benchmarks.layers quantize --no-speed --lm   # an LM's perplexity, seeds 0 1 2
-    python -m benchmarks.layers quantize --no-speed --lm --quick --lm-seeds 0   # a few minutes
+    python -m benchmarks.layers quantize --no-speed --lm            # LM perplexity, ~12 min
+    python -m benchmarks.layers quantize --no-speed --lm --quick    # a smoke test, ~2 min
 
 Demo (``--demo``): the dense Chronos-Bolt of ``lowrank-jax demo`` (d_model 64), pretrained
 once per seed and cached like ``lowrank-jax frontier demo`` does, quantized (RTN int8, RTN and
