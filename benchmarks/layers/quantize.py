@@ -33,11 +33,24 @@ Usage::
     python -m benchmarks.layers quantize --quick --json out.json
     python -m benchmarks.layers quantize --quick --quality --quality-layers 2
     python -m benchmarks.layers quantize --quick --demo    # the demo model's WQL, seeds 0 1 2
+    python -m benchmarks.layers quantize --no-speed --lm            # LM perplexity, ~12 min
+    python -m benchmarks.layers quantize --no-speed --lm --quick    # a smoke test, ~2 min
 
 Demo (``--demo``): the dense Chronos-Bolt of ``lowrank-jax demo`` (d_model 64), pretrained
 once per seed and cached like ``lowrank-jax frontier demo`` does, quantized (RTN int8, RTN and
 GPTQ int4 with groups of 32, and low rank 4 with int8 factors plus an int4 g64 residual, about
 the size of int4 g32), scored by WQL and MASE on the built-in series' held-out test windows.
+
+Language model (``--lm``): a Llama-style model (d_model 256, 4 layers, 8 query heads of 32
+over 4 key-value heads, d_ff 768, vocabulary 4096, tied embeddings; ``--quick``: 2 layers,
+d_ff 512, vocabulary 1024, shorter windows and fewer steps) pretrained per seed on the Python
+standard library's source as ``python -m benchmarks.methods lm_study`` does (same corpus split,
+byte-level BPE, windows, AdamW with warm-up and cosine decay), its attention and MLP
+projections quantized (RTN and GPTQ at int8, int4 g128 and int4 g32; GPTQ calibrated on
+``--lm-samples`` training windows through the model's forward), scored by perplexity on
+windows of the held-out files against the dense model's. The tied embedding table stays
+float32, so the whole model shrinks less than the projections' bits per weight say (``model
+size``).
 """
 
 from __future__ import annotations
@@ -270,6 +283,167 @@ def demo_goals(rows: list[dict]) -> dict:
     return out
 
 
+# -- decoder-only language model ---------------------------------------------------------------
+
+#: Sizes of the ``--lm`` model: the full run and ``--quick``. ``d_model`` 256 so that groups of
+#: 128 are real groups (two per column of every attention projection, ``d_ff / 128`` in the
+#: down projection) and not one scale per channel.
+LM_SIZES = {
+    "full": dict(d_model=256, layers=4, heads=8, kv_heads=4, d_ff=768, vocab=4096, seq=128,
+                 batch=8, steps=400, lr=3e-3, corpus_bytes=3_000_000, eval_windows=128),
+    "quick": dict(d_model=256, layers=2, heads=8, kv_heads=4, d_ff=512, vocab=1024, seq=64,
+                  batch=8, steps=120, lr=5e-3, corpus_bytes=400_000, eval_windows=48),
+}
+
+LM_VARIANTS = (
+    ("rtn int8", {"bits": 8}),
+    ("gptq int8", {"bits": 8, "algorithm": "gptq"}),
+    ("rtn int4 g128", {"bits": 4, "group": 128}),
+    ("gptq int4 g128", {"bits": 4, "group": 128, "algorithm": "gptq"}),
+    ("rtn int4 g32", {"bits": 4, "group": 32}),
+    ("gptq int4 g32", {"bits": 4, "group": 32, "algorithm": "gptq"}),
+)
+LM_SOURCE = "benchmark_quantize_lm"
+
+
+def lm(seeds: list[int], samples: int, quick: bool, steps: int | None = None) -> tuple:
+    """Rows and setup of the ``--lm`` run: a Llama-style model (RMSNorm, rotary embeddings,
+    SwiGLU, grouped-query attention with two query heads per key-value head, tied embeddings)
+    pretrained per seed on the standard library's source as ``benchmarks.methods lm_study``
+    does (its corpus, byte-level BPE, windows and AdamW schedule), its attention and MLP
+    projections quantized, held-out perplexity against the dense model's. The tied embedding
+    table stays float32. GPTQ calibrates on ``samples`` training windows through the model's
+    forward (a registered batch source), apart from the held-out files."""
+    import math
+    import time
+
+    import optax
+
+    from lowrank_jax.compress import Step, apply_plan
+    from lowrank_jax.compress.prune import register_batches
+    from lowrank_jax.models import LlamaConfig, llama
+    from lowrank_jax.text import encode_texts, stdlib_corpus, token_windows, train_bpe
+
+    c = dict(LM_SIZES["quick" if quick else "full"])
+    if steps:
+        c["steps"] = steps
+    t0 = time.perf_counter()
+    corpus = stdlib_corpus()
+    texts = corpus.read("train", max_bytes=c["corpus_bytes"])
+    tok = train_bpe(texts, c["vocab"])
+    train = token_windows(encode_texts(tok, texts), c["seq"] + 1)
+    held = token_windows(encode_texts(tok, corpus.read("held_out", max_bytes=c["corpus_bytes"]
+                                                        // 5)), c["seq"] + 1)
+    held = held[:c["eval_windows"]]
+    cfg = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["d_model"],
+                      intermediate_size=c["d_ff"], num_hidden_layers=c["layers"],
+                      num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],
+                      max_position_embeddings=c["seq"] + 1, tie_word_embeddings=True)
+    setup = {"config": c, "corpus": corpus.info(), "train_windows": int(train.shape[0]),
+             "held_out_windows": int(held.shape[0]), "calibration_windows": samples,
+             "data_seconds": time.perf_counter() - t0}
+    print(f"# lm: corpus {corpus.info()}; {train.shape[0]} training and {held.shape[0]} "
+          f"held-out windows of {c['seq'] + 1} tokens; {c['steps']} steps of {c['batch']}",
+          flush=True)
+    loss_fn = llama.loss(cfg)
+
+    def windows(seed: int, n: int):
+        def get(j):
+            rng = np.random.default_rng([seed, j])
+            return {"input_ids": jnp.asarray(train[rng.integers(0, len(train), n)])}
+        return get
+
+    # calibration: training windows drawn apart from the batch order (seed + 2000)
+    register_batches(LM_SOURCE, lambda config, *, batch_size, seed: windows(seed + 2000,
+                                                                            batch_size))
+
+    def fit(params, seed):
+        opt = optax.adamw(optax.warmup_cosine_decay_schedule(
+            0.0, c["lr"], max(1, c["steps"] // 20), c["steps"]), weight_decay=0.01)
+        state = opt.init(params)
+
+        @jax.jit
+        def step(params, state, batch):
+            loss, grads = jax.value_and_grad(lambda q: loss_fn(q, batch, None)[0])(params)
+            updates, state = opt.update(grads, state, params)
+            return optax.apply_updates(params, updates), state, loss
+
+        get = windows(seed + 1000, c["batch"])
+        for j in range(c["steps"]):
+            params, state, _ = step(params, state, get(j))
+        return params
+
+    @jax.jit
+    def eval_nll(params, ids):
+        return loss_fn(params, {"input_ids": ids}, None)[0]
+
+    def perplexity(params):  # equal chunks of 16 windows: the mean of means is the mean
+        return math.exp(float(np.mean([float(eval_nll(params, jnp.asarray(held[i:i + 16])))
+                                       for i in range(0, len(held) - len(held) % 16, 16)])))
+
+    rules = [r"attn/(qk/q|qk/k|v|o)$", r"mlp/(wi_0|wi_1|wo)$"]
+    rows = []
+    for seed in seeds:
+        t1 = time.perf_counter()
+        dense = fit(llama.init(jax.random.PRNGKey(seed), cfg), seed)
+        fit_s = time.perf_counter() - t1
+        dense_ppl = perplexity(dense)
+        dense_bits = lj.storage_bits(dense)
+        row = {"seed": seed, "variant": "dense", "ppl": dense_ppl, "ppl_rel": 0.0,
+               "weights_bits_per_weight": 32.0, "size_ratio": 1.0, "seconds": fit_s}
+        rows.append(row)
+        print(LTABLE.line(row), flush=True)
+        for name, st in LM_VARIANTS:
+            if st.get("algorithm") == "gptq":
+                st = {**st, "data": LM_SOURCE, "samples": samples, "seed": seed}
+            t1 = time.perf_counter()
+            new, report = apply_plan(dense, Step("quantize", rules, st), config=cfg)
+            secs = time.perf_counter() - t1
+            ppl = perplexity(new)
+            row = {"seed": seed, "variant": name, "settings": st, "ppl": ppl,
+                   "ppl_rel": ppl / dense_ppl - 1, "seconds": secs,
+                   "size_ratio": lj.storage_bits(new) / dense_bits,
+                   "weights_bits_per_weight": sum(r.bits_after for r in report.rows) / sum(
+                       r.params_before for r in report.rows)}
+            rows.append(row)
+            print(LTABLE.line(row), flush=True)
+    setup["seconds"] = time.perf_counter() - t0
+    return rows, setup
+
+
+LTABLE = H.Table(
+    H.Col("seed", "seed", width=4), H.Col("variant", "variant", width=16),
+    H.Col("ppl", "ppl", ".3f", 8),
+    H.Col("ppl rel", lambda r: f"{100 * r['ppl_rel']:+.2f}%", width=8),
+    H.Col("bits/weight", "weights_bits_per_weight", ".3f", 11),
+    H.Col("model size", "size_ratio", ".3f", 10), H.Col("s", "seconds", ".0f", 5))
+
+
+def lm_goals(rows: list[dict]) -> dict:
+    by: dict[str, list[float]] = {}
+    for r in rows:
+        by.setdefault(r["variant"], []).append(r["ppl_rel"])
+
+    def text(v):
+        vals = by[v]
+        return (f"mean {100 * np.mean(vals):+.2f}% over {len(vals)} seeds "
+                f"({', '.join(f'{100 * x:+.2f}%' for x in vals)})")
+
+    out = {}
+    out.update(H.goal("LM held-out perplexity, RTN int8 vs dense (relative)",
+                      float(np.mean(by["rtn int8"])), measured=text("rtn int8")))
+    out.update(H.goal("LM held-out perplexity, GPTQ int4 g128 vs dense (relative)",
+                      float(np.mean(by["gptq int4 g128"])), target="<= +2%",
+                      holds=max(by["gptq int4 g128"]) <= 0.02, measured=text("gptq int4 g128")))
+    for g in ("g128", "g32"):
+        better = [a < b for a, b in zip(by[f"gptq int4 {g}"], by[f"rtn int4 {g}"], strict=True)]
+        out.update(H.goal(f"LM perplexity, GPTQ int4 {g} better than RTN int4 {g} (seeds)",
+                          sum(better), target=f"{len(better)} of {len(better)}",
+                          holds=all(better), measured=f"{sum(better)} of {len(better)} seeds; "
+                          f"RTN {text(f'rtn int4 {g}')}; GPTQ {text(f'gptq int4 {g}')}"))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = H.parser(__doc__, quick="d 768 and 2048, 512 tokens, 5 runs")
     p.add_argument("--d", type=int, nargs="+", default=None, help="widths (default 768 1024 2048)")
@@ -289,6 +463,17 @@ def main(argv: list[str] | None = None) -> dict:
                    help="pretraining seeds of the demo model (default 0 1 2)")
     p.add_argument("--demo-samples", type=int, default=64,
                    help="GPTQ calibration windows for the demo model (default 64)")
+    p.add_argument("--lm", action="store_true",
+                   help="also held-out perplexity of a small Llama-style model pretrained on the "
+                        "standard library's source, quantized (--quick: a smaller model)")
+    p.add_argument("--lm-seeds", type=int, nargs="+", default=[0, 1, 2],
+                   help="pretraining seeds of the LM (default 0 1 2)")
+    p.add_argument("--lm-samples", type=int, default=32,
+                   help="GPTQ calibration windows for the LM (default 32)")
+    p.add_argument("--lm-steps", type=int, default=None,
+                   help="LM pretraining steps (default 400; quick 120)")
+    p.add_argument("--no-speed", action="store_true",
+                   help="skip the speed table (run only --quality, --demo or --lm)")
     p.add_argument("--runs", type=int, default=None, help="timed runs (default 15; quick 5)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up runs (default 2; quick 1)")
     args = p.parse_args(argv)
@@ -297,17 +482,20 @@ def main(argv: list[str] | None = None) -> dict:
     runs = args.runs if args.runs is not None else (5 if args.quick else 15)
     warmup = 1 if args.quick else args.warmup
     run = H.Run(__name__, argv, runs=runs, warmup=warmup)
-    print(f"# {run.describe()}; median of {runs} interleaved runs; ratios = median of per-run "
-          "ratios to the float32 Dense leaf (quartiles in brackets); weight-only: dequantized "
-          "to float32 inside the program; leaf MB = bytes of the arrays; err = max |y - y_np| / "
-          "(|x| @ |W_q|); load = CPU share of other processes")
-    print(TABLE.header())
     rows = []
-    for d in dims:
-        for n in tokens:
-            rows.append(bench(d, n, runs=runs, warmup=warmup))
-            print(TABLE.line(rows[-1]), flush=True)
-    result_goals = goals(rows)
+    if args.no_speed:
+        print(f"# {run.describe()}; speed table skipped (--no-speed)")
+    else:
+        print(f"# {run.describe()}; median of {runs} interleaved runs; ratios = median of "
+              "per-run ratios to the float32 Dense leaf (quartiles in brackets); weight-only: "
+              "dequantized to float32 inside the program; leaf MB = bytes of the arrays; err = "
+              "max |y - y_np| / (|x| @ |W_q|); load = CPU share of other processes")
+        print(TABLE.header())
+        for d in dims:
+            for n in tokens:
+                rows.append(bench(d, n, runs=runs, warmup=warmup))
+                print(TABLE.line(rows[-1]), flush=True)
+    result_goals = goals(rows) if rows else {}
     extra = {}
     if args.quality:
         print(f"# quality: random Chronos-Bolt-base-sized model ({args.quality_layers} + "
@@ -346,6 +534,17 @@ def main(argv: list[str] | None = None) -> dict:
         d = demo(args.demo_seeds, args.demo_samples)
         extra["demo_rows"] = d
         result_goals.update(demo_goals(d))
+    if args.lm:
+        size = "quick" if args.quick else "full"
+        print(f"# lm: a Llama-style model ({size} size: {LM_SIZES[size]}) pretrained on the "
+              "standard library's source, attention and MLP projections quantized (tied "
+              "embeddings float32); held-out perplexity relative to the dense model's; "
+              "bits/weight over the quantized projections; model size = storage over the "
+              "dense model's; s = pretraining (dense) or quantization seconds")
+        print(LTABLE.header())
+        lrows, lsetup = lm(args.lm_seeds, args.lm_samples, args.quick, args.lm_steps)
+        extra.update(lm_rows=lrows, lm_setup=lsetup)
+        result_goals.update(lm_goals(lrows))
     return run.finish(args.json, rows=rows, goals=result_goals, **extra)
 
 

@@ -20,14 +20,22 @@ Algorithms (``algorithm``):
   weight's calibration inputs. With ``config=`` in :func:`~lowrank_jax.compress.apply_plan`,
   the inputs are captured through the model's own forward on ``samples`` of the family's
   representative inputs (``data='sample'``, the default: ``sample_inputs``, seeded by
-  ``seed``; or the first batch of a named batch source,
+  ``seed``; or the first batch of ``samples`` rows of a named batch source,
   :func:`lowrank_jax.compress.prune.batch_source`: ``'builtin'`` gives a forecaster windows
-  from the first 70 % of the built-in series, held apart from later data), layer by layer in
-  the order
-  the forward reaches them: the weights of layer ``l`` are quantized from inputs computed with
-  layers ``< l`` already quantized, as in the paper (weights of one layer, ``.../layers/<l>/``,
-  share one pass; a weight outside ``layers/`` is its own stage). Activations given in
-  ``inputs=`` for a path are used instead (and that weight is not captured).
+  from the first 70 % of the built-in series, held apart from later data; a language model
+  takes a source registered with :func:`~lowrank_jax.compress.prune.register_batches` whose
+  batches hold ``input_ids`` of real text (the batch's keys the forward takes are used, so a
+  batch without ``attention_mask`` has no padding); its ``sample_inputs`` are random token
+  ids), layer by layer in the order the forward reaches them: the weights of layer ``l`` are
+  quantized from inputs computed with layers ``< l`` already quantized, as in the paper
+  (weights of one layer, ``.../layers/<l>/``, share one pass; a weight outside ``layers/`` is
+  its own stage). Activations given in ``inputs=`` for a path are used instead (and that
+  weight is not captured).
+
+Embeddings: a tied output embedding (GPT-2's ``wte``, a tied Llama's ``embed``) is the
+embedding table, an array the forward gathers from and multiplies by, not a weight leaf: it
+stays float32 and no rule can select it. An untied output projection (``lm_head``) is a weight
+leaf: it stays float unless a rule selects it.
 
 Composition:
 
@@ -304,7 +312,13 @@ def _forward(config: Any, samples: int, seed: int, data: str = "sample"):
         from lowrank_jax.compress.prune.method import batch_source
 
         batch = batch_source(data)(config, batch_size=samples, seed=seed)(0)
-        inputs = {k: jnp.asarray(batch[k]) for k in inputs}
+        keys = [k for k in inputs if k in batch]  # optional ones (a mask) may be absent
+        if not keys:
+            raise PlanError(f"quantize: the first batch of data={data!r} has none of the inputs "
+                            f"the model's forward takes ({sorted(inputs)}); got "
+                            f"{sorted(batch)}", where="data", expected=sorted(inputs),
+                            actual=sorted(batch))
+        inputs = {k: jnp.asarray(batch[k]) for k in keys}
     if fam.init_state is not None:
         return lambda tree: fam.apply(tree, inputs, config, state=fam.init_state(tree, config),
                                       train=False)
