@@ -536,7 +536,8 @@ def main(argv: list[str] | None = None) -> dict:
         result_goals.update(demo_goals(d))
     if args.lm:
         size = "quick" if args.quick else "full"
-        print(f"# lm: a Llama-style model ({size} size: {LM_SIZES[size]}) pretrained on the "
+        sizes = {**LM_SIZES[size], **({"steps": args.lm_steps} if args.lm_steps else {})}
+        print(f"# lm: a Llama-style model ({size} size: {sizes}) pretrained on the "
               "standard library's source, attention and MLP projections quantized (tied "
               "embeddings float32); held-out perplexity relative to the dense model's; "
               "bits/weight over the quantized projections; model size = storage over the "
