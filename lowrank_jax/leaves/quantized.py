@@ -706,7 +706,37 @@ def _trainable(x: Any) -> Any:
     return x.trainable() if isinstance(x, Leaf) else True
 
 
-class ProductLeaf(Leaf):
+class _TwoParts(Leaf):
+    """What :class:`ProductLeaf` and :class:`SumLeaf` share: two parts ``first`` and
+    ``second`` (weight leaves or arrays) and an optional bias ``b``. Counts are the sums of the
+    parts' plus the bias; training trains both parts and the bias."""
+
+    def param_count(self) -> int:
+        return (_count(self.first, "param_count") + _count(self.second, "param_count")
+                + array_size(self.b))
+
+    def storage_bits(self) -> int:
+        return (_count(self.first, "storage_bits") + _count(self.second, "storage_bits")
+                + array_bits(self.b))
+
+    def flops(self, n_tokens: int) -> int:
+        return _count(self.first, "flops", n_tokens) + _count(self.second, "flops", n_tokens)
+
+    def trainable(self):
+        from lowrank_jax.leaves.channel_masked import rebuild
+
+        return rebuild(self, first=_trainable(self.first), second=_trainable(self.second),
+                       b=None if self.b is None else True)
+
+    @property
+    def bias(self):
+        return self.b
+
+    def with_bias(self, b):
+        return dataclasses.replace(self, b=b)
+
+
+class ProductLeaf(_TwoParts):
     """``W = first @ second`` with both factors weight leaves (or arrays): a low-rank weight
     whose factors are quantized (:class:`Int8`, :class:`Int4`, :class:`FakeQuant`).
 
@@ -745,30 +775,6 @@ class ProductLeaf(Leaf):
     def to_dense(self) -> Array:
         return materialize(self.first) @ materialize(self.second)
 
-    def param_count(self) -> int:
-        return (_count(self.first, "param_count") + _count(self.second, "param_count")
-                + array_size(self.b))
-
-    def storage_bits(self) -> int:
-        return (_count(self.first, "storage_bits") + _count(self.second, "storage_bits")
-                + array_bits(self.b))
-
-    def flops(self, n_tokens: int) -> int:
-        return _count(self.first, "flops", n_tokens) + _count(self.second, "flops", n_tokens)
-
-    def trainable(self) -> "ProductLeaf":
-        from lowrank_jax.leaves.channel_masked import rebuild
-
-        return rebuild(self, first=_trainable(self.first), second=_trainable(self.second),
-                       b=None if self.b is None else True)
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
-
     def keep_inputs(self, idx):
         first = keep_inputs(self.first, idx)
         second = self.second
@@ -794,7 +800,7 @@ class ProductLeaf(Leaf):
 ProductLeaf = leaf_dataclass(ProductLeaf)
 
 
-class SumLeaf(Leaf):
+class SumLeaf(_TwoParts):
     """``W = first + second`` with both parts weight leaves of the same shape: a quantized
     residual plus a low-rank part (``W ~ Q(W - U V) + U V``, CALDERA, arXiv:2405.18886).
 
@@ -826,30 +832,6 @@ class SumLeaf(Leaf):
 
     def to_dense(self) -> Array:
         return materialize(self.first) + materialize(self.second)
-
-    def param_count(self) -> int:
-        return (_count(self.first, "param_count") + _count(self.second, "param_count")
-                + array_size(self.b))
-
-    def storage_bits(self) -> int:
-        return (_count(self.first, "storage_bits") + _count(self.second, "storage_bits")
-                + array_bits(self.b))
-
-    def flops(self, n_tokens: int) -> int:
-        return _count(self.first, "flops", n_tokens) + _count(self.second, "flops", n_tokens)
-
-    def trainable(self) -> "SumLeaf":
-        from lowrank_jax.leaves.channel_masked import rebuild
-
-        return rebuild(self, first=_trainable(self.first), second=_trainable(self.second),
-                       b=None if self.b is None else True)
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
         return SumLeaf(first=keep_inputs(self.first, idx), second=keep_inputs(self.second, idx),
