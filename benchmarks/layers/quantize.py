@@ -319,22 +319,16 @@ def lm(seeds: list[int], samples: int, quick: bool, steps: int | None = None) ->
 
     import optax
 
+    from benchmarks.methods.lm_study import corpus_windows
     from lowrank_jax.compress import Step, apply_plan
     from lowrank_jax.compress.prune import register_batches
     from lowrank_jax.models import LlamaConfig, llama
-    from lowrank_jax.text import encode_texts, stdlib_corpus, token_windows, train_bpe
 
     c = dict(LM_SIZES["quick" if quick else "full"])
     if steps:
         c["steps"] = steps
     t0 = time.perf_counter()
-    corpus = stdlib_corpus()
-    texts = corpus.read("train", max_bytes=c["corpus_bytes"])
-    tok = train_bpe(texts, c["vocab"])
-    train = token_windows(encode_texts(tok, texts), c["seq"] + 1)
-    held = token_windows(encode_texts(tok, corpus.read("held_out", max_bytes=c["corpus_bytes"]
-                                                        // 5)), c["seq"] + 1)
-    held = held[:c["eval_windows"]]
+    corpus, train, held = corpus_windows(c)
     cfg = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["d_model"],
                       intermediate_size=c["d_ff"], num_hidden_layers=c["layers"],
                       num_attention_heads=c["heads"], num_key_value_heads=c["kv_heads"],

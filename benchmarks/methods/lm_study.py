@@ -71,6 +71,22 @@ def attention_params(params) -> int:
     return int(sum(param_count(s.node) for s in select(params, (ATTN,))))
 
 
+def corpus_windows(c: dict):
+    """The standard library's source as token windows of ``c["seq"] + 1`` tokens: a byte-level
+    BPE of ``c["vocab"]`` tokens trained on ``c["corpus_bytes"]`` of the training files, the
+    training windows, and the first ``c["eval_windows"]`` windows of a fifth as many bytes of
+    the held-out files. Returns ``(corpus, train, held)``."""
+    from lowrank_jax.text import encode_texts, stdlib_corpus, token_windows, train_bpe
+
+    corpus = stdlib_corpus()
+    texts = corpus.read("train", max_bytes=c["corpus_bytes"])
+    tok = train_bpe(texts, c["vocab"])
+    train = token_windows(encode_texts(tok, texts), c["seq"] + 1)
+    held = token_windows(encode_texts(tok, corpus.read("held_out", max_bytes=c["corpus_bytes"]
+                                                        // 5)), c["seq"] + 1)
+    return corpus, train, held[:c["eval_windows"]]
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = H.parser(__doc__, quick="d_model 64, 2 layers, vocabulary 1024, 150 steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -90,16 +106,8 @@ def main(argv: list[str] | None = None) -> dict:
     from lowrank_jax.compress.prune import register_batches
     from lowrank_jax.leaves import param_count
     from lowrank_jax.models import LlamaConfig, llama
-    from lowrank_jax.text import encode_texts, stdlib_corpus, token_windows, train_bpe
-
     t_start = time.perf_counter()
-    corpus = stdlib_corpus()
-    texts = corpus.read("train", max_bytes=c["corpus_bytes"])
-    tok = train_bpe(texts, c["vocab"])
-    train = token_windows(encode_texts(tok, texts), c["seq"] + 1)
-    held = token_windows(encode_texts(tok, corpus.read("held_out", max_bytes=c["corpus_bytes"]
-                                                        // 5)), c["seq"] + 1)
-    held = held[:c["eval_windows"]]
+    corpus, train, held = corpus_windows(c)
     cfg = LlamaConfig(vocab_size=c["vocab"], hidden_size=c["d_model"],
                       intermediate_size=c["d_ff"], num_hidden_layers=c["layers"],
                       num_attention_heads=c["heads"], num_key_value_heads=c["heads"],
