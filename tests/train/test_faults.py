@@ -30,7 +30,7 @@ CONFIG = {
               "checkpoint_every": 2, "keep": 2},
 }
 SEED = 20240611
-N_KILLS = 5
+N_KILLS = 3
 
 
 def _write_inputs(tmp_path):
