@@ -27,10 +27,12 @@ with the next-token loss.
    the next-token loss on further training batches;
 6. held-out perplexity before pruning, after pruning and after fine-tuning.
 
-A Hugging Face config has one head count and one ``intermediate_size`` for all layers: the
-report says whether ``lowrank-jax export`` of the result will be physically smaller (every
-layer kept the same counts, and the config can say so) or zero-padded to the config's widths
-(exact, but as large as the original), and which blocks are padded.
+A Hugging Face config has one head count and one MLP width (Llama's ``intermediate_size``,
+GPT-2's ``n_inner``) for all layers: the report says whether ``lowrank-jax export`` of the
+result will be physically smaller (every layer kept the same counts, and the config can say
+so) or zero-padded to the config's widths (exact, but as large as the original there), and
+which blocks are padded. GPT-2's pruned heads are always zero-padded (its head width is
+``n_embd / n_head``); its MLPs are written smaller when they kept equal widths.
 """
 
 from __future__ import annotations
@@ -510,13 +512,14 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
     with status.phase("checking what the Hugging Face export will be"):
         form = export_form(cfg, final)
     report["export"] = form
+    sizes = ", ".join(f"{k} {v}" for k, v in form["config"].items())
     if form["physically_smaller"]:
-        sizes = ", ".join(f"{k} {v}" for k, v in form["config"].items())
         text_lines.append("lowrank-jax export will write a physically smaller model"
                           + (f" (config: {sizes})" if sizes else ""))
     else:
         text_lines.append("lowrank-jax export will zero-pad these blocks to the config's widths "
-                          "(exact, but not smaller): " + ", ".join(form["zero_padded"]))
+                          "(exact, but not smaller there): " + ", ".join(form["zero_padded"])
+                          + (f"; smaller elsewhere (config: {sizes})" if sizes else ""))
     if out:
         from lowrank_jax.io import save_model
         from lowrank_jax.recipes import outputs
