@@ -7,8 +7,8 @@ import json
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("torch")
+pytest.importorskip("transformers")
 pytest.importorskip("tokenizers")
 
 from lowrank_jax.cli.main import main  # noqa: E402
@@ -26,20 +26,15 @@ def tok():
     return train_bpe(stdlib_corpus().read("train", max_bytes=100_000), 300)
 
 
-def _llama(d):
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=24, intermediate_size=20,
-                                   num_hidden_layers=2, num_attention_heads=6,
-                                   num_key_value_heads=2, head_dim=6, max_position_embeddings=32)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
+def _llama(lm, d, tok=None):
+    return lm.saved_lm(d, "llama", tokenizer=tok, vocab_size=300, hidden_size=24,
+                       intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,
+                       num_key_value_heads=2, head_dim=6, max_position_embeddings=32)
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, tok):
-    d = _llama(tmp_path_factory.mktemp("llama"))
-    tok.save(str(d / "tokenizer.json"))
-    return d
+def llama_dir(tmp_path_factory, tok, lm):
+    return _llama(lm, tmp_path_factory.mktemp("llama"), tok)
 
 
 def test_pruning_candidates_measured_on_the_directorys_text(llama_dir, tok, tmp_path, capsys):
@@ -67,8 +62,8 @@ def test_pruning_candidates_measured_on_the_directorys_text(llama_dir, tok, tmp_
     assert pieces and all(p in train for p in pieces)
 
 
-def test_without_a_tokenizer_the_pruning_candidates_are_skipped_saying_how(tmp_path, capsys):
-    d = _llama(tmp_path / "llama")
+def test_without_a_tokenizer_the_pruning_candidates_are_skipped_saying_how(tmp_path, capsys, lm):
+    d = _llama(lm, tmp_path / "llama")
     report = tmp_path / "r.json"
     assert main(["frontier", str(d), *FAST, "--json", str(report)]) == 0
     err = capsys.readouterr().err
@@ -79,10 +74,10 @@ def test_without_a_tokenizer_the_pruning_candidates_are_skipped_saying_how(tmp_p
     assert not any(row["name"].startswith("prune") for row in r["rows"])
 
 
-def test_text_options_refused_where_they_do_not_apply(tmp_path, capsys, llama_dir):
+def test_text_options_refused_where_they_do_not_apply(tmp_path, capsys, llama_dir, lm):
     assert main(["frontier", str(llama_dir), "--tokenizer", str(tmp_path / "none.json"),
                  *FAST]) == 2
     assert "--tokenizer" in capsys.readouterr().err
-    d = _llama(tmp_path / "bare")
+    d = _llama(lm, tmp_path / "bare")
     assert main(["frontier", str(d), "--text", str(llama_dir / "config.json"), *FAST]) == 2
     assert "no tokenizer at" in capsys.readouterr().err

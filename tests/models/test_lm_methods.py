@@ -30,23 +30,17 @@ DATA = {"data": "lm_test_tokens", "batch_size": 4, "steps": 2}
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=41, hidden_size=24, intermediate_size=20,
-                                   num_hidden_layers=2, num_attention_heads=6,
-                                   num_key_value_heads=2, head_dim=6, attention_bias=True)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
+def llama(tmp_path_factory, lm):
+    return lm.saved_lm(tmp_path_factory.mktemp("llama"), "llama", seed=0, vocab_size=41,
+                       hidden_size=24, intermediate_size=20, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=6,
+                       attention_bias=True)
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpt2")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=41, n_positions=16, n_embd=24, n_layer=2, n_head=4)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
-    return d
+def gpt2_dir(tmp_path_factory, lm):
+    return lm.saved_lm(tmp_path_factory.mktemp("gpt2"), "gpt2", seed=0, vocab_size=41,
+                       n_positions=16, n_embd=24, n_layer=2, n_head=4)
 
 
 def _inputs(vocab):
