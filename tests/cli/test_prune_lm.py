@@ -27,26 +27,17 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, tok):
-    d = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=24, intermediate_size=20,
-                                   num_hidden_layers=2, num_attention_heads=6,
-                                   num_key_value_heads=2, head_dim=6, attention_bias=True)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    return d
+def llama_dir(tmp_path_factory, tok, lm):
+    return lm.saved_lm(tmp_path_factory.mktemp("llama"), "llama", seed=0, tokenizer=tok,
+                       vocab_size=300, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=6,
+                       attention_bias=True)
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory, tok):
-    d = tmp_path_factory.mktemp("gpt2")
-    torch.manual_seed(1)
-    cfg = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=24, n_layer=2,
-                                  n_head=4)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    return d
+def gpt2_dir(tmp_path_factory, tok, lm):
+    return lm.saved_lm(tmp_path_factory.mktemp("gpt2"), "gpt2", seed=1, tokenizer=tok,
+                       vocab_size=300, n_positions=32, n_embd=24, n_layer=2, n_head=4)
 
 
 @pytest.fixture(scope="module")
