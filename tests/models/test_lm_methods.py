@@ -147,6 +147,34 @@ def test_gpt2_irregular_attention_and_head_pruning_export(gpt2_dir, tmp_path):
     assert summary["widened"]  # GPT-2's head width is n_embd / n_head: heads are zero-padded
 
 
+@pytest.mark.parametrize("layers", [[0], [0, 1]])
+def test_gpt2_mlp_pruning_exports_smaller_when_equal_else_padded(gpt2_dir, tmp_path, layers):
+    """A quarter of the MLP channels of each of ``layers`` removed: equal widths are written
+    smaller (``n_inner``), unequal ones zero-padded."""
+    from lowrank_jax.compress.prune import add_channel_masks, remove_masked
+    from lowrank_jax.leaves import with_channel_masks
+
+    cfg, params = load_pretrained(gpt2_dir)
+    rng, masks = np.random.default_rng(3), {}
+    for i in layers:  # 24 random hidden channels of 96 switched off, then removed
+        hid = np.ones(96, np.float32)
+        hid[rng.choice(96, 24, replace=False)] = 0.0
+        masks[f"layers/{i}/mlp/wi"] = (np.ones(24, np.float32), hid)
+        masks[f"layers/{i}/mlp/wo"] = (hid, np.ones(24, np.float32))
+    masked = with_channel_masks(add_channel_masks(params, [r"mlp/(wi|wo)$"]), masks)
+    small = remove_masked(masked, config=cfg)
+    widths = [int(materialize(lp["mlp"]["wo"]).shape[0]) for lp in small["layers"]]
+    summary, model = _exported_matches(cfg, small, tmp_path / "out",
+                                       transformers.GPT2LMHeadModel)
+    if layers == [0, 1]:  # the config's n_inner is the kept width
+        assert widths == [72, 72] and summary["widened"] == []
+        assert model.config.n_inner == widths[0]
+        assert tuple(model.transformer.h[1].mlp.c_proj.weight.shape) == (widths[0], 24)
+    else:  # one n_inner for all layers: the narrower MLP is zero-padded, and said so
+        assert widths == [72, 96] and model.config.n_inner is None
+        assert summary["widened"] == ["layers/0/mlp"]
+
+
 def test_query_key_methods_refuse_rotary_blocks(llama):
     cfg, params = load_pretrained(llama)
     with pytest.raises(PlanError, match="matches no"):
