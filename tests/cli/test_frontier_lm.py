@@ -81,3 +81,15 @@ def test_text_options_refused_where_they_do_not_apply(tmp_path, capsys, llama_di
     d = _llama(lm, tmp_path / "bare")
     assert main(["frontier", str(d), "--text", str(llama_dir / "config.json"), *FAST]) == 2
     assert "no tokenizer at" in capsys.readouterr().err
+    # a model that is not a language model
+    import jax
+
+    from lowrank_jax.io import save_model
+    from lowrank_jax.models import T5Config, t5
+
+    cfg = T5Config(vocab_size=16, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_decoder_layers=1,
+                   num_heads=2, feed_forward_proj="relu")
+    save_model(tmp_path / "t5", cfg, t5.init(jax.random.PRNGKey(0), cfg))
+    assert main(["frontier", str(tmp_path / "t5"), "--tokenizer", str(llama_dir), *FAST]) == 2
+    err = capsys.readouterr().err
+    assert "--tokenizer is for decoder-only language models; 't5' is not one" in err
