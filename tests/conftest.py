@@ -117,6 +117,19 @@ def joint_qk():
     return JointQK
 
 
+@pytest.fixture(scope="session")
+def lm():
+    """``tests/lm_builders.py``: tiny random GPT-2 / Llama-style models built with transformers
+    (test modules are imported apart, so it comes as a fixture)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lm_builders.py")
+    spec = importlib.util.spec_from_file_location("lowrank_jax_tests_lm_builders", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # ---------------------------------------------------------------------------------------------
 # The leaf rule, checked in every test.
 #

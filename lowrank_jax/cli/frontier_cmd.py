@@ -6,7 +6,10 @@ measured time and zero-shot accuracy on held-out data, relative to the dense mod
 markdown table (``S`` / ``T``: on the size / time Pareto frontier; ``best``: the
 recommendation within ``--budget``), writes ``--json`` and draws ``--plots``. ``MODEL`` is a
 lowrank_jax model checkpoint, a Hugging Face directory, or ``demo``: the demo's dense
-Chronos-Bolt, pretrained once and cached under ``--cache``.
+Chronos-Bolt, pretrained once and cached under ``--cache``. A GPT-2 or Llama-style ``MODEL`` is
+evaluated on held-out windows of text (``--text``, default the standard library's source)
+tokenized with ``--tokenizer`` (default ``MODEL/tokenizer.json``), and its pruning candidates
+are scored on training windows of the same text; without a tokenizer they are skipped.
 """
 
 from __future__ import annotations
@@ -31,6 +34,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="held-out data: 'builtin' (forecasters: the real series shipped with "
                         "aeon; other models: the family's representative inputs) or, for "
                         "forecasters, an ETT-style CSV file (date column, one column per series)")
+    p.add_argument("--text",
+                   help="language models: a text file or a directory of text files for the "
+                        "held-out windows and the pruning candidates' batches (default: the "
+                        "Python standard library's source)")
+    p.add_argument("--tokenizer",
+                   help="language models: a tokenizer.json, or a directory holding one (default: "
+                        "MODEL/tokenizer.json; without one the pruning candidates are skipped)")
     p.add_argument("--budget", type=float, default=0.5,
                    help="ratio to the dense model in (0, 1]: the best candidate whose size ratio "
                         "(and separately whose time ratio) is at most this is recommended "
@@ -67,6 +77,9 @@ def _inputs(args) -> dict:
     inputs = {} if args.params == DEMO else {"MODEL": args.params}
     if args.data != "builtin":
         inputs["--data"] = args.data
+    for flag, path in (("--text", args.text), ("--tokenizer", args.tokenizer)):
+        if path is not None:
+            inputs[flag] = path
     return inputs
 
 
@@ -105,6 +118,9 @@ def _check(args) -> None:
     if args.data != "builtin" and not os.path.isfile(args.data):
         raise MissingFileError(f"--data {args.data}: no such CSV file (or 'builtin' for the "
                                "series shipped with aeon)", where="--data")
+    for flag, path in (("--text", args.text), ("--tokenizer", args.tokenizer)):
+        if path is not None and not os.path.exists(path):
+            raise MissingFileError(f"{flag} {path}: no such file or directory", where=flag)
     inputs = _inputs(args)
     if args.params == DEMO:  # the model is pretrained, then cached: the cache must be writable
         from lowrank_jax.io import is_checkpoint
@@ -127,7 +143,8 @@ def run(args) -> int:
         args.params, data=args.data, budget=args.budget, quick=args.quick,
         methods=args.methods, time_runs=args.time_runs, max_windows=args.max_windows,
         seed=args.seed, family=args.family, cache=args.cache, plots=args.plots,
-        overwrite=args.overwrite, status=Status("frontier", bars=not args.no_progress))
+        overwrite=args.overwrite, text=args.text, tokenizer=args.tokenizer,
+        status=Status("frontier", bars=not args.no_progress))
     outcome["command_args"] = {k: v for k, v in vars(args).items() if k != "func"}
     return common.finish(outcome, args.json, command="frontier", inputs=_inputs(args),
                          outputs_=(args.plots,))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lowrank_jax.errors import CheckpointError, ConfigError, DataError
-from lowrank_jax.leaves import init_dense, linear
+from lowrank_jax.leaves import init_dense, linear, weight_shape
 from lowrank_jax.models import causal
 from lowrank_jax.models.family import ModelFamily, register_family
 from lowrank_jax.models.hf import (
@@ -382,10 +382,28 @@ def config_from_hf(hf_config: dict, state) -> GPT2Config:
     return GPT2Config.from_hf_dict(dict(hf_config))
 
 
+def prepare_export(cfg: GPT2Config, params: dict) -> tuple[GPT2Config, dict, list[str]]:
+    """The config and params of a Hugging Face export (``HFSpec.prepare_export``).
+
+    A GPT-2 config has one MLP width, ``n_inner``, for all layers: when every layer's MLP kept
+    the same number of hidden channels, the config gets that ``n_inner`` and the export is
+    physically smaller. Otherwise the export zero-pads the narrower MLPs to the config's width
+    (exact; the export summary's ``widened`` lists them). Attention heads are always
+    zero-padded: ``GPT2Attention`` takes its head width as ``n_embd / n_head`` and its fused
+    ``c_attn`` as ``[n_embd, 3 n_embd]``, so fewer heads cannot be written without changing
+    the residual width ``n_embd``.
+    """
+    widths = {weight_shape(lp["mlp"]["wo"])[0] for lp in params["layers"]}
+    if len(widths) == 1 and widths != {cfg.d_ff}:
+        cfg = dataclasses.replace(cfg, n_inner=int(widths.pop()))
+    return cfg, params, []
+
+
 HF_SPEC = HFSpec(detect=detect_hf, config_from_hf=config_from_hf,
                  config_to_hf=lambda cfg: cfg.to_hf_dict(), key_table=hf_key_table,
                  optional=hf_optional_keys, rename=rename_hf_key,
-                 from_checkpoint=split_checkpoint, to_checkpoint=fuse_checkpoint)
+                 from_checkpoint=split_checkpoint, to_checkpoint=fuse_checkpoint,
+                 prepare_export=prepare_export)
 
 FAMILY = register_family(ModelFamily(
     name="gpt2", config_cls=GPT2Config, init=init, apply=apply, sample_inputs=sample_inputs,
@@ -394,4 +412,4 @@ FAMILY = register_family(ModelFamily(
 
 
 __all__ = ["FAMILY", "GPT2Config", "apply", "apply_cached", "fuse_checkpoint", "init",
-           "init_cache", "loss", "sample_inputs", "split_checkpoint"]
+           "init_cache", "loss", "prepare_export", "sample_inputs", "split_checkpoint"]

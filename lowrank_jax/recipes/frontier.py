@@ -11,7 +11,13 @@ held-out data (:func:`lowrank_jax.compress.frontier.frontier`):
   or an ETT-style CSV file), geometric means over datasets relative to the dense model;
 * classifiers (logits ``[batch, classes]``): top-1 agreement with the dense model on the
   family's representative inputs (no labelled data is built in);
-* other models: relative error of the primary output against the dense model.
+* other models: relative error of the primary output against the dense model; a decoder-only
+  language model (GPT-2, Llama-style) with a ``tokenizer.json`` in its directory (or given as
+  ``tokenizer``) is evaluated on held-out windows of real text (the standard library's source,
+  or ``text``), and its pruning candidates (``prune``, ``prune_heads``) are scored on the
+  training windows of the same text (:func:`lowrank_jax.recipes.prune_lm.model_text`). Without
+  a tokenizer it has no text: it is evaluated on its representative inputs (random token ids)
+  and its pruning candidates are skipped, saying how to give text.
 
 Results are zero-shot: no candidate is fine-tuned. The result has a markdown table (``S`` /
 ``T``: on the size / time Pareto frontier; ``best``: the recommendation, the best candidate
@@ -210,6 +216,47 @@ def other_data(cfg, params, *, seed: int, batch: int = 32):
     return OutputData(inputs, desc)
 
 
+#: The batch source of a language model's training text (its pruning candidates).
+TEXT_BATCHES = "lowrank-jax frontier: text"
+#: Held-out text windows a language model is evaluated on.
+TEXT_WINDOWS = 32
+
+
+def language_model_data(cfg, params, model: str | None, *, text: str | None,
+                        tokenizer: str | None, seed: int, status: Progress):
+    """``(held-out data, prune_data)`` of a decoder-only language model.
+
+    With a tokenizer (``tokenizer``, or ``tokenizer.json`` in the directory ``model``): an
+    :class:`~lowrank_jax.compress.frontier.OutputData` of :data:`TEXT_WINDOWS` held-out windows
+    of the text (the standard library's held-out files, or the last tenth of ``text``) and the
+    name of a batch source of its training windows (:data:`TEXT_BATCHES`), as ``lowrank-jax
+    prune`` reads them (:func:`lowrank_jax.recipes.prune_lm.model_text`). Without one (and
+    without ``text``): :func:`other_data` and ``'builtin'`` (the pruning candidates are then
+    skipped, and the frontier's report says why), after a one-line message saying how to pass
+    text.
+
+    Raises:
+      MissingFileError: ``tokenizer`` or ``text`` given, but no tokenizer found.
+    """
+    from lowrank_jax.compress.frontier import OutputData
+    from lowrank_jax.compress.prune import register_batches
+    from lowrank_jax.recipes import prune_lm
+
+    if tokenizer is None and text is None and prune_lm.tokenizer_file(None, model) is None:
+        status.say(f"no tokenizer.json in {model}: evaluating on random token ids and skipping "
+                   "the pruning candidates; pass --tokenizer tokenizer.json (and --text FILE|DIR, "
+                   "default the standard library's source) to use real text")
+        return other_data(cfg, params, seed=seed), "builtin"
+    with status.phase("reading and tokenizing the text"):
+        train, held, info = prune_lm.model_text(cfg, model, text=text, tokenizer=tokenizer,
+                                                command="frontier")
+    register_batches(TEXT_BATCHES, prune_lm.text_batches(train))
+    held = held[:TEXT_WINDOWS]
+    desc = (f"{len(held)} held-out windows of {held.shape[1]} tokens of {info['source']} "
+            f"(tokenizer {info['tokenizer']}); pruning scored on {len(train)} training windows")
+    return OutputData({"input_ids": held}, desc), TEXT_BATCHES
+
+
 # ---------------------------------------------------------------------------------------------
 # The workflow.
 
@@ -224,6 +271,7 @@ def run_frontier(model: str, *, data: str = "builtin", budget: float = 0.5, quic
                  methods: list[str] | None = None, time_runs: int | None = None,
                  max_windows: int = 1024, seed: int = 0, family: str | None = None,
                  cache: str | None = None, plots: str | None = None, overwrite: bool = False,
+                 text: str | None = None, tokenizer: str | None = None,
                  status: Progress | None = None) -> Outcome:
     """Measure every applicable compression of a model (module docstring).
 
@@ -246,6 +294,11 @@ def run_frontier(model: str, *, data: str = "builtin", budget: float = 0.5, quic
       cache: ``model='demo'``: directory of the cached pretrained model (:func:`cache_dir`).
       plots: draw the frontier plots (:data:`PLOTS`) into this directory.
       overwrite: replace ``plots`` if lowrank-jax wrote it.
+      text: language models: a text file or a directory of text files (default: the standard
+        library's source) for the held-out windows and the pruning candidates' batches.
+      tokenizer: language models: a ``tokenizer.json`` or a directory holding one (default:
+        the model directory's, when it has one; without one the model is evaluated on random
+        token ids and its pruning candidates are skipped: :func:`language_model_data`).
       status: progress reporting (default: status lines on stderr; one line per candidate).
 
     Returns:
@@ -273,8 +326,15 @@ def run_frontier(model: str, *, data: str = "builtin", budget: float = 0.5, quic
                               "frontier runs the model (a model checkpoint or a Hugging Face "
                               "directory)", where="MODEL", expected="a model checkpoint",
                               actual="parameters only")
+    from lowrank_jax.recipes.prune_lm import is_language_model
+
     fam = family_of(cfg)
     prune_data = "builtin"
+    language = fam.forecast is None and is_language_model(cfg)
+    if (text is not None or tokenizer is not None) and not language:
+        flag = "--text" if text is not None else "--tokenizer"
+        raise ConfigError(f"{flag} is for decoder-only language models; {fam.name!r} is not one",
+                          where=flag, expected="a language model", actual=fam.name)
     if fam.forecast is not None:
         held, wcfg = forecast_data(cfg, data, max_windows=max_windows, status=status)
         if data != "builtin" and fam.batch_from_windows is not None:
@@ -285,7 +345,12 @@ def run_frontier(model: str, *, data: str = "builtin", budget: float = 0.5, quic
                               f"{fam.name!r} is evaluated on its representative inputs "
                               "(--data builtin)", where="--data", expected="builtin",
                               actual=data)
-        held = other_data(cfg, params, seed=seed)
+        if language:
+            held, prune_data = language_model_data(
+                cfg, params, None if model == DEMO else model, text=text, tokenizer=tokenizer,
+                seed=seed, status=status)
+        else:
+            held = other_data(cfg, params, seed=seed)
     status.say(f"measuring every candidate on {held.description} (compile, evaluate, time "
                "against the dense model)")
     result = frontier(cfg, params, held, budget=budget, quick=quick,
@@ -331,5 +396,6 @@ def run_frontier(model: str, *, data: str = "builtin", budget: float = 0.5, quic
     return report
 
 
-__all__ = ["DEMO", "PLOTS", "SPLITS", "cache_dir", "cached_model_path", "demo_model",
-           "forecast_data", "other_data", "register_csv_batches", "run_frontier"]
+__all__ = ["DEMO", "PLOTS", "SPLITS", "TEXT_BATCHES", "TEXT_WINDOWS", "cache_dir",
+           "cached_model_path", "demo_model", "forecast_data", "language_model_data",
+           "other_data", "register_csv_batches", "run_frontier"]

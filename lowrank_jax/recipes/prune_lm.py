@@ -27,10 +27,12 @@ with the next-token loss.
    the next-token loss on further training batches;
 6. held-out perplexity before pruning, after pruning and after fine-tuning.
 
-A Hugging Face config has one head count and one ``intermediate_size`` for all layers: the
-report says whether ``lowrank-jax export`` of the result will be physically smaller (every
-layer kept the same counts, and the config can say so) or zero-padded to the config's widths
-(exact, but as large as the original), and which blocks are padded.
+A Hugging Face config has one head count and one MLP width (Llama's ``intermediate_size``,
+GPT-2's ``n_inner``) for all layers: the report says whether ``lowrank-jax export`` of the
+result will be physically smaller (every layer kept the same counts, and the config can say
+so) or zero-padded to the config's widths (exact, but as large as the original there), and
+which blocks are padded. GPT-2's pruned heads are always zero-padded (its head width is
+``n_embd / n_head``); its MLPs are written smaller when they kept equal widths.
 """
 
 from __future__ import annotations
@@ -136,6 +138,79 @@ def text_windows(tokenizer, *, text: str | None, seq_len: int, vocab_size: int,
     info.update(train_windows=int(len(train)), held_out_windows=int(len(held)),
                 seq_len=int(seq_len))
     return train, held, info
+
+
+def tokenizer_file(tokenizer: str | None, model: str | None) -> str | None:
+    """The ``tokenizer.json`` a language model's text is tokenized with: ``tokenizer`` (a file,
+    or a directory holding ``tokenizer.json``) or, without it, the one in the model directory
+    ``model``; ``None`` when that file does not exist."""
+    from lowrank_jax.recipes.generate import TOKENIZER_NAME
+
+    where = tokenizer if tokenizer is not None else model
+    if where is None:
+        return None
+    file = os.path.join(where, TOKENIZER_NAME) if os.path.isdir(where) else where
+    return file if os.path.isfile(file) else None
+
+
+def default_seq_len(config, seq_len: int | None = None) -> int:
+    """``seq_len``, or 128 tokens (at most the model's longest sequence) without it.
+
+    Raises:
+      ConfigError: ``seq_len`` longer than the model's longest sequence.
+    """
+    limit = max_positions(config)
+    seq = seq_len or min(128, limit or 128)
+    if limit is not None and seq > limit:
+        raise ConfigError(f"--seq-len {seq} exceeds the model's longest sequence {limit}",
+                          where="--seq-len", expected=f"<= {limit}", actual=seq)
+    return seq
+
+
+def model_text(config, model: str | None, *, text: str | None = None,
+               tokenizer: str | None = None, seq_len: int | None = None,
+               max_bytes: int = 200_000, command: str = "prune"):
+    """``(train windows, held-out windows, description)`` of a language model's text: the
+    standard library's source (or ``text``) tokenized with ``tokenizer`` or the model
+    directory's ``tokenizer.json`` (:func:`tokenizer_file`), cut into windows of
+    :func:`default_seq_len` tokens (:func:`text_windows`).
+
+    Args:
+      config: the model's config.
+      model: the model directory (where ``tokenizer.json`` is looked for without
+        ``tokenizer``), or ``None``.
+      text, tokenizer, seq_len: as ``lowrank-jax prune``'s ``--text``, ``--tokenizer``,
+        ``--seq-len``.
+      max_bytes: at most about this many characters of text per part.
+      command: the command named in errors.
+
+    Raises:
+      ConfigError: ``seq_len`` too long; MissingFileError: no tokenizer; DataError: as
+        :func:`text_windows`.
+    """
+    from lowrank_jax.recipes.generate import TOKENIZER_NAME, load_tokenizer
+
+    seq = default_seq_len(config, seq_len)
+    file = tokenizer_file(tokenizer, model)
+    if file is None:
+        where = tokenizer if tokenizer is not None else os.path.join(str(model), TOKENIZER_NAME)
+        raise MissingFileError(f"{command}: no tokenizer at {where}; pass --tokenizer with a "
+                               "tokenizer.json (or a directory holding one)", where="--tokenizer")
+    train, held, info = text_windows(load_tokenizer(file), text=text, seq_len=seq,
+                                     vocab_size=int(config.vocab_size), max_bytes=max_bytes)
+    info["tokenizer"] = os.path.abspath(file)
+    return train, held, info
+
+
+def text_batches(windows: np.ndarray):
+    """A batch source of token windows for
+    :func:`lowrank_jax.compress.prune.register_batches`: ``make(config, *, batch_size, seed)``
+    whose batch ``j`` is ``{'input_ids': [batch_size, seq_len]}``, a deterministic draw of
+    ``windows`` from ``(seed, j)``."""
+    def make(config, *, batch_size, seed=0):
+        return _Windows(windows, batch_size, seed).batch
+
+    return make
 
 
 class _Windows:
@@ -310,7 +385,6 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
     )
     from lowrank_jax.leaves import get_path, weight_shape, with_channel_masks
     from lowrank_jax.models import apply, family_of
-    from lowrank_jax.recipes.generate import TOKENIZER_NAME, load_tokenizer
     from lowrank_jax.train import default_optimizer, fit, full_params
 
     cfg, params = src.config, src.params
@@ -324,26 +398,14 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
         raise ConfigError("prune: give what to remove from the language model: --heads, "
                           "--kv-groups and/or --mlp (fractions)", where="--heads",
                           expected="a fraction > 0", actual=0)
-    limit = max_positions(cfg)
-    seq = seq_len or min(128, limit or 128)
-    if limit is not None and seq > limit:
-        raise ConfigError(f"--seq-len {seq} exceeds the model's longest sequence {limit}",
-                          where="--seq-len", expected=f"<= {limit}", actual=seq)
-    where = tokenizer if tokenizer is not None else src.path
-    file = os.path.join(where, TOKENIZER_NAME) if os.path.isdir(where) else where
-    if not os.path.isfile(file):
-        raise MissingFileError(f"prune: no tokenizer at {file}; pass --tokenizer with a "
-                               "tokenizer.json (or a directory holding one)", where="--tokenizer")
-    tok = load_tokenizer(file)
+    seq = default_seq_len(cfg, seq_len)
     need = (prune_steps + finetune_steps + eval_batches) * batch_size * seq
     with status.phase("reading and tokenizing the text"):
-        train, held, text_info = text_windows(tok, text=text, seq_len=seq,
-                                              vocab_size=int(cfg.vocab_size),
-                                              max_bytes=max(200_000, 8 * need))
+        train, held, text_info = model_text(cfg, src.path, text=text, tokenizer=tokenizer,
+                                            seq_len=seq, max_bytes=max(200_000, 8 * need))
     held = held[:eval_batches * batch_size]
     windows = _Windows(train, batch_size, seed)
-    register_batches(BATCHES, lambda config, *, batch_size, seed: _Windows(
-        train, batch_size, seed).batch)
+    register_batches(BATCHES, text_batches(train))
     loss_fn = fam.loss(cfg)
     loss_jit = jax.jit(lambda p, b: loss_fn(p, b, None)[0])
 
@@ -450,13 +512,14 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
     with status.phase("checking what the Hugging Face export will be"):
         form = export_form(cfg, final)
     report["export"] = form
+    sizes = ", ".join(f"{k} {v}" for k, v in form["config"].items())
     if form["physically_smaller"]:
-        sizes = ", ".join(f"{k} {v}" for k, v in form["config"].items())
         text_lines.append("lowrank-jax export will write a physically smaller model"
                           + (f" (config: {sizes})" if sizes else ""))
     else:
         text_lines.append("lowrank-jax export will zero-pad these blocks to the config's widths "
-                          "(exact, but not smaller): " + ", ".join(form["zero_padded"]))
+                          "(exact, but not smaller there): " + ", ".join(form["zero_padded"])
+                          + (f"; smaller elsewhere (config: {sizes})" if sizes else ""))
     if out:
         from lowrank_jax.io import save_model
         from lowrank_jax.recipes import outputs
@@ -470,5 +533,6 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
     return report
 
 
-__all__ = ["BATCHES", "HELD_OUT", "MLP_RULES", "export_form", "is_language_model",
-           "max_positions", "prune_language_model", "text_windows"]
+__all__ = ["BATCHES", "HELD_OUT", "MLP_RULES", "default_seq_len", "export_form",
+           "is_language_model", "max_positions", "model_text", "prune_language_model",
+           "text_batches", "text_windows", "tokenizer_file"]

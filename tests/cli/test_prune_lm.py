@@ -27,26 +27,17 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory, tok):
-    d = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=24, intermediate_size=20,
-                                   num_hidden_layers=2, num_attention_heads=6,
-                                   num_key_value_heads=2, head_dim=6, attention_bias=True)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    return d
+def llama_dir(tmp_path_factory, tok, lm):
+    return lm.saved_lm(tmp_path_factory.mktemp("llama"), "llama", seed=0, tokenizer=tok,
+                       vocab_size=300, hidden_size=24, intermediate_size=20, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=6,
+                       attention_bias=True)
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory, tok):
-    d = tmp_path_factory.mktemp("gpt2")
-    torch.manual_seed(1)
-    cfg = transformers.GPT2Config(vocab_size=300, n_positions=32, n_embd=24, n_layer=2,
-                                  n_head=4)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
-    tok.save(str(d / "tokenizer.json"))
-    return d
+def gpt2_dir(tmp_path_factory, tok, lm):
+    return lm.saved_lm(tmp_path_factory.mktemp("gpt2"), "gpt2", seed=1, tokenizer=tok,
+                       vocab_size=300, n_positions=32, n_embd=24, n_layer=2, n_head=4)
 
 
 @pytest.fixture(scope="module")
@@ -164,6 +155,26 @@ def test_gpt2_heads_and_mlp_on_a_text_file(gpt2_dir, tok, text_file, tmp_path):
     assert r["perplexity"]["before"] == pytest.approx(np.exp(loss), rel=1e-4)
     assert (r["text"]["held_out_windows"], r["text"]["train_windows"]) == (
         n_held, len(windows) - n_held)
+
+
+@pytest.mark.parametrize("heads", [0.0, 0.5])
+def test_gpt2_equal_mlp_widths_export_smaller(gpt2_dir, tok, tmp_path, heads):
+    """Every layer keeps floor-equal MLP widths: the export's n_inner is the kept width (GPT-2's
+    heads, when pruned, stay zero-padded: its head width is n_embd / n_head)."""
+    report = tmp_path / "r.json"
+    assert main(["prune", str(gpt2_dir), "--heads", str(heads), "--mlp", "0.25", "--mlp-equal",
+                 *FAST, "--out", str(tmp_path / "ck"), "--json", str(report)]) == 0
+    r = json.loads(report.read_text())
+    assert [row["mlp"] for row in r["layers"]] == [72, 72]  # 96 - floor(0.25 * 96)
+    padded = [f"layers/{i}/attn" for i in range(2)] if heads else []
+    assert r["export"] == {"physically_smaller": not heads, "zero_padded": padded,
+                           "config": {"n_inner": 72}}
+    _, _, model = _export_matches(tmp_path / "ck", tmp_path / "hf", transformers.GPT2LMHeadModel,
+                                  _ids(tok))
+    assert model.config.n_inner == 72 and model.config.n_head == 4
+    assert tuple(model.transformer.h[0].mlp.c_fc.weight.shape) == (24, 72)  # Conv1D [in, out]
+    with open(tmp_path / "hf" / "config.json") as f:
+        assert json.load(f)["n_inner"] == 72
 
 
 def test_fine_tuning_with_lora_and_another_tokenizer(gpt2_dir, llama_dir, text_file, tmp_path):

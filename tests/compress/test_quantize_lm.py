@@ -43,26 +43,20 @@ GPTQ = {"bits": 4, "group": 128, "algorithm": "gptq", "data": "lm_quantize_test"
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
+def llama_dir(tmp_path_factory, lm):
     """Grouped-query attention (4 query heads over 2 key-value heads), an untied output
     projection, and a down projection of 160 inputs (groups of 128 and 32)."""
-    d = tmp_path_factory.mktemp("llama_q")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=53, hidden_size=32, intermediate_size=160,
-                                   num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=8, tie_word_embeddings=False)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
+    return lm.saved_lm(tmp_path_factory.mktemp("llama_q"), "llama", seed=0, vocab_size=53,
+                       hidden_size=32, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                       tie_word_embeddings=False)
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
+def gpt2_dir(tmp_path_factory, lm):
     """Tied embeddings; an MLP output projection of 192 inputs (groups of 128 and 64)."""
-    d = tmp_path_factory.mktemp("gpt2_q")
-    torch.manual_seed(1)
-    cfg = transformers.GPT2Config(vocab_size=53, n_positions=32, n_embd=48, n_layer=2, n_head=4)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
-    return d
+    return lm.saved_lm(tmp_path_factory.mktemp("gpt2_q"), "gpt2", seed=1, vocab_size=53,
+                       n_positions=32, n_embd=48, n_layer=2, n_head=4)
 
 
 def np_dequantize(leaf) -> tuple[np.ndarray, np.ndarray | None]:

@@ -16,17 +16,11 @@ from lowrank_jax.models import GPT2Config, apply, gpt2  # noqa: E402
 from lowrank_jax.models.causal import key_mask_for_cache, positions_from_mask  # noqa: E402
 
 
-def _hf_model(tied=True, n_inner=None, act="gelu_new", heads=3):
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=57, n_positions=24, n_embd=heads * 7, n_layer=2,
-                                  n_head=heads, n_inner=n_inner, activation_function=act,
-                                  tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
-    model = transformers.GPT2LMHeadModel(cfg).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+def _hf_model(lm, tied=True, n_inner=None, act="gelu_new", heads=3):
+    """A random GPT-2 with varied biases and norms (``lm``: tests/lm_builders.py)."""
+    return lm.hf_lm("gpt2", seed=0, vary=True, vocab_size=57, n_positions=24, n_embd=heads * 7,
+                    n_layer=2, n_head=heads, n_inner=n_inner, activation_function=act,
+                    tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
 
 
 def _inputs(vocab, batch=3, seq=10):
@@ -39,8 +33,8 @@ def _inputs(vocab, batch=3, seq=10):
 
 @pytest.mark.parametrize("tied,n_inner,act,heads", [(True, None, "gelu_new", 3),
                                                     (False, 29, "gelu", 1)])
-def test_logits_and_round_trip_match_transformers(tied, n_inner, act, heads, tmp_path):
-    model = _hf_model(tied, n_inner, act, heads)
+def test_logits_and_round_trip_match_transformers(tied, n_inner, act, heads, tmp_path, lm):
+    model = _hf_model(lm, tied, n_inner, act, heads)
     model.save_pretrained(tmp_path / "hf")
     cfg, params = load_pretrained(tmp_path / "hf")
     assert cfg.tie_word_embeddings == tied and ("lm_head" in params) == (not tied)

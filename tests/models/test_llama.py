@@ -30,8 +30,8 @@ GRID = [
 ]
 
 
-def _hf_model(model_type, heads, kv, head_dim, bias, tied, rope, layers=2):
-    torch.manual_seed(0)
+def _hf_model(lm, model_type, heads, kv, head_dim, bias, tied, rope, layers=2):
+    """A random model of the grid with varied biases and norms (``lm``: tests/lm_builders.py)."""
     kw = dict(vocab_size=53, hidden_size=heads * 5,
               intermediate_size=37, num_hidden_layers=layers, num_attention_heads=heads,
               num_key_value_heads=kv, tie_word_embeddings=tied, max_position_embeddings=64)
@@ -43,18 +43,9 @@ def _hf_model(model_type, heads, kv, head_dim, bias, tied, rope, layers=2):
         kw["rope_parameters"] = rope
     if model_type == "llama":
         kw.update(attention_bias=bias, mlp_bias=bias)
-        cls, config = transformers.LlamaForCausalLM, transformers.LlamaConfig
-    elif model_type == "qwen2":
-        cls, config = transformers.Qwen2ForCausalLM, transformers.Qwen2Config
-    else:
+    elif model_type == "mistral":
         kw["sliding_window"] = 32
-        cls, config = transformers.MistralForCausalLM, transformers.MistralConfig
-    model = cls(config(**kw)).eval()
-    with torch.no_grad():  # biases are zero-initialized: give them values
-        for name, p in model.named_parameters():
-            if name.endswith("bias") or "norm" in name:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return lm.hf_lm(model_type, seed=0, vary=True, **kw)
 
 
 def _inputs(vocab, batch=3, seq=11):
@@ -67,8 +58,8 @@ def _inputs(vocab, batch=3, seq=11):
 
 
 @pytest.mark.parametrize("case", GRID, ids=[f"{g[0]}-h{g[1]}-kv{g[2]}" for g in GRID])
-def test_logits_and_round_trip_match_transformers(case, tmp_path):
-    model = _hf_model(*case)
+def test_logits_and_round_trip_match_transformers(case, tmp_path, lm):
+    model = _hf_model(lm, *case)
     model.save_pretrained(tmp_path / "hf")
     cfg, params = load_pretrained(tmp_path / "hf")
     assert cfg.model_type == case[0] and cfg.num_key_value_heads == case[2]

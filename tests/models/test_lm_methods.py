@@ -30,23 +30,17 @@ DATA = {"data": "lm_test_tokens", "batch_size": 4, "steps": 2}
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    d = tmp_path_factory.mktemp("llama")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=41, hidden_size=24, intermediate_size=20,
-                                   num_hidden_layers=2, num_attention_heads=6,
-                                   num_key_value_heads=2, head_dim=6, attention_bias=True)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(d)
-    return d
+def llama(tmp_path_factory, lm):
+    return lm.saved_lm(tmp_path_factory.mktemp("llama"), "llama", seed=0, vocab_size=41,
+                       hidden_size=24, intermediate_size=20, num_hidden_layers=2,
+                       num_attention_heads=6, num_key_value_heads=2, head_dim=6,
+                       attention_bias=True)
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpt2")
-    torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=41, n_positions=16, n_embd=24, n_layer=2, n_head=4)
-    transformers.GPT2LMHeadModel(cfg).save_pretrained(d)
-    return d
+def gpt2_dir(tmp_path_factory, lm):
+    return lm.saved_lm(tmp_path_factory.mktemp("gpt2"), "gpt2", seed=0, vocab_size=41,
+                       n_positions=16, n_embd=24, n_layer=2, n_head=4)
 
 
 def _inputs(vocab):
@@ -151,6 +145,34 @@ def test_gpt2_irregular_attention_and_head_pruning_export(gpt2_dir, tmp_path):
     assert [lp["attn"]["heads"].num_heads for lp in small["layers"]] == [2, 2]
     summary, _ = _exported_matches(cfg, small, tmp_path / "out", transformers.GPT2LMHeadModel)
     assert summary["widened"]  # GPT-2's head width is n_embd / n_head: heads are zero-padded
+
+
+@pytest.mark.parametrize("layers", [[0], [0, 1]])
+def test_gpt2_mlp_pruning_exports_smaller_when_equal_else_padded(gpt2_dir, tmp_path, layers):
+    """A quarter of the MLP channels of each of ``layers`` removed: equal widths are written
+    smaller (``n_inner``), unequal ones zero-padded."""
+    from lowrank_jax.compress.prune import add_channel_masks, remove_masked
+    from lowrank_jax.leaves import with_channel_masks
+
+    cfg, params = load_pretrained(gpt2_dir)
+    rng, masks = np.random.default_rng(3), {}
+    for i in layers:  # 24 random hidden channels of 96 switched off, then removed
+        hid = np.ones(96, np.float32)
+        hid[rng.choice(96, 24, replace=False)] = 0.0
+        masks[f"layers/{i}/mlp/wi"] = (np.ones(24, np.float32), hid)
+        masks[f"layers/{i}/mlp/wo"] = (hid, np.ones(24, np.float32))
+    masked = with_channel_masks(add_channel_masks(params, [r"mlp/(wi|wo)$"]), masks)
+    small = remove_masked(masked, config=cfg)
+    widths = [int(materialize(lp["mlp"]["wo"]).shape[0]) for lp in small["layers"]]
+    summary, model = _exported_matches(cfg, small, tmp_path / "out",
+                                       transformers.GPT2LMHeadModel)
+    if layers == [0, 1]:  # the config's n_inner is the kept width
+        assert widths == [72, 72] and summary["widened"] == []
+        assert model.config.n_inner == widths[0]
+        assert tuple(model.transformer.h[1].mlp.c_proj.weight.shape) == (widths[0], 24)
+    else:  # one n_inner for all layers: the narrower MLP is zero-padded, and said so
+        assert widths == [72, 96] and model.config.n_inner is None
+        assert summary["widened"] == ["layers/0/mlp"]
 
 
 def test_query_key_methods_refuse_rotary_blocks(llama):
