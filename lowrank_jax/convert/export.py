@@ -70,6 +70,7 @@ from lowrank_jax.compress import to_query_key
 from lowrank_jax.convert.files import CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME
 from lowrank_jax.convert.load import hf_spec
 from lowrank_jax.errors import CheckpointError, OutputExistsError, ShapeError
+from lowrank_jax.io.files import copy_files
 from lowrank_jax.leaves import (
     as_query_key,
     bias_of,
@@ -506,7 +507,8 @@ def _move_into_place(tmp: str, path: str, overwrite: bool = False) -> None:
         shutil.rmtree(backup, ignore_errors=True)
 
 
-def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) -> dict:
+def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False,
+                    extra_files: dict | None = None) -> dict:
     """Write a Hugging Face directory that the original PyTorch class loads.
 
     ``load_pretrained(path) -> save_pretrained(...) -> Class.from_pretrained(path)`` gives the
@@ -524,6 +526,9 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
       path: output directory. Written atomically: files go to a temporary directory beside
         ``path`` that is renamed at the end; on any error nothing is left at ``path``.
       overwrite: replace a non-empty existing directory.
+      extra_files: ``{file name: path}`` of files copied verbatim into the directory in the
+        same atomic write (a language model's tokenizer files, so that ``AutoTokenizer`` loads
+        from the export); listed in the summary's ``files``.
 
     Returns:
       A summary: ``{'family', 'architecture', 'path', 'files', 'n_tensors', 'n_parameters',
@@ -538,6 +543,8 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
       OutputExistsError: ``path`` is a non-empty directory (without ``overwrite``) or a file.
       ConfigError: no family (or no Hugging Face mapping) for ``type(config)``.
       CheckpointError, ShapeError, LeafTypeError: see :func:`state_dict_from_params`.
+      ConfigError, MissingFileError: a name in ``extra_files`` that is not a plain file name
+        or is one of the files written here, or a source that is not a file.
     """
     path = os.path.abspath(os.fspath(path))
     _check_target(path, overwrite)
@@ -569,6 +576,8 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=parent)
     try:
+        extra = copy_files(tmp, extra_files or {}, who="save_pretrained",
+                           reserved=(CONFIG_NAME, GENERATION_CONFIG_NAME, WEIGHTS_NAME))
         _write_dir(tmp, hf_config, generation, state, metadata)
         _check_target(path, overwrite)  # again: something may have appeared meanwhile
         _move_into_place(tmp, path, overwrite)
@@ -580,7 +589,7 @@ def save_pretrained(config: Any, params: Any, path, *, overwrite: bool = False) 
         "architecture": (hf_config.get("architectures") or [""])[0],
         "path": path,
         "files": [CONFIG_NAME] + ([GENERATION_CONFIG_NAME] if generation is not None else [])
-                 + [WEIGHTS_NAME],
+                 + [WEIGHTS_NAME] + extra,
         "n_tensors": len(state),
         "n_parameters": int(sum(a.size for a in state.values())),
         "materialized": materialized,

@@ -374,5 +374,45 @@ def write_text(file: str | os.PathLike, text: str) -> None:
         os.fsync(f.fileno())
 
 
-__all__ = ["atomic_directory", "clean_stale", "is_empty_dir", "rename_noreplace", "temp_path",
-           "write_text"]
+def copy_files(directory: str | os.PathLike, files, *, reserved=(), who: str = "write") -> list[str]:
+    """Copy ``files`` (``{name: source path}``) verbatim into ``directory`` (an output being
+    written, e.g. the temporary directory of :func:`atomic_directory`).
+
+    Used for the files that travel with a model but are not the writer's own, such as a
+    language model's tokenizer files.
+
+    Args:
+      directory: an existing directory.
+      files: ``{file name: path of the file to copy}``; names are plain file names.
+      reserved: names the writer itself writes; copying over them is refused.
+      who: the caller's name, for messages.
+
+    Returns:
+      The names copied, sorted.
+
+    Raises:
+      ConfigError: a name is not a plain file name, or is reserved (``where`` is
+        ``files/NAME``); MissingFileError: a source is not a readable file.
+    """
+    from lowrank_jax.errors import MissingFileError
+
+    names = sorted(files)
+    for name in names:
+        if not name or name != os.path.basename(name) or name in (".", ".."):
+            raise ConfigError(f"{who}: extra file name {name!r} is not a plain file name",
+                              where=f"files/{name}", expected="a file name without a directory",
+                              actual=name)
+        if name in reserved:
+            raise ConfigError(f"{who}: extra file {name!r} would replace the writer's own file",
+                              where=f"files/{name}", expected=f"a name not in {sorted(reserved)}",
+                              actual=name)
+        if not os.path.isfile(files[name]):
+            raise MissingFileError(f"{who}: extra file {name!r}: {os.fspath(files[name])} is not a "
+                                   "file", where=f"files/{name}")
+    for name in names:
+        shutil.copyfile(files[name], os.path.join(directory, name))
+    return names
+
+
+__all__ = ["atomic_directory", "clean_stale", "copy_files", "is_empty_dir", "rename_noreplace",
+           "temp_path", "write_text"]

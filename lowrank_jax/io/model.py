@@ -23,7 +23,8 @@ CONFIG_KEY = "config"
 
 
 def save_model(path: str | os.PathLike, config: Any, params: Any, *, state: Any = None,
-               metadata: dict | None = None, overwrite: bool = False) -> None:
+               metadata: dict | None = None, overwrite: bool = False,
+               extra_files: dict | None = None) -> None:
     """Save a model: its config, parameters and optional state, atomically.
 
     Compressed leaves are saved as they are (factors, masks, scores); nothing is densified.
@@ -37,18 +38,22 @@ def save_model(path: str | os.PathLike, config: Any, params: Any, *, state: Any 
         statistics), or ``None``.
       metadata: extra JSON-serializable metadata (the key ``'config'`` is reserved).
       overwrite: replace an existing lowrank_jax checkpoint at ``path``.
+      extra_files: ``{file name: path}`` of files copied verbatim into the checkpoint
+        directory (a language model's tokenizer files), as :func:`lowrank_jax.io.save_params`.
 
     Raises:
       ConfigError: ``config`` is not a registered config class, or ``metadata`` uses the
         reserved key ``'config'``.
-      OutputExistsError, LeafTypeError: as :func:`lowrank_jax.io.save_params`.
+      OutputExistsError, LeafTypeError, MissingFileError: as
+        :func:`lowrank_jax.io.save_params`.
     """
     meta = dict(metadata or {})
     if CONFIG_KEY in meta:
         raise ConfigError(f"save_model: metadata key '{CONFIG_KEY}' is reserved for the model "
                           "config; rename it", where=f"metadata/{CONFIG_KEY}")
     meta[CONFIG_KEY] = config_to_dict(config)
-    save_params(path, params, metadata=meta, overwrite=overwrite, state=state)
+    save_params(path, params, metadata=meta, overwrite=overwrite, state=state,
+                extra_files=extra_files)
 
 
 def _config(stored, who: str) -> Any:

@@ -90,7 +90,8 @@ def is_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def save_params(path: str | os.PathLike, params: Any, *, metadata: dict | None = None,
-                overwrite: bool = False, state: Any = None) -> None:
+                overwrite: bool = False, state: Any = None,
+                extra_files: dict | None = None) -> None:
     """Save a parameter tree to the directory ``path`` (atomically, with checksums).
 
     Args:
@@ -127,6 +128,8 @@ def save_params(path: str | os.PathLike, params: Any, *, metadata: dict | None =
                             where="metadata", expected="JSON-serializable values") from e
     with files.atomic_directory(path, overwrite=overwrite, owned=is_checkpoint,
                                 who="save_params") as tmp:
+        files.copy_files(tmp, extra_files or {}, reserved=(TREE_FILE, ARRAYS_DIR),
+                                who="save_params")
         write_contents(tmp, text, enc.arrays)
 
 

@@ -281,7 +281,8 @@ def _save(result: Outcome, src, out: str, *, overwrite: bool, status: Progress) 
     meta_out["plan"] = result["plan"]
     with status.phase(f"saving to {out}"), outputs.writing_checkpoint(out, overwrite=overwrite):
         if config is not None:
-            save_model(out, config, new_params, metadata=meta_out, overwrite=overwrite)
+            save_model(out, config, new_params, metadata=meta_out, overwrite=overwrite,
+                       extra_files=src.extra_files())
         else:
             save_params(out, new_params, metadata=meta_out, overwrite=overwrite)
     result.lines.append(f"saved compressed parameters to {out} (factors kept, nothing densified)")

@@ -34,7 +34,7 @@ def run_convert(src: str, out: str, *, family: str | None = None, overwrite: boo
                                  label="SRC")
     with status.phase(f"saving to {out}"), outputs.writing_checkpoint(out, overwrite=overwrite):
         save_model(out, source.config, source.params, metadata=source.metadata,
-                   overwrite=overwrite)
+                   overwrite=overwrite, extra_files=source.extra_files())
     n = param_count(source.params)
     name = type(source.config).__name__
     return Outcome({"src": src, "out": out, "config": name, "parameters": n},
@@ -85,7 +85,8 @@ def run_export(model: str, out: str, *, overwrite: bool = False,
                                       flag="--out", info={"source": os.path.abspath(model)}
                                       ) as tmp:
             inner = os.path.join(tmp, "hf")  # save_pretrained's own temporaries stay inside
-            summary = save_pretrained(src.config, src.params, inner)
+            summary = save_pretrained(src.config, src.params, inner,
+                                      extra_files=src.extra_files())
             for name in os.listdir(inner):
                 os.replace(os.path.join(inner, name), os.path.join(tmp, name))
             os.rmdir(inner)

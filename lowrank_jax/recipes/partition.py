@@ -208,7 +208,8 @@ def run_partition(model: str, *, machines: int = 8, eps: float | None = None,
         with status.phase(f"saving to {out}"), outputs.writing_checkpoint(
                 out, overwrite=overwrite):
             if src.config is not None:
-                save_model(out, src.config, new, metadata=meta, overwrite=overwrite)
+                save_model(out, src.config, new, metadata=meta, overwrite=overwrite,
+                           extra_files=src.extra_files())
             else:
                 save_params(out, new, metadata=meta, overwrite=overwrite)
         text.append(f"saved the partitioned model to {out}")

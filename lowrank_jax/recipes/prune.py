@@ -393,7 +393,8 @@ def run_prune(model: str, *, target: float | None = None, flops_target: bool = F
         meta = {**src.metadata, "prune": report["settings"]}
         with status.phase(f"saving to {out}"), outputs.writing_checkpoint(
                 out, overwrite=overwrite):
-            save_model(out, cfg, final, metadata=meta, overwrite=overwrite)
+            save_model(out, cfg, final, metadata=meta, overwrite=overwrite,
+                       extra_files=src.extra_files())
         text.append(f"saved the pruned model to {out}")
     report.values.update(params=final, config=cfg)
     return report

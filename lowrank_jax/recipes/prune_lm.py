@@ -527,7 +527,8 @@ def prune_language_model(src, *, heads: float = 0.0, kv_groups: float = 0.0, mlp
         meta = {**src.metadata, "prune": settings}
         with status.phase(f"saving to {out}"), outputs.writing_checkpoint(
                 out, overwrite=overwrite):
-            save_model(out, cfg, final, metadata=meta, overwrite=overwrite)
+            save_model(out, cfg, final, metadata=meta, overwrite=overwrite,
+                       extra_files=src.extra_files())
         text_lines.append(f"saved the pruned model to {out}")
     report.values.update(params=final, config=cfg)
     return report

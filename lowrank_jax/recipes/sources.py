@@ -12,6 +12,12 @@ Hugging Face directories (and the ``--rule`` path rules that select weights in t
 
 A directory is read as a Hugging Face directory when it holds ``config.json`` and no
 ``tree.json``.
+
+A language model's tokenizer files (:data:`TOKENIZER_FILES`) travel with it: the commands that
+write a model (``convert``, ``compress``, ``prune``, ``partition``, ``export``) copy the ones
+in the input directory into their output (:meth:`Source.extra_files`), so ``generate``,
+``prune`` and ``frontier`` find ``tokenizer.json`` in a converted or compressed model, and
+``AutoTokenizer.from_pretrained`` loads from an export.
 """
 
 from __future__ import annotations
@@ -26,6 +32,11 @@ from lowrank_jax.io import TREE_FILE
 from lowrank_jax.recipes.progress import Progress
 
 WEIGHT_FILES = (WEIGHTS_NAME, INDEX_NAME, TORCH_NAME)
+
+#: Hugging Face tokenizer files copied from a model's directory into what a command writes.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "chat_template.jinja")
 
 
 @dataclasses.dataclass
@@ -46,6 +57,12 @@ class Source:
     config: Any
     params: Any
     metadata: dict
+
+    def extra_files(self) -> dict[str, str]:
+        """``{name: path}`` of the tokenizer files (:data:`TOKENIZER_FILES`) in the model's
+        directory, for ``save_model`` / ``save_pretrained``'s ``extra_files``."""
+        found = {n: os.path.join(self.path, n) for n in TOKENIZER_FILES}
+        return {n: p for n, p in found.items() if os.path.isfile(p)}
 
 
 def parse_rules(flags: list[str] | None, default: tuple) -> tuple:
@@ -148,4 +165,4 @@ def _load(path: str, *, status: Progress, family: str | None, huggingface: bool)
     return Source(path, "checkpoint", config, params, meta)
 
 
-__all__ = ["Source", "WEIGHT_FILES", "is_hf_directory", "load_source", "parse_rules"]
+__all__ = ["Source", "TOKENIZER_FILES", "WEIGHT_FILES", "is_hf_directory", "load_source", "parse_rules"]

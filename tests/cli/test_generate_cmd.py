@@ -73,6 +73,11 @@ def test_convert_compress_export_on_a_llama_directory(llama_dir, tmp_path):
         ref = model(input_ids=torch.tensor(ids)).logits.numpy()
     got = np.asarray(apply(params, {"input_ids": ids}, cfg)["logits"])
     np.testing.assert_allclose(got, ref, atol=1e-4, rtol=0)
-    # the compressed checkpoint generates too
-    assert main(["generate", str(tmp_path / "small"), "--tokenizer", str(d), "--prompt",
-                 "x = ", "--max-new-tokens", "3"]) == 0
+    # the tokenizer travels with the model: convert, compress and export copy it verbatim
+    for out in ("ck", "small", "hf"):
+        assert (tmp_path / out / "tokenizer.json").read_bytes() == (d / "tokenizer.json").read_bytes()
+    fast = transformers.PreTrainedTokenizerFast.from_pretrained(tmp_path / "hf")
+    assert fast("def f(x):\n    return x")["input_ids"] == ids[0].tolist()
+    # so the compressed checkpoint generates without --tokenizer
+    assert main(["generate", str(tmp_path / "small"), "--prompt", "x = ",
+                 "--max-new-tokens", "3"]) == 0

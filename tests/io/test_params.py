@@ -521,3 +521,24 @@ def test_arrays_do_not_match_skeleton(saved, tmp_path):
     shutil.rmtree(path / lio.ARRAYS_DIR)
     with pytest.raises(CheckpointError, match="stored arrays but .*arrays does not exist"):
         lio.load_params(path)
+
+
+def test_extra_files_are_copied_verbatim_in_the_same_write(tmp_path):
+    from lowrank_jax.errors import ConfigError
+
+    tok = tmp_path / "tokenizer.json"
+    tok.write_bytes(b'{"model": "x", "bytes": "\\u00e9"}\n')
+    params = {"w": np.arange(6.0, dtype=np.float32).reshape(2, 3)}
+    lio.save_params(tmp_path / "ck", params, extra_files={"tokenizer.json": tok})
+    assert (tmp_path / "ck" / "tokenizer.json").read_bytes() == tok.read_bytes()
+    np.testing.assert_array_equal(np.asarray(lio.load_params(tmp_path / "ck")["w"]), params["w"])
+    # the checkpoint's own names, paths and missing sources are refused before anything is written
+    for extra, err, where in [({"tree.json": tok}, ConfigError, "files/tree.json"),
+                              ({"arrays": tok}, ConfigError, "files/arrays"),
+                              ({"sub/tokenizer.json": tok}, ConfigError, "files/sub/tokenizer.json"),
+                              ({"vocab.json": tmp_path / "none"}, MissingFileError, "files/vocab.json")]:
+        with pytest.raises(err) as e:
+            lio.save_params(tmp_path / "bad", params, extra_files=extra)
+        assert e.value.where == where
+        assert not (tmp_path / "bad").exists()
+        assert sorted(os.listdir(tmp_path)) == ["ck", "tokenizer.json"]
