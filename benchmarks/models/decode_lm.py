@@ -108,8 +108,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     full_cache = llama.init_cache(lowrank, cfg, batch=1, max_len=8)
     fact_cache = llama.init_cache(lowrank, cfg, batch=1, max_len=8, factored=True)
-    bytes_full = sum(cache_bytes_per_token(x) for x in full_cache["layers"])
-    bytes_fact = sum(cache_bytes_per_token(x) for x in fact_cache["layers"])
+    bytes_full = sum(cache_bytes_per_token(x, 8) for x in full_cache["layers"])
+    bytes_fact = sum(cache_bytes_per_token(x, 8) for x in fact_cache["layers"])
     print(f"# cache bytes per token (all layers, float32): full {bytes_full}, factored "
           f"(values rank {rank}) {bytes_fact} ({bytes_fact / bytes_full:.3f} of full)")
 

@@ -108,7 +108,7 @@ def test_cached_decoding_equals_the_forward():
     cache = llama.init_cache(params, cfg, batch=3, max_len=12)
     km = key_mask_for_cache(np.concatenate([mask, np.ones((3, 3), mask.dtype)], 1), 12)
     # cache holds one entry per key-value head
-    assert cache["layers"][0]["k"].shape == (3, 12, 2, 4)
+    assert cache["layers"][0]["k"].shape == (3, 2, 12, 4)  # [batch, kv heads, len, w]
     parts = []
     for lo, hi in ((0, 5), (5, 6), (6, 9)):
         logits, cache = llama.apply_cached(params, ids[:, lo:hi], cfg, cache,

@@ -36,10 +36,10 @@ def test_factored_cache_decodes_as_the_full_cache(kind):
     f32 = 4
     if kind == "gpt2":  # keys and values folded: rank 3 each instead of 2 heads x 8
         assert set(fact["layers"][0]) == {"ku", "vu"}
-        assert cache_bytes_per_token(fact["layers"][0]) == 2 * 3 * f32
-        assert cache_bytes_per_token(full["layers"][0]) == 2 * 16 * f32
+        assert cache_bytes_per_token(fact["layers"][0], 10) == 2 * 3 * f32
+        assert cache_bytes_per_token(full["layers"][0], 10) == 2 * 16 * f32
     else:  # rotary keys stay full (2 kv heads x 4); values rank 3 instead of 2 x 4
         assert set(fact["layers"][0]) == {"k", "vu"}
-        assert cache_bytes_per_token(fact["layers"][0]) == (8 + 3) * f32
-        assert cache_bytes_per_token(full["layers"][0]) == 2 * 8 * f32
+        assert cache_bytes_per_token(fact["layers"][0], 10) == (8 + 3) * f32
+        assert cache_bytes_per_token(full["layers"][0], 10) == 2 * 8 * f32
     assert set(fact["layers"][1]) == {"k", "v"}  # dense layer: the full cache
