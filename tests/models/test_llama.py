@@ -118,6 +118,12 @@ def test_cached_decoding_equals_the_forward():
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], full[real], atol=1e-5, rtol=0)
     assert int(cache["index"]) == 9
+    # a prompt's prefill: the last token's logits alone
+    last, cache = llama.apply_cached(params, ids, cfg, llama.init_cache(params, cfg, batch=3,
+                                                                        max_len=12),
+                                     positions=pos, key_mask=km, last_only=True)
+    assert last.shape == (3, 1, cfg.vocab_size) and int(cache["index"]) == 9
+    np.testing.assert_allclose(np.asarray(last)[:, 0], full[:, -1], atol=1e-5, rtol=0)
 
 
 def test_reads_older_rope_keys_and_writes_rope_parameters():
