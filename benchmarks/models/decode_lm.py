@@ -25,6 +25,14 @@ per token (all layers, float32) are reported for the full and the factored cache
 Threads: ``--threads`` (default 2): this process pinned to that many CPUs before jax is
 imported, ``torch.set_num_threads`` the same, ``OMP_WAIT_POLICY=PASSIVE``.
 
+Where the time goes, and what was tried for it (docs/design/language_models.md, "Where a
+decoding step's time goes"): the grouped cache is laid out ``[batch, kv heads, len, w]`` so
+that no step copies it, and the prefill computes the last token's logits only; the rest is
+mostly the weight products, within 15-19 % of a scan doing those products alone. Tried without
+a measurable gain: fused q/k/v and gate/up products, keys stored transposed, an optimization
+barrier after the cache write, other XLA:CPU matrix libraries; slower: attention as multiply
+and sum, block-diagonal keys.
+
 Usage::
 
     python -m benchmarks.models decode_lm --json decode_lm.json
