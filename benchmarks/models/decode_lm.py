@@ -25,6 +25,14 @@ per token (all layers, float32) are reported for the full and the factored cache
 Threads: ``--threads`` (default 2): this process pinned to that many CPUs before jax is
 imported, ``torch.set_num_threads`` the same, ``OMP_WAIT_POLICY=PASSIVE``.
 
+Where the time goes, and what was tried for it (docs/design/language_models.md, "Where a
+decoding step's time goes"): the grouped cache is laid out ``[batch, kv heads, len, w]`` so
+that no step copies it, and the prefill computes the last token's logits only; the rest is
+mostly the weight products, within 15-19 % of a scan doing those products alone. Tried without
+a measurable gain: fused q/k/v and gate/up products, keys stored transposed, an optimization
+barrier after the cache write, other XLA:CPU matrix libraries; slower: attention as multiply
+and sum, block-diagonal keys.
+
 Usage::
 
     python -m benchmarks.models decode_lm --json decode_lm.json
@@ -108,8 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
 
     full_cache = llama.init_cache(lowrank, cfg, batch=1, max_len=8)
     fact_cache = llama.init_cache(lowrank, cfg, batch=1, max_len=8, factored=True)
-    bytes_full = sum(cache_bytes_per_token(x) for x in full_cache["layers"])
-    bytes_fact = sum(cache_bytes_per_token(x) for x in fact_cache["layers"])
+    bytes_full = sum(cache_bytes_per_token(x, 8) for x in full_cache["layers"])
+    bytes_fact = sum(cache_bytes_per_token(x, 8) for x in fact_cache["layers"])
     print(f"# cache bytes per token (all layers, float32): full {bytes_full}, factored "
           f"(values rank {rank}) {bytes_fact} ({bytes_fact / bytes_full:.3f} of full)")
 

@@ -57,8 +57,10 @@ class ModelFamily:
       init_cache: decoder-only language models: ``init_cache(params, cfg, *, batch, max_len,
         dtype) -> cache``, an empty key-value cache (:mod:`lowrank_jax.models.generation`).
       apply_cached: ``apply_cached(params, input_ids [batch, n], cfg, cache, *, positions
-        [batch, n], key_mask [batch, max_len]) -> (logits [batch, n, vocab], cache)``: the
-        next ``n`` tokens against the cache, whose ``'index'`` advances by ``n``.
+        [batch, n], key_mask [batch, max_len], last_only=False) -> (logits [batch, n, vocab],
+        cache)``: the next ``n`` tokens against the cache, whose ``'index'`` advances by
+        ``n``; with ``last_only`` the logits of the last token alone (``[batch, 1, vocab]``,
+        what a prompt's prefill needs).
     """
 
     name: str

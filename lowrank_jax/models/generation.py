@@ -116,8 +116,8 @@ def _generate(params, ids, mask, key, temperature, top_k, top_p, stops, *, cfg,
     cache = fam.init_cache(params, cfg, batch=batch, max_len=total,
                            **({"factored": True} if factored_cache else {}))
     key_mask = key_mask_for_cache(mask, total)
-    logits, cache = fam.apply_cached(params, ids, cfg, cache,
-                                     positions=positions_from_mask(mask), key_mask=key_mask)
+    logits, cache = fam.apply_cached(params, ids, cfg, cache, positions=positions_from_mask(mask),
+                                     key_mask=key_mask, last_only=True)
     next_pos = jnp.sum(mask.astype(jnp.int32), axis=1)  # [batch]
 
     def step(carry, step_key):

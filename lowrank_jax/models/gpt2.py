@@ -250,9 +250,11 @@ def init_cache(params: dict, cfg: GPT2Config, *, batch: int, max_len: int,
 
 
 def apply_cached(params: dict, input_ids: Array, cfg: GPT2Config, cache: dict, *,
-                 positions: Array, key_mask: Array | None = None) -> tuple[Array, dict]:
+                 positions: Array, key_mask: Array | None = None,
+                 last_only: bool = False) -> tuple[Array, dict]:
     """The next ``n`` tokens against the cache (see :class:`~lowrank_jax.models.ModelFamily`
-    ``apply_cached``): ``(logits [batch, n, vocab], cache)``."""
+    ``apply_cached``): ``(logits [batch, n, vocab], cache)``. ``last_only``: the last token's
+    logits alone (``[batch, 1, vocab]``)."""
     causal.check_cache(cache, len(params["layers"]), "gpt2.apply_cached")
     x = _embed(params, jnp.asarray(input_ids), jnp.asarray(positions))
     index, layers = cache["index"], []
@@ -266,7 +268,9 @@ def apply_cached(params: dict, input_ids: Array, cfg: GPT2Config, cache: dict, *
                                               mask=key_mask)
         x = _mlp(lp, x + out, cfg)
         layers.append(c)
-    return _logits(params, x, cfg), {"index": index + x.shape[1], "layers": layers}
+    n = x.shape[1]
+    return (_logits(params, x[:, -1:] if last_only else x, cfg),
+            {"index": index + n, "layers": layers})
 
 
 def sample_inputs(cfg: GPT2Config, rng: np.random.Generator, batch: int) -> dict:

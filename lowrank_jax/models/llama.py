@@ -322,10 +322,12 @@ def init_cache(params: dict, cfg: LlamaConfig, *, batch: int, max_len: int,
 
 
 def apply_cached(params: dict, input_ids: Array, cfg: LlamaConfig, cache: dict, *,
-                 positions: Array, key_mask: Array | None = None) -> tuple[Array, dict]:
+                 positions: Array, key_mask: Array | None = None,
+                 last_only: bool = False) -> tuple[Array, dict]:
     """The next ``n`` tokens against the cache (see :class:`~lowrank_jax.models.ModelFamily`
     ``apply_cached``): ``(logits [batch, n, vocab], cache)``; equals :func:`apply` on the
-    whole sequence at those positions."""
+    whole sequence at those positions. ``last_only``: the last token's logits alone
+    (``[batch, 1, vocab]``)."""
     causal.check_cache(cache, len(params["layers"]), "llama.apply_cached")
     x = jnp.take(params["embed"], jnp.asarray(input_ids), axis=0)
     index, layers = cache["index"], []
@@ -341,7 +343,9 @@ def apply_cached(params: dict, input_ids: Array, cfg: LlamaConfig, cache: dict, 
         x = x + out
         x = x + apply_mlp(lp["mlp"], apply_norm(lp["post_norm"], x, cfg.norm), cfg.mlp)
         layers.append(c)
-    return _logits(params, x, cfg), {"index": index + x.shape[1], "layers": layers}
+    n = x.shape[1]
+    return (_logits(params, x[:, -1:] if last_only else x, cfg),
+            {"index": index + n, "layers": layers})
 
 
 def sample_inputs(cfg: LlamaConfig, rng: np.random.Generator, batch: int) -> dict:

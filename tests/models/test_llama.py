@@ -99,7 +99,7 @@ def test_cached_decoding_equals_the_forward():
     cache = llama.init_cache(params, cfg, batch=3, max_len=12)
     km = key_mask_for_cache(np.concatenate([mask, np.ones((3, 3), mask.dtype)], 1), 12)
     # cache holds one entry per key-value head
-    assert cache["layers"][0]["k"].shape == (3, 12, 2, 4)
+    assert cache["layers"][0]["k"].shape == (3, 2, 12, 4)  # [batch, kv heads, len, w]
     parts = []
     for lo, hi in ((0, 5), (5, 6), (6, 9)):
         logits, cache = llama.apply_cached(params, ids[:, lo:hi], cfg, cache,
@@ -109,6 +109,12 @@ def test_cached_decoding_equals_the_forward():
     real = mask.astype(bool)
     np.testing.assert_allclose(got[real], full[real], atol=1e-5, rtol=0)
     assert int(cache["index"]) == 9
+    # a prompt's prefill: the last token's logits alone
+    last, cache = llama.apply_cached(params, ids, cfg, llama.init_cache(params, cfg, batch=3,
+                                                                        max_len=12),
+                                     positions=pos, key_mask=km, last_only=True)
+    assert last.shape == (3, 1, cfg.vocab_size) and int(cache["index"]) == 9
+    np.testing.assert_allclose(np.asarray(last)[:, 0], full[:, -1], atol=1e-5, rtol=0)
 
 
 def test_reads_older_rope_keys_and_writes_rope_parameters():

@@ -26,15 +26,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lowrank_jax.errors import ConfigError
+from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import factors, linear, merge_heads, split_heads, weight_shape
 from lowrank_jax.nn.attention.core import attention_params, probabilities
 from lowrank_jax.nn.attention.grouped import (
     GroupedAttentionConfig,
+    _attend,
+    _grouped_probs,
     _project,
+    _ungroup,
+    causal_key_mask,
     grouped_params,
+    heads_major,
     is_grouped_block,
     kv_index,
+    write_slots,
 )
 
 Array = jax.Array
@@ -69,7 +75,7 @@ def init_factored_cache(params: dict, batch: int, max_len: int, *, rotary: bool 
     sides = factored_sides(params)
     if is_grouped_block(params):
         _, _, _, _, _, kvh, w = grouped_params(params, "init_factored_cache")
-        full = (int(batch), int(max_len), kvh.num_heads, w)
+        full = (int(batch), kvh.num_heads, int(max_len), w)
         out = {"k": jnp.zeros(full, dtype)}
         if sides["v"] is None:
             out["v"] = jnp.zeros(full, dtype)
@@ -94,11 +100,20 @@ def init_factored_cache(params: dict, batch: int, max_len: int, *, rotary: bool 
     return out
 
 
-def cache_bytes_per_token(cache: dict) -> int:
-    """Bytes one token takes in a layer's cache (full or factored): the sum over its entries
-    of ``prod(shape[2:]) * itemsize``."""
-    return int(sum(int(np.prod(a.shape[2:])) * jnp.dtype(a.dtype).itemsize
-                   for a in cache.values()))
+def cache_bytes_per_token(cache: dict, max_len: int) -> int:
+    """Bytes one token takes in a layer's cache (full or factored) of ``max_len`` positions:
+    the sum over its entries of ``size * itemsize / (batch * max_len)``, whatever the entry's
+    layout (positions second in ``[batch, max_len, ...]`` entries, third in a grouped block's
+    ``[batch, G, max_len, w]``)."""
+    out = 0
+    for name, a in cache.items():
+        shape = tuple(int(s) for s in a.shape)
+        if len(shape) < 2 or int(max_len) not in shape[1:]:
+            raise ShapeError(f"cache_bytes_per_token: entry {name!r} of shape {shape} has no "
+                             f"axis of {max_len} positions", where=name, expected=max_len,
+                             actual=shape)
+        out += int(np.prod(shape)) // (shape[0] * int(max_len)) * jnp.dtype(a.dtype).itemsize
+    return out
 
 
 def _write(cache: dict, name: str, new: Array, index) -> dict:
@@ -112,19 +127,14 @@ def _visible(index, n: int, k_len: int, mask):
     return visible if mask is None else jnp.logical_and(visible, mask)
 
 
-def _values_out(probs: Array, cache: dict, fv, v_widths, head_of=None) -> Array:
+def _values_out(probs: Array, cache: dict, fv, v_widths) -> Array:
     """Weighted values ``[b, n, H, w]`` from the cache: probabilities ``[b, H, n, k]``."""
     if fv is None:
-        vals = cache["v"] if head_of is None else cache["v"][:, :, head_of]
-        return jnp.einsum("bhnk,bkhw->bnhw", probs, vals.astype(probs.dtype))
+        return jnp.einsum("bhnk,bkhw->bnhw", probs, cache["v"].astype(probs.dtype))
     mixed = jnp.einsum("bhnk,bkr->bnhr", probs, cache["vu"].astype(probs.dtype))
-    lift = split_heads(fv.second, v_widths)  # [r, G or H, w]
-    bias = None if fv.bias is None else split_heads(fv.bias, v_widths)  # [G or H, w]
-    if head_of is not None:
-        lift = lift[:, head_of]
-        bias = None if bias is None else bias[head_of]
+    lift = split_heads(fv.second, v_widths)  # [r, H, w]
     out = jnp.einsum("bnhr,rhw->bnhw", mixed, lift)
-    return out if bias is None else out + bias
+    return out if fv.bias is None else out + split_heads(fv.bias, v_widths)
 
 
 def apply_attention_factored(params: dict, x: Array, cfg, cache: dict, *, index,
@@ -146,18 +156,27 @@ def apply_attention_factored(params: dict, x: Array, cfg, cache: dict, *, index,
                               "GroupedAttentionConfig", where="cfg",
                               expected="GroupedAttentionConfig", actual=type(cfg).__name__)
         _, _, _, o, qh, kvh, w = grouped_params(params)
-        head_of = kv_index(qh, kvh, cfg.group)
         qs, ks, vs = _project(params, cfg, x, positions)
-        cache = _write(cache, "k", ks, index)
+        cache = {**cache, "k": write_slots(cache["k"], heads_major(ks), index)}
         fv = sides["v"]
-        cache = (_write(cache, "v", vs, index) if fv is None
+        cache = ({**cache, "v": write_slots(cache["v"], heads_major(vs), index)} if fv is None
                  else _write(cache, "vu", linear_first(x, fv), index))
-        k_len = cache["k"].shape[1]
-        keys = cache["k"][:, :, head_of]  # [b, k, H, w]
-        logits = jnp.einsum("bnhw,bkhw->bhnk", qs, keys)
-        probs = probabilities(logits, qh, bias=None, mask=_visible(index, n, k_len, mask))
-        out = _values_out(probs, cache, fv, kvh.v, head_of)
-        return linear(o, merge_heads(out, qh.v)), cache
+        mask = causal_key_mask(index, n, cache["k"].shape[2], mask)
+        idx = kv_index(qh, kvh, cfg.group)
+        if fv is None:
+            return linear(o, _attend(qs, cache["k"], cache["v"], idx, qh, mask)), cache
+        probs, used = _grouped_probs(qs, cache["k"], idx, qh, mask)  # [b, g, r * n, k]
+        b, g, m, k_len = probs.shape
+        mixed = (probs.reshape(b, g * m, k_len) @ cache["vu"].astype(probs.dtype))
+        lift = split_heads(fv.second, kvh.v)  # [rank, G, w]
+        bias = None if fv.bias is None else split_heads(fv.bias, kvh.v)  # [G, w]
+        if used is not None:
+            lift = lift[:, used]
+            bias = None if bias is None else bias[used]
+        out = jnp.einsum("bgmr,rgw->bgmw", mixed.reshape(b, g, m, -1), lift)
+        if bias is not None:
+            out = out + bias[None, :, None, :]
+        return linear(o, _ungroup(out, n)), cache
     qk, v, o, heads = attention_params(params, "apply_attention_factored")
     proj = qk.projections()
     q = qk.queries(x)  # [b, n, H, w]

@@ -23,7 +23,10 @@ block terms) and folding the key factor into the queries are not exact, while pe
 queries and keys (each projection on its own) are.
 
 The key-value cache holds rotated keys and values once per key-value head:
-``{'k', 'v': [batch, max_len, G, w]}`` (``H / G`` times smaller than per query head).
+``{'k', 'v': [batch, G, max_len, w]}`` (``H / G`` times smaller than per query head). Heads come
+before positions so that the products of a decoding step read the cache as it is stored:
+queries are grouped by their key-value head (``[b, G, r * n, w]``, ``r = H / G``), never the
+keys and values expanded to all query heads.
 """
 
 from __future__ import annotations
@@ -160,20 +163,53 @@ def _regular(idx: np.ndarray, n_kv: int) -> int | None:
     return r if np.array_equal(idx, np.repeat(np.arange(n_kv), r)) else None
 
 
+def heads_major(x: Array) -> Array:
+    """Per-head keys or values from ``[b, n, G, w]`` (as projected) to the cache's layout
+    ``[b, G, n, w]``."""
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _grouped_probs(q: Array, keys: Array, idx: np.ndarray, heads: HeadLayout,
+                   mask: Array | None):
+    """Attention probabilities of per-head queries ``[b, n, H, w]`` against keys laid out
+    ``[b, G, k, w]`` (heads before positions): ``(probs [b, g, r * n, k], used)`` with
+    ``g * r = H`` and the rows of a group ordered ``(r, n)``; ``used`` is ``None`` when the
+    query heads come in equal consecutive runs per key-value head (then ``g = G``), else the
+    per-query-head gather applied to the keys (``g = H``, ``r = 1``), to be applied to the
+    values too.
+
+    Both products are batched matrix products over ``(b, g)`` with contiguous operands in this
+    layout, so the cache is read as it is stored (no per-step copy); only the queries and the
+    output are transposed, never the logits."""
+    b, n, h, w = q.shape
+    g = keys.shape[1]
+    r = _regular(idx, g)
+    used = None
+    if r is None:  # irregular groups (some query heads removed): gather the keys per head
+        keys, used, g, r = keys[:, idx], idx, h, 1
+    k_len = keys.shape[2]
+    qg = jnp.transpose(q.reshape(b, n, g, r, w), (0, 2, 3, 1, 4)).reshape(b, g, r * n, w)
+    logits = jnp.einsum("bgmw,bgkw->bgmk", qg, keys)  # [b, g, r * n, k] = [b, h, n, k]
+    probs = probabilities(logits.reshape(b, h, n, k_len), heads, bias=None, mask=mask)
+    return probs.reshape(b, g, r * n, k_len), used
+
+
+def _ungroup(out: Array, n: int) -> Array:
+    """Grouped rows ``[b, g, r * n, w]`` (ordered ``(r, n)``) to ``[b, n, g * r * w]``."""
+    b, g, m, w = out.shape
+    r = m // n
+    return jnp.transpose(out.reshape(b, g, r, n, w), (0, 3, 1, 2, 4)).reshape(b, n, g * r * w)
+
+
 def _attend(q: Array, keys: Array, vals: Array, idx: np.ndarray, heads: HeadLayout,
             mask: Array | None) -> Array:
-    """Per-head queries ``[b, n, H, w]`` against keys and values ``[b, k, G, w]``: the
+    """Per-head queries ``[b, n, H, w]`` against keys and values ``[b, G, k, w]``: the
     weighted values ``[b, n, H * w]``."""
-    b, n, h, w = q.shape
-    g = keys.shape[2]
-    r = _regular(idx, g)
-    if r is None:  # irregular groups (some query heads removed): gather the keys per head
-        keys, vals, g, r = keys[:, :, idx], vals[:, :, idx], h, 1
-    qg = q.reshape(b, n, g, r, w)
-    logits = jnp.einsum("bqgrw,bkgw->bgrqk", qg, keys).reshape(b, h, n, keys.shape[1])
-    probs = probabilities(logits, heads, bias=None, mask=mask).astype(vals.dtype)
-    out = jnp.einsum("bgrqk,bkgw->bqgrw", probs.reshape(b, g, r, n, keys.shape[1]), vals)
-    return out.reshape(b, n, h * w)
+    probs, used = _grouped_probs(q, keys, idx, heads, mask)
+    if used is not None:
+        vals = vals[:, used]
+    out = jnp.einsum("bgmk,bgkw->bgmw", probs.astype(vals.dtype), vals)  # [b, g, r * n, w]
+    return _ungroup(out, q.shape[1])
 
 
 def _project(params: dict, cfg: GroupedAttentionConfig, x: Array, positions: Array):
@@ -216,17 +252,31 @@ def apply_grouped_attention(params: dict, x: Array, cfg: GroupedAttentionConfig,
     _, _, _, o, qh, kvh, _ = grouped_params(params)
     idx = kv_index(qh, kvh, cfg.group)
     qs, ks, vs = _project(params, cfg, x, positions)
-    return linear(o, _attend(qs, ks, vs, idx, qh, mask))
+    return linear(o, _attend(qs, heads_major(ks), heads_major(vs), idx, qh, mask))
 
 
 def init_grouped_cache(params: dict, batch: int, max_len: int, dtype=jnp.float32) -> dict:
-    """An empty cache ``{'k', 'v': zeros [batch, max_len, G, w]}`` (one entry per key-value
-    head)."""
+    """An empty cache ``{'k', 'v': zeros [batch, G, max_len, w]}`` (one entry per key-value
+    head, heads before positions: the layout the attention products read as stored)."""
     _, _, _, _, _, kvh, w = grouped_params(params, "init_grouped_cache")
     positive("init_grouped_cache", "batch", batch)
     positive("init_grouped_cache", "max_len", max_len)
-    shape = (int(batch), int(max_len), kvh.num_heads, w)
+    shape = (int(batch), kvh.num_heads, int(max_len), w)
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
+
+
+def write_slots(buf: Array, new: Array, index) -> Array:
+    """``new [b, G, n, w]`` written into ``buf [b, G, max_len, w]`` at slots ``index ..
+    index + n - 1`` (in place inside a compiled loop: ``dynamic_update_slice``)."""
+    return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index, axis=2)
+
+
+def causal_key_mask(index, n: int, k_len: int, mask: Array | None) -> Array:
+    """Boolean ``[batch or 1, 1, n, k_len]``: query ``i`` (buffer slot ``index + i``) sees the
+    slots ``<= index + i`` that ``mask`` (broadcastable, padding ``False``) allows."""
+    slot = jnp.asarray(index, jnp.int32) + jnp.arange(n)
+    visible = (jnp.arange(k_len)[None, :] <= slot[:, None])[None, None]  # [1, 1, n, k_len]
+    return visible if mask is None else jnp.logical_and(visible, mask)
 
 
 def apply_grouped_attention_cached(params: dict, x: Array, cfg: GroupedAttentionConfig,
@@ -257,14 +307,10 @@ def apply_grouped_attention_cached(params: dict, x: Array, cfg: GroupedAttention
     _, _, _, o, qh, kvh, _ = grouped_params(params)
     idx = kv_index(qh, kvh, cfg.group)
     qs, ks, vs = _project(params, cfg, x, positions)
-    n, k_len = x.shape[1], cache["k"].shape[1]
-    cache = {"k": jax.lax.dynamic_update_slice_in_dim(cache["k"], ks.astype(cache["k"].dtype),
-                                                      index, axis=1),
-             "v": jax.lax.dynamic_update_slice_in_dim(cache["v"], vs.astype(cache["v"].dtype),
-                                                      index, axis=1)}
-    slot = jnp.asarray(index, jnp.int32) + jnp.arange(n)
-    visible = (jnp.arange(k_len)[None, :] <= slot[:, None])[None, None]  # [1, 1, n, k_len]
-    mask = visible if mask is None else jnp.logical_and(visible, mask)
+    n, k_len = x.shape[1], cache["k"].shape[2]
+    cache = {"k": write_slots(cache["k"], heads_major(ks), index),
+             "v": write_slots(cache["v"], heads_major(vs), index)}
+    mask = causal_key_mask(index, n, k_len, mask)
     out = _attend(qs, cache["k"], cache["v"], idx, qh, mask)
     return linear(o, out), cache
 
@@ -314,6 +360,6 @@ def is_grouped_block(node) -> bool:
 
 
 __all__ = ["GroupedAttentionConfig", "apply_grouped_attention", "apply_grouped_attention_cached",
-           "grouped_head_widths", "grouped_params", "init_grouped_attention",
-           "init_grouped_cache", "is_grouped_block", "keep_kv_groups", "keep_query_heads",
-           "kv_index"]
+           "causal_key_mask", "grouped_head_widths", "grouped_params", "heads_major",
+           "init_grouped_attention", "init_grouped_cache", "is_grouped_block", "keep_kv_groups",
+           "keep_query_heads", "kv_index", "write_slots"]
