@@ -23,12 +23,21 @@ Quality (``--quality``): a random model with Chronos-Bolt-base's sizes (``d_mode
 divided by ``sqrt(d_kv)`` as T5's initialization does (Hugging Face's ``T5PreTrainedModel.
 _init_weights``), so that attention logits have unit scale; ``--no-query-scale`` leaves them
 ``N(0, 1/d_in)``, logits of standard deviation about 8), its attention and MLP
-projections quantized by a plan, run on real series windows (the family's ``sample_inputs``);
-the error is ``max |y_q - y| / max |y|`` of the normalized quantile outputs (the output scale),
-and its RMS counterpart. Variants: RTN and GPTQ int8, RTN int4 g128, GPTQ int4 g128 (calibration through
-the model's forward on other windows), and low rank (rank 32) plus an int4 g128 residual (the
-same leaves cost a bit more: the rank-32 float32 factors). ``--quality-layers N`` shrinks the
-stacks to ``N`` layers each (a quicker run, the same widths).
+projections quantized by a plan, run on real series windows (the family's ``sample_inputs``).
+Errors against the float32 model's quantile outputs, both as ``max |y_q - y| / max |y|`` ("max
+err/max") and ``sqrt(mean (y_q - y)^2 / mean y^2)`` ("rms err/rms"): on the normalized outputs
+(``(pred - loc) / scale`` per series, the scale the model works in) and, under "units", on the
+forecasts in the series' own units (where the series with the largest values dominate).
+Variants: RTN int8; a reference row, the float weights plus Gaussian noise of RTN int8's
+Frobenius norm per weight (what any perturbation of that size does to this model); RTN int8
+with int8 activations (``w8a8``, :class:`~lowrank_jax.leaves.Int8A8`); GPTQ int8; RTN and GPTQ
+int4 g128 (GPTQ calibrated through the model's forward on other windows); and at equal size,
+plain int4 g64 and g32 against low rank plus an int4 g128 residual whose rank is chosen per
+weight from the storage counts so that each weight takes the storage of the plain int4 leaf
+(``plain``: its bits per weight; ``ranks``: the ranks, one per weight shape), with int8 factors
+(g64 and g32 sizes) and int4 factors (g32 size); last, low rank 32 with float32 factors plus an
+int4 g128 residual (6.35 bits per weight). ``--quality-layers N`` shrinks the stacks to ``N``
+layers each (a quicker run, the same widths); ``--quality-variants`` runs some variants only.
 
 Usage::
 
@@ -36,6 +45,7 @@ Usage::
     python -m benchmarks.layers quantize --quick         # d = 768, 2048; 512 tokens; 5 runs
     python -m benchmarks.layers quantize --quick --json out.json
     python -m benchmarks.layers quantize --quick --quality --quality-layers 2
+    python -m benchmarks.layers quantize --no-speed --quality --quality-variants "rtn int8" noise
     python -m benchmarks.layers quantize --quick --demo    # the demo model's WQL, seeds 0 1 2
     python -m benchmarks.layers quantize --no-speed --lm            # LM perplexity, ~12 min
     python -m benchmarks.layers quantize --no-speed --lm --quick    # a smoke test, ~2 min

@@ -352,7 +352,7 @@ def _forward(config: Any, samples: int, seed: int, data: str = "sample"):
     if data != "sample":  # a batch source's first batch, the keys the forward takes
         from lowrank_jax.compress.prune.method import batch_source
 
-        batch = batch_source(data)(config, batch_size=samples, seed=seed)(0)
+        batch = batch_source(data, "quantize")(config, batch_size=samples, seed=seed)(0)
         keys = [k for k in inputs if k in batch]  # optional ones (a mask) may be absent
         if not keys:
             raise PlanError(f"quantize: the first batch of data={data!r} has none of the inputs "

@@ -272,7 +272,7 @@ def test_gptq_calibrates_on_a_named_batch_source_of_a_forecaster():
     # the encoder's layer is reached (and quantized) before the decoder's
     assert report.steps[0].info["stages"] == ["encoder/layers/0", "decoder/layers/0"]
     assert all(r.details["algorithm"] == "gptq" for r in report.rows)
-    with pytest.raises(PlanError, match="unknown batch source"):
+    with pytest.raises(PlanError, match="^quantize: unknown batch source .nope."):
         apply_plan(params, Step("quantize", [r"mlp/wi$"], {"algorithm": "gptq", "data": "nope"}),
                    config=cfg)
 
