@@ -513,12 +513,9 @@ def lm(seeds: list[int], samples: int, quick: bool, steps: int | None = None) ->
     projections quantized, held-out perplexity against the dense model's. The tied embedding
     table stays float32. GPTQ calibrates on ``samples`` training windows through the model's
     forward (a registered batch source), apart from the held-out files."""
-    import math
     import time
 
-    import optax
-
-    from benchmarks.methods.lm_study import corpus_windows
+    from benchmarks.methods.lm_study import corpus_windows, fit, perplexity_fn, window_batches
     from lowrank_jax.compress import Step, apply_plan
     from lowrank_jax.compress.prune import register_batches
     from lowrank_jax.models import LlamaConfig, llama
@@ -539,46 +536,18 @@ def lm(seeds: list[int], samples: int, quick: bool, steps: int | None = None) ->
           f"held-out windows of {c['seq'] + 1} tokens; {c['steps']} steps of {c['batch']}",
           flush=True)
     loss_fn = llama.loss(cfg)
-
-    def windows(seed: int, n: int):
-        def get(j):
-            rng = np.random.default_rng([seed, j])
-            return {"input_ids": jnp.asarray(train[rng.integers(0, len(train), n)])}
-        return get
-
     # calibration: training windows drawn apart from the batch order (seed + 2000)
-    register_batches(LM_SOURCE, lambda config, *, batch_size, seed: windows(seed + 2000,
-                                                                            batch_size))
-
-    def fit(params, seed):
-        opt = optax.adamw(optax.warmup_cosine_decay_schedule(
-            0.0, c["lr"], max(1, c["steps"] // 20), c["steps"]), weight_decay=0.01)
-        state = opt.init(params)
-
-        @jax.jit
-        def step(params, state, batch):
-            loss, grads = jax.value_and_grad(lambda q: loss_fn(q, batch, None)[0])(params)
-            updates, state = opt.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, loss
-
-        get = windows(seed + 1000, c["batch"])
-        for j in range(c["steps"]):
-            params, state, _ = step(params, state, get(j))
-        return params
-
-    @jax.jit
-    def eval_nll(params, ids):
-        return loss_fn(params, {"input_ids": ids}, None)[0]
-
-    def perplexity(params):  # equal chunks of 16 windows: the mean of means is the mean
-        return math.exp(float(np.mean([float(eval_nll(params, jnp.asarray(held[i:i + 16])))
-                                       for i in range(0, len(held) - len(held) % 16, 16)])))
+    register_batches(LM_SOURCE, lambda config, *, batch_size, seed: window_batches(
+        train, batch_size, seed + 2000))
+    # equal chunks of 16 windows: the mean of the chunks' means is the mean
+    perplexity = perplexity_fn(loss_fn, held[:len(held) - len(held) % 16])
 
     rules = [r"attn/(qk/q|qk/k|v|o)$", r"mlp/(wi_0|wi_1|wo)$"]
     rows = []
     for seed in seeds:
         t1 = time.perf_counter()
-        dense = fit(llama.init(jax.random.PRNGKey(seed), cfg), seed)
+        dense = fit(loss_fn, llama.init(jax.random.PRNGKey(seed), cfg), train,
+                    steps=c["steps"], seed=seed, lr=c["lr"], batch=c["batch"])
         fit_s = time.perf_counter() - t1
         dense_ppl = perplexity(dense)
         dense_bits = lj.storage_bits(dense)
