@@ -60,8 +60,10 @@ over 4 key-value heads, d_ff 768, vocabulary 4096, tied embeddings; ``--quick``:
 d_ff 512, vocabulary 1024, shorter windows and fewer steps) pretrained per seed on the Python
 standard library's source as ``python -m benchmarks.methods lm_study`` does (same corpus split,
 byte-level BPE, windows, AdamW with warm-up and cosine decay), its attention and MLP
-projections quantized (RTN and GPTQ at int8, int4 g128 and int4 g32; GPTQ calibrated on
-``--lm-samples`` training windows through the model's forward), scored by perplexity on
+projections quantized (RTN and GPTQ at int8, int4 g128 and int4 g32; at the size of int4 g32,
+low rank plus an int4 g128 residual with int8 or int4 factors, RTN, and with int4 factors
+GPTQ, the ranks chosen per weight from the storage counts as in ``--quality``; GPTQ calibrated
+on ``--lm-samples`` training windows through the model's forward), scored by perplexity on
 windows of the held-out files against the dense model's. The tied embedding table stays
 float32, so the whole model shrinks less than the projections' bits per weight say (``model
 size``).
@@ -494,13 +496,20 @@ LM_SIZES = {
                   batch=8, steps=120, lr=5e-3, corpus_bytes=400_000, eval_windows=48),
 }
 
+#: ``--lm`` variants: ``(name, settings, equal size)`` as :data:`QUALITY_VARIANTS`.
 LM_VARIANTS = (
-    ("rtn int8", {"bits": 8}),
-    ("gptq int8", {"bits": 8, "algorithm": "gptq"}),
-    ("rtn int4 g128", {"bits": 4, "group": 128}),
-    ("gptq int4 g128", {"bits": 4, "group": 128, "algorithm": "gptq"}),
-    ("rtn int4 g32", {"bits": 4, "group": 32}),
-    ("gptq int4 g32", {"bits": 4, "group": 32, "algorithm": "gptq"}),
+    ("rtn int8", {"bits": 8}, None),
+    ("gptq int8", {"bits": 8, "algorithm": "gptq"}, None),
+    ("rtn int4 g128", {"bits": 4, "group": 128}, None),
+    ("gptq int4 g128", {"bits": 4, "group": 128, "algorithm": "gptq"}, None),
+    ("rtn int4 g32", {"bits": 4, "group": 32}, None),
+    ("gptq int4 g32", {"bits": 4, "group": 32, "algorithm": "gptq"}, None),
+    ("rtn lowrank (int8) + int4 g128 = g32 size", {"bits": 4, "group": 128, "factor_bits": 8},
+     (32, 8)),
+    ("rtn lowrank (int4) + int4 g128 = g32 size", {"bits": 4, "group": 128, "factor_bits": 4},
+     (32, 4)),
+    ("gptq lowrank (int4) + int4 g128 = g32 size", {"bits": 4, "group": 128, "factor_bits": 4,
+                                                    "algorithm": "gptq"}, (32, 4)),
 )
 LM_SOURCE = "benchmark_quantize_lm"
 
@@ -555,11 +564,18 @@ def lm(seeds: list[int], samples: int, quick: bool, steps: int | None = None) ->
                "weights_bits_per_weight": 32.0, "size_ratio": 1.0, "seconds": fit_s}
         rows.append(row)
         print(LTABLE.line(row), flush=True)
-        for name, st in LM_VARIANTS:
+        for name, st, equal in LM_VARIANTS:
             if st.get("algorithm") == "gptq":
                 st = {**st, "data": LM_SOURCE, "samples": samples, "seed": seed}
+            step_rules = rules
+            if equal:  # ranks per weight: the storage of plain int4 g{equal[0]}
+                step_rules, info = equal_size_rules(dense, rules, equal[0], st["group"],
+                                                    equal[1])
             t1 = time.perf_counter()
-            new, report = apply_plan(dense, Step("quantize", rules, st), config=cfg)
+            new, report = apply_plan(dense, Step("quantize", step_rules, st), config=cfg)
+            if equal:
+                assert {r.path: r.bits_after for r in report.rows} == {
+                    p: v[1] for p, v in info.items()}
             secs = time.perf_counter() - t1
             ppl = perplexity(new)
             row = {"seed": seed, "variant": name, "settings": st, "ppl": ppl,
@@ -567,6 +583,10 @@ def lm(seeds: list[int], samples: int, quick: bool, steps: int | None = None) ->
                    "size_ratio": lj.storage_bits(new) / dense_bits,
                    "weights_bits_per_weight": sum(r.bits_after for r in report.rows) / sum(
                        r.params_before for r in report.rows)}
+            if equal:
+                row.update(ranks=sorted({v[0] for v in info.values()}),
+                           plain_bits_per_weight=sum(v[2] for v in info.values()) / sum(
+                               r.params_before for r in report.rows))
             rows.append(row)
             print(LTABLE.line(row), flush=True)
     setup["seconds"] = time.perf_counter() - t0
@@ -574,10 +594,13 @@ def lm(seeds: list[int], samples: int, quick: bool, steps: int | None = None) ->
 
 
 LTABLE = H.Table(
-    H.Col("seed", "seed", width=4), H.Col("variant", "variant", width=16),
+    H.Col("seed", "seed", width=4), H.Col("variant", "variant", width=42),
     H.Col("ppl", "ppl", ".3f", 8),
     H.Col("ppl rel", lambda r: f"{100 * r['ppl_rel']:+.2f}%", width=8),
     H.Col("bits/weight", "weights_bits_per_weight", ".3f", 11),
+    H.Col("plain", lambda r: f"{r['plain_bits_per_weight']:.3f}" if "plain_bits_per_weight" in r
+          else "", width=6),
+    H.Col("ranks", lambda r: ",".join(map(str, r["ranks"])) if "ranks" in r else "", width=9),
     H.Col("model size", "size_ratio", ".3f", 10), H.Col("s", "seconds", ".0f", 5))
 
 
@@ -603,6 +626,14 @@ def lm_goals(rows: list[dict]) -> dict:
                           sum(better), target=f"{len(better)} of {len(better)}",
                           holds=all(better), measured=f"{sum(better)} of {len(better)} seeds; "
                           f"RTN {text(f'rtn int4 {g}')}; GPTQ {text(f'gptq int4 {g}')}"))
+    for algo, fb in (("rtn", 8), ("rtn", 4), ("gptq", 4)):
+        low, plain = f"{algo} lowrank (int{fb}) + int4 g128 = g32 size", f"{algo} int4 g32"
+        if low in by:
+            better = [a < b for a, b in zip(by[low], by[plain], strict=True)]
+            out.update(H.goal(f"LM perplexity, {low} vs {plain} (same size)",
+                              float(np.mean(by[low]) - np.mean(by[plain])),
+                              measured=f"lower in {sum(better)} of {len(better)} seeds; "
+                                       f"low rank {text(low)}; plain {text(plain)}"))
     return out
 
 
