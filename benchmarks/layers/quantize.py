@@ -129,7 +129,8 @@ def np_rows_int8(x: np.ndarray) -> np.ndarray:
     x32 = np.asarray(x, np.float32)
     amax = np.abs(x32).max(-1, keepdims=True)
     sx = np.where(amax == 0, np.float32(1), amax * np.float32(1 / 127)).astype(np.float32)
-    return np.clip(np.round(x32 / sx), -127, 127).astype(np.float64) * sx.astype(np.float64)
+    codes = np.clip(np.round(x32 * (np.float32(1) / sx)), -127, 127)
+    return codes.astype(np.float64) * sx.astype(np.float64)
 
 
 TABLE = H.Table(

@@ -369,11 +369,13 @@ INT32_SAFE_D_IN = (2 ** 31 - 1) // (127 * 127)
 def quantize_rows(x: Array) -> tuple[Array, Array]:
     """Dynamic symmetric int8 codes of activations, one scale per row (per token).
 
-    ``scale = max_j |x[..., j]| * float32(1 / 127)`` (1 for a row of zeros; a product by the
-    float32 reciprocal, written out so that the scale is reproducible bit for bit: XLA would
-    compute a division by the constant that way, within an ulp of the quotient), ``codes =
-    clip(round(x / scale), -127, 127)``. A row holding a NaN gets a NaN scale (its output is
-    NaN, as a float product's would be).
+    ``scale = max_j |x[..., j]| * float32(1 / 127)`` (1 for a row of zeros), ``codes =
+    clip(round(x * (1 / scale)), -127, 127)`` (half to even). Both divisions are written as
+    products by a float32 reciprocal: XLA compiles a division by a constant or by a value
+    broadcast along the row that way anyway (within an ulp of the quotient, which can move a
+    value at a rounding midpoint to the next code), and written out, the codes are reproducible
+    bit for bit (in NumPy: the same float32 operations). A row holding a NaN gets a NaN scale
+    (its output is NaN, as a float product's would be).
 
     Args:
       x: ``[..., d]`` activations (any float dtype; computed in float32).
@@ -384,7 +386,8 @@ def quantize_rows(x: Array) -> tuple[Array, Array]:
     x = jnp.asarray(x, jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
     scale = jnp.where(amax == 0, jnp.float32(1), amax * jnp.float32(1 / 127))
-    return jnp.clip(jnp.round(x / scale), -127, 127).astype(jnp.int8), scale
+    inv = jnp.float32(1) / scale
+    return jnp.clip(jnp.round(x * inv), -127, 127).astype(jnp.int8), scale
 
 
 class Int8A8(Int8):

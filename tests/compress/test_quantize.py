@@ -294,7 +294,8 @@ def test_int8_activations_by_plan_rule_model_error_and_refusals(params, tmp_path
     x = np.random.default_rng(5).standard_normal((6, w.shape[0])).astype(np.float32)
     amax = np.abs(x).max(-1, keepdims=True)
     sx = (amax * np.float32(1 / 127)).astype(np.float32)
-    acc = np.clip(np.round(x / sx), -127, 127).astype(np.int64) @ np.asarray(wi.q, np.int64)
+    xq = np.clip(np.round(x * (np.float32(1) / sx)), -127, 127).astype(np.int64)
+    acc = xq @ np.asarray(wi.q, np.int64)
     b = bias_of(wi)
     ref = acc.astype(np.float32) * sx * np.asarray(wi.scale) + (0 if b is None else np.asarray(b))
     np.testing.assert_allclose(np.asarray(linear(wi, jnp.asarray(x))), ref, rtol=1e-6,

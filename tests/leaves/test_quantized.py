@@ -84,13 +84,13 @@ def test_int8_codes_and_product_match_numpy(scale_dtype):
 
 
 def np_w8a8(x, q, scale, b=None):
-    """NumPy W8A8 reference: each row of ``x`` quantized (``max |x| * float32(1/127)``, round,
-    clip to +-127), the integer product in int64, rescaled by row scale x column scale in
-    float32."""
+    """NumPy W8A8 reference: each row of ``x`` quantized (``s = max |x| * float32(1/127)``,
+    ``round(x * (1 / s))``, clip to +-127), the integer product in int64, rescaled by row scale
+    x column scale in float32."""
     x = np.asarray(x, np.float32)
     amax = np.abs(x).max(-1, keepdims=True)
     sx = np.where(amax == 0, np.float32(1), amax * np.float32(1 / 127)).astype(np.float32)
-    xq = np.clip(np.round(x / sx), -127, 127).astype(np.int64)
+    xq = np.clip(np.round(x * (np.float32(1) / sx)), -127, 127).astype(np.int64)
     acc = xq @ np.asarray(q).astype(np.int64)
     y = acc.astype(np.float32) * sx * np.asarray(scale, np.float32)
     return y if b is None else y + np.asarray(b, np.float32), xq, sx
@@ -109,6 +109,13 @@ def test_int8_activations_product_matches_numpy():
     np.testing.assert_array_equal(np.asarray(codes), xq)
     np.testing.assert_array_equal(np.asarray(scale), sx)
     assert codes.dtype == jnp.int8 and scale.dtype == jnp.float32
+    # codes bit for bit also on a large array, where values at a rounding midpoint occur (a
+    # division x / s compiled as x * (1 / s) moves some of them to the next code)
+    big = np.asarray(jax.random.normal(jax.random.key(1), (2048, 768), jnp.float32))
+    amax = np.abs(big).max(-1, keepdims=True)
+    sb = (amax * np.float32(1 / 127)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(L.quantized.quantize_rows)(big)[0]),
+                                  np.clip(np.round(big * (np.float32(1) / sb)), -127, 127))
     for y in (L.linear(leaf, jnp.asarray(x)), jax.jit(L.linear)(leaf, jnp.asarray(x))):
         assert y.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
