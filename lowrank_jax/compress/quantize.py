@@ -66,9 +66,9 @@ rounding only (``materialize`` of the leaf), not the activations'.
 A weight of an emptied block (no inputs or outputs) is passed through with a row of kind
 ``'empty'``. Row: ``kind='quantized'`` (``'quantized-factors'``, ``'lowrank+quantized'``);
 ``error`` ``||W - W_q||_F / ||W||_F`` in float64; ``details``: ``bits``, ``group``,
-``zero_point``, ``scale_dtype``, ``algorithm``, ``bits_per_weight`` (the new leaf's storage per
-weight of ``W``), and with calibration inputs ``output_error``, ``||X (W - W_q)||_F /
-||X W||_F``.
+``zero_point``, ``scale_dtype``, ``algorithm``, ``activations``, ``bits_per_weight`` (the new
+leaf's storage per weight of ``W``), and with calibration inputs ``output_error``,
+``||X (W - W_q)||_F / ||X W||_F``.
 """
 
 from __future__ import annotations
