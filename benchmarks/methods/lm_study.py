@@ -87,6 +87,59 @@ def corpus_windows(c: dict):
     return corpus, train, held[:c["eval_windows"]]
 
 
+def window_batches(train: np.ndarray, batch: int, seed: int):
+    """``get(j)``: batch ``j`` of ``batch`` training windows drawn with replacement by
+    ``np.random.default_rng([seed, j])``, as ``{"input_ids": ...}``."""
+    import jax.numpy as jnp
+
+    def get(j):
+        rng = np.random.default_rng([seed, j])
+        return {"input_ids": jnp.asarray(train[rng.integers(0, len(train), batch)])}
+    return get
+
+
+def fit(loss_fn, params, train: np.ndarray, *, steps: int, seed: int, lr: float, batch: int):
+    """``steps`` steps of AdamW (weight decay 0.01; learning rate warmed up linearly over the
+    first twentieth of the steps to ``lr``, then cosine-decayed to 0) on batches of
+    :func:`window_batches` with seed ``seed + 1000``; ``loss_fn(params, batch, key)`` a family's
+    loss. Returns the trained parameters."""
+    import jax
+    import optax
+
+    opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20), steps),
+                      weight_decay=0.01)
+    state = opt.init(params)
+
+    @jax.jit
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(lambda q: loss_fn(q, batch, None)[0])(params)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    get = window_batches(train, batch, seed + 1000)
+    for j in range(steps):
+        params, state, _ = step(params, state, get(j))
+    return params
+
+
+def perplexity_fn(loss_fn, held: np.ndarray, chunk: int = 16):
+    """``perplexity(params)``: ``exp`` of the mean over chunks of ``chunk`` held-out windows of
+    each chunk's mean token loss (one compiled evaluation shared by every call; a shorter last
+    chunk counts as one chunk)."""
+    import jax
+    import jax.numpy as jnp
+
+    @jax.jit
+    def eval_nll(params, ids):
+        return loss_fn(params, {"input_ids": ids}, None)[0]
+
+    def perplexity(params) -> float:
+        chunks = [float(eval_nll(params, jnp.asarray(held[i:i + chunk])))
+                  for i in range(0, len(held), chunk)]
+        return math.exp(float(np.mean(chunks)))
+    return perplexity
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = H.parser(__doc__, quick="d_model 64, 2 layers, vocabulary 1024, 150 steps")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -99,8 +152,6 @@ def main(argv: list[str] | None = None) -> dict:
         c["steps"] = args.steps
 
     import jax
-    import jax.numpy as jnp
-    import optax
 
     from lowrank_jax.compress import Step, apply_plan, factorize_init
     from lowrank_jax.compress.prune import register_batches
@@ -120,38 +171,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     loss_fn = llama.loss(cfg)
 
-    def batches(seed):
-        def get(j):
-            rng = np.random.default_rng([seed, j])
-            return {"input_ids": jnp.asarray(train[rng.integers(0, len(train), c["batch"])])}
-        return get
+    register_batches("lm_study", lambda config, *, batch_size, seed: window_batches(
+        train, c["batch"], seed))
 
-    register_batches("lm_study", lambda config, *, batch_size, seed: batches(seed))
+    def train_for(params, steps, seed, lr):
+        return fit(loss_fn, params, train, steps=steps, seed=seed, lr=lr, batch=c["batch"])
 
-    def fit(params, steps, seed, lr):
-        opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 20),
-                                                             steps), weight_decay=0.01)
-        state = opt.init(params)
-
-        @jax.jit
-        def step(params, state, batch):
-            loss, grads = jax.value_and_grad(lambda q: loss_fn(q, batch, None)[0])(params)
-            updates, state = opt.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, loss
-
-        get = batches(seed + 1000)
-        for j in range(steps):
-            params, state, _ = step(params, state, get(j))
-        return params
-
-    @jax.jit
-    def eval_nll(params, ids):
-        return loss_fn(params, {"input_ids": ids}, None)[0]
-
-    def perplexity(params):
-        chunks = [float(eval_nll(params, jnp.asarray(held[i:i + 16])))
-                  for i in range(0, len(held), 16)]
-        return math.exp(float(np.mean(chunks)))
+    perplexity = perplexity_fn(loss_fn, held)
 
     d = c["d_model"]
     dense_attn = 4 * d * d
@@ -167,22 +193,23 @@ def main(argv: list[str] | None = None) -> dict:
     for seed in args.seeds:
         t0 = time.perf_counter()
         init = llama.init(jax.random.PRNGKey(seed), cfg)
-        dense = fit(init, c["steps"], seed, c["lr"])
+        dense = train_for(init, c["steps"], seed, c["lr"])
         results = {"dense": dense}
         results[f"svd uniform r={r_uniform}"] = apply_plan(
             dense, Step("svd", [ATTN], {"rank": r_uniform}))[0]
         fac_u, _ = factorize_init(init, key=jax.random.PRNGKey(seed + 7), rules=(ATTN,),
                                   rank=r_uniform)
-        results[f"pretrained uniform rank r={r_uniform}"] = fit(fac_u, c["steps"], seed,
-                                                                c["lr"])
+        results[f"pretrained uniform rank r={r_uniform}"] = train_for(fac_u, c["steps"], seed,
+                                                                      c["lr"])
         fac_f, _ = factorize_init(init, key=jax.random.PRNGKey(seed + 7), rules=(ATTN,),
                                   schedule=flow)
-        results[f"pretrained flow-of-ranks {flow}"] = fit(fac_f, c["steps"], seed, c["lr"])
+        results[f"pretrained flow-of-ranks {flow}"] = train_for(fac_f, c["steps"], seed,
+                                                                c["lr"])
         pruned, _ = apply_plan(dense, Step("prune_heads", [r"attn/o$"], {
             "target": prune_target, "unit": "group", "data": "lm_study", "batch_size": 8,
             "steps": 4, "seed": seed}), config=cfg)
-        results["prune heads + fine-tune"] = fit(pruned, c["finetune"], seed + 500,
-                                                 c["lr"] / 3)
+        results["prune heads + fine-tune"] = train_for(pruned, c["finetune"], seed + 500,
+                                                       c["lr"] / 3)
         line = []
         for name, prm in results.items():
             ppl = perplexity(prm)

@@ -86,7 +86,7 @@ def _gate_derivatives(tree, blocks, config, s) -> list[np.ndarray]:
         raise NotApplicableError(f"prune_heads: family {fam.name!r} has no default loss to score "
                                  "heads with", where="config")
     loss_fn = fam.loss(config)
-    batches = batch_source(s["data"])(config, batch_size=int(s["batch_size"]),
+    batches = batch_source(s["data"], "prune_heads")(config, batch_size=int(s["batch_size"]),
                                       seed=int(s["seed"]))
     o_paths = [f"{b[0]}/o" for b in blocks]
     dense = [jnp.asarray(materialize(get_path(tree, p))) for p in o_paths]

@@ -55,12 +55,20 @@ Composition:
   (:func:`~lowrank_jax.leaves.channel_masked.pruned_base`; GPTQ uses the kept inputs' Gram
   matrix): quantization after structured pruning.
 
+Activations (``activations``): ``None`` (the default) keeps them float (weight-only);
+``'int8'`` (8-bit weights only) makes each weight an :class:`~lowrank_jax.leaves.Int8A8`, whose
+product also rounds every input row to int8 (dynamic per-token scales) and multiplies the codes
+in int32 (W8A8). It changes the model's numbers, so it is part of the stored leaf, and a rule
+may set it per weight. It is refused with 4-bit weights, with ``rank > 0`` and for a factorized
+weight (unless ``factors=False``). The rows' ``error`` and ``output_error`` measure the weight's
+rounding only (``materialize`` of the leaf), not the activations'.
+
 A weight of an emptied block (no inputs or outputs) is passed through with a row of kind
 ``'empty'``. Row: ``kind='quantized'`` (``'quantized-factors'``, ``'lowrank+quantized'``);
 ``error`` ``||W - W_q||_F / ||W||_F`` in float64; ``details``: ``bits``, ``group``,
-``zero_point``, ``scale_dtype``, ``algorithm``, ``bits_per_weight`` (the new leaf's storage per
-weight of ``W``), and with calibration inputs ``output_error``, ``||X (W - W_q)||_F /
-||X W||_F``.
+``zero_point``, ``scale_dtype``, ``algorithm``, ``activations``, ``bits_per_weight`` (the new
+leaf's storage per weight of ``W``), and with calibration inputs ``output_error``,
+``||X (W - W_q)||_F / ||X W||_F``.
 """
 
 from __future__ import annotations
@@ -85,9 +93,11 @@ from lowrank_jax.errors import ConfigError, NotApplicableError, PlanError
 from lowrank_jax.leaves import bias_of, factors, get_path, materialize_host, replace_paths
 from lowrank_jax.leaves.channel_masked import pruned_base
 from lowrank_jax.leaves.quantized import (
+    ACTIVATIONS,
     SCALE_DTYPES,
     Int4,
     Int8,
+    Int8A8,
     ProductLeaf,
     SumLeaf,
     Tap,
@@ -98,11 +108,12 @@ from lowrank_jax.leaves.quantized import (
 )
 
 SETTINGS = ("bits", "group", "zero_point", "scale_dtype", "algorithm", "damp", "block",
-            "samples", "seed", "data", "rank", "factor_bits", "factors")
-OVERRIDES = ("bits", "group", "zero_point", "scale_dtype", "rank", "factor_bits")
+            "samples", "seed", "data", "rank", "factor_bits", "factors", "activations")
+OVERRIDES = ("bits", "group", "zero_point", "scale_dtype", "rank", "factor_bits", "activations")
 DEFAULTS = {"bits": 8, "group": 128, "zero_point": False, "scale_dtype": "float32",
             "algorithm": "rtn", "damp": 0.01, "block": 128, "samples": 16, "seed": 0,
-            "data": "sample", "rank": 0, "factor_bits": None, "factors": True}
+            "data": "sample", "rank": 0, "factor_bits": None, "factors": True,
+            "activations": None}
 ALGORITHMS = ("rtn", "gptq")
 
 
@@ -142,6 +153,18 @@ def check_settings(settings: Mapping, where: str | None = None) -> dict:
         if not isinstance(s[name], bool):
             raise PlanError(f"quantize: {at}{name} must be true or false, got {s[name]!r}",
                             where=where or name, expected="bool", actual=s[name])
+    if s["activations"] not in ACTIVATIONS:
+        raise PlanError(f"quantize: {at}activations must be null (weight-only) or 'int8', got "
+                        f"{s['activations']!r}", where=where or "activations",
+                        expected=ACTIVATIONS, actual=s["activations"])
+    if s["activations"] == "int8" and s["bits"] != 8:
+        raise PlanError(f"quantize: {at}activations='int8' needs bits=8 (an int8 x int8 "
+                        f"product), got bits={s['bits']}", where=where or "activations",
+                        expected="bits=8", actual=s["bits"])
+    if s["activations"] == "int8" and s["rank"]:
+        raise PlanError(f"quantize: {at}activations='int8' applies to a plain int8 weight, not "
+                        f"to low rank plus a quantized residual (rank={s['rank']}); give rank=0",
+                        where=where or "activations", expected="rank=0", actual=s["rank"])
     if s["zero_point"] and s["bits"] == 8:
         raise PlanError(f"quantize: {at}8-bit weights are symmetric; zero_point needs bits=4",
                         where=where or "zero_point", expected=False, actual=True)
@@ -168,18 +191,20 @@ def check_settings(settings: Mapping, where: str | None = None) -> dict:
 # One weight.
 
 def _quant(w: np.ndarray, h: np.ndarray | None, b, *, bits: int, group, zero_point: bool,
-           scale_dtype: str, algorithm: str, damp: float, block: int):
+           scale_dtype: str, algorithm: str, damp: float, block: int,
+           activations: str | None = None):
     """``w [d_in, d_out]`` (float64 host array) as an integer leaf."""
     group = None if bits == 8 else group
     w32 = jnp.asarray(w, jnp.float32)
     if algorithm == "rtn" or h is None:
         return quantize_weight(w32, b, bits=bits, group=group, zero_point=zero_point,
-                               scale_dtype=scale_dtype)
+                               scale_dtype=scale_dtype, activations=activations)
     c, s, z, sizes = gptq(w32, jnp.asarray(h, jnp.float32), bits=bits, group=group,
                           zero_point=zero_point, scale_dtype=scale_dtype, block=block, damp=damp)
     if bits == 8:
-        return Int8(q=jnp.asarray(c.astype(np.int8)),
-                    scale=jnp.asarray(s[0]).astype(jnp.dtype(scale_dtype)), b=b)
+        return (Int8A8 if activations == "int8" else Int8)(
+            q=jnp.asarray(c.astype(np.int8)),
+            scale=jnp.asarray(s[0]).astype(jnp.dtype(scale_dtype)), b=b)
     return Int4.from_codes(c.astype(np.int64), s, z if zero_point else None, b,
                            group_sizes=sizes, scale_dtype=scale_dtype)
 
@@ -226,7 +251,8 @@ def quantize_node(node: Any, s: Mapping, h: np.ndarray | None = None) -> tuple[A
             lowrank = ProductLeaf(qu, _quant(v, hv, None, **{**fq, "group": _cap(fq, r)}))
         new = SumLeaf(_quant(w - _host(lowrank), h, None, **q), lowrank, b=b)
         kind = "lowrank+quantized"
-    elif s["factors"] and fac is not None and fac.first is not None and fac.rows is None:
+    elif s["factors"] and _factorized(fac):
+        _refuse_factored(s, "activations")
         u, v = np.asarray(fac.first, np.float64), np.asarray(fac.second, np.float64)
         qu = _quant(u, h, None, **q)
         hv = None if h is None else _host(qu).T @ h @ _host(qu)
@@ -234,13 +260,14 @@ def quantize_node(node: Any, s: Mapping, h: np.ndarray | None = None) -> tuple[A
                           b=fac.bias)
         kind = "quantized-factors"
     else:
-        new = _quant(w, h, b, **q)
+        new = _quant(w, h, b, **q, activations=s["activations"])
         kind = "quantized"
     after = _host(new)
     norm = float(np.linalg.norm(w))
     details = {"shape": [int(d) for d in base.shape], "bits": q["bits"],
                "group": None if q["bits"] == 8 else q["group"], "zero_point": q["zero_point"],
                "scale_dtype": q["scale_dtype"], "algorithm": q["algorithm"],
+               "activations": s["activations"],
                "bits_per_weight": new.storage_bits() / max(1, int(np.prod(base.shape))),
                "error": float(np.linalg.norm(w - after)) / norm if norm > 0 else 0.0}
     if rank > 0:
@@ -251,6 +278,20 @@ def quantize_node(node: Any, s: Mapping, h: np.ndarray | None = None) -> tuple[A
         details["output_error"] = float(np.sqrt(max(np.trace(d.T @ h @ d), 0.0) / den)) \
             if den > 0 else 0.0
     return put_back(new), kind, details
+
+
+def _factorized(fac) -> bool:
+    """Whether a weight's :func:`~lowrank_jax.leaves.factors` are stored ``U V`` factors the
+    method quantizes one by one."""
+    return fac is not None and fac.first is not None and fac.rows is None
+
+
+def _refuse_factored(s: Mapping, where: str) -> None:
+    if s["activations"] is not None and s["factors"] and not s["rank"]:
+        raise PlanError(f"quantize: {where}: activations='int8' applies to a plain int8 weight; "
+                        "this one is factorized (W = U V): give factors=false to quantize the "
+                        "product, or leave activations null", where=where,
+                        expected="a weight without stored factors", actual="factors")
 
 
 def _cap(q: Mapping, r: int):
@@ -311,7 +352,7 @@ def _forward(config: Any, samples: int, seed: int, data: str = "sample"):
     if data != "sample":  # a batch source's first batch, the keys the forward takes
         from lowrank_jax.compress.prune.method import batch_source
 
-        batch = batch_source(data)(config, batch_size=samples, seed=seed)(0)
+        batch = batch_source(data, "quantize")(config, batch_size=samples, seed=seed)(0)
         keys = [k for k in inputs if k in batch]  # optional ones (a mask) may be absent
         if not keys:
             raise PlanError(f"quantize: the first batch of data={data!r} has none of the inputs "
@@ -340,6 +381,9 @@ def quantize(params: Any, selection: list[Selection], settings: dict,
     base_s = check_settings(settings)
     eff = {sel.path: check_settings({**settings, **sel.overrides}, sel.path) for sel in selection}
     live = [sel for sel in selection if not is_empty(pruned_base(sel.node)[0])]
+    for sel in live:  # refused before anything is quantized
+        if _factorized(factors(pruned_base(sel.node)[0])):
+            _refuse_factored(eff[sel.path], sel.path)
     grams: dict[str, np.ndarray] = {}
     tree = params
     done: dict[str, tuple] = {}

@@ -83,6 +83,7 @@ from lowrank_jax.leaves.quantized import (
     FakeQuant,
     Int4,
     Int8,
+    Int8A8,
     ProductLeaf,
     SumLeaf,
     as_fake_quant,
@@ -118,6 +119,7 @@ from lowrank_jax.leaves.tree import (
 __all__ = [
     "BTDQueryKey", "CPQueryKey", "ChannelMasked", "ChannelPruned", "CompressedKeys", "Dense",
     "FakeQuant", "FixedBias", "FrozenBinary", "HeadLayout", "HeadLowRank", "Int4", "Int8",
+    "Int8A8",
     "LoRA", "LowRank", "MaskedBinary", "PackedBinary", "Partitioned", "ProductLeaf", "QueryKey",
     "SumLeaf", "as_fake_quant", "dequantize_tree", "fake_quantize", "freeze_fake_quant",
     "is_quantized", "quantize_weight", "add_lora",

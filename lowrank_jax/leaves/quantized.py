@@ -345,16 +345,113 @@ class Int8(Leaf):
         return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
-        return Int8(q=self.q[idx], scale=self.scale, b=self.b)
+        return dataclasses.replace(self, q=self.q[idx])
 
     def keep_outputs(self, idx):
-        return Int8(q=self.q[:, idx], scale=self.scale[idx], b=slice_bias(self.b, idx))
+        return dataclasses.replace(self, q=self.q[:, idx], scale=self.scale[idx],
+                                   b=slice_bias(self.b, idx))
 
     def logical_axes(self):
         return {"q": ("in", "out"), "scale": ("out",), "b": ("out",)}
 
 
 Int8 = leaf_dataclass(Int8)
+
+
+# ---------------------------------------------------------------------------------------------
+# Int8 weights with int8 activations.
+
+#: The largest ``d_in`` whose int8 x int8 products always fit an int32 accumulator
+#: (``127 * 127 * d_in < 2^31``).
+INT32_SAFE_D_IN = (2 ** 31 - 1) // (127 * 127)
+
+
+def quantize_rows(x: Array) -> tuple[Array, Array]:
+    """Dynamic symmetric int8 codes of activations, one scale per row (per token).
+
+    ``scale = max_j |x[..., j]| * float32(1 / 127)`` (1 for a row of zeros), ``codes =
+    clip(round(x * (1 / scale)), -127, 127)`` (half to even). Both divisions are written as
+    products by a float32 reciprocal: XLA compiles a division by a constant or by a value
+    broadcast along the row that way anyway (within an ulp of the quotient, which can move a
+    value at a rounding midpoint to the next code), and written out, the codes are reproducible
+    bit for bit (in NumPy: the same float32 operations). A row holding a NaN gets a NaN scale
+    (its output is NaN, as a float product's would be).
+
+    Args:
+      x: ``[..., d]`` activations (any float dtype; computed in float32).
+
+    Returns:
+      ``(codes int8 [..., d], scale float32 [..., 1])``.
+    """
+    x = jnp.asarray(x, jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    scale = jnp.where(amax == 0, jnp.float32(1), amax * jnp.float32(1 / 127))
+    inv = jnp.float32(1) / scale
+    return jnp.clip(jnp.round(x * inv), -127, 127).astype(jnp.int8), scale
+
+
+class Int8A8(Int8):
+    """An :class:`Int8` weight whose product also quantizes the activations to int8 (W8A8).
+
+    ``linear(leaf, x)``: every row (token) of ``x`` is quantized inside the compiled program
+    (:func:`quantize_rows`: symmetric, ``max |x_row| / 127``), the product of the int8 codes is
+    accumulated in int32 (``lax.dot_general(..., preferred_element_type=int32)``: exact up to
+    ``d_in`` = :data:`INT32_SAFE_D_IN`), then rescaled by ``row scale * column scale`` in
+    float32, the bias added in float; the result has the input's float dtype. This is the
+    dynamic per-token scheme of "LLM.int8(): 8-bit Matrix Multiplication for Transformers at
+    Scale" (arXiv:2208.07339) without its float outlier path, and of SmoothQuant's W8A8
+    (arXiv:2211.10438) without smoothing: a token with one large feature gets a coarse grid for
+    all the others.
+
+    Rounding the activations changes the numbers, so it is a property of the weight, not an
+    execution setting: build one with :meth:`quantize`, :func:`quantize_weight` with
+    ``activations='int8'``, :meth:`from_int8`, or the ``quantize`` plan method's
+    ``activations='int8'``. Fields, storage, ``param_count``, surgery, placement and save/load
+    are those of :class:`Int8`; ``flops`` counts the integer product, ``n_tokens d_in d_out``
+    multiply-adds (the activations' rounding is not counted, as no activation work is).
+    :meth:`to_dense` (``materialize``) gives the dequantized weight ``q * scale``: the
+    activations' rounding is not part of it, so ``x @ materialize(leaf)`` differs from
+    ``linear(leaf, x)`` by that rounding.
+    """
+
+    @classmethod
+    def from_int8(cls, leaf: Int8) -> "Int8A8":
+        """The same codes, scales and bias, with int8 activations."""
+        return cls(q=leaf.q, scale=leaf.scale, b=leaf.b)
+
+    def apply(self, x: Array) -> Array:
+        x = jnp.asarray(x)
+        out_dtype = x.dtype if jnp.issubdtype(x.dtype, jnp.floating) else jnp.float32
+        xq, sx = quantize_rows(x)
+        acc = jax.lax.dot_general(xq, self.q, (((xq.ndim - 1,), (0,)), ((), ())),
+                                  preferred_element_type=jnp.int32)
+        y = acc.astype(jnp.float32) * sx * self.scale.astype(jnp.float32)
+        y = y.astype(out_dtype)
+        return y if self.b is None else y + self.b
+
+
+Int8A8 = leaf_dataclass(Int8A8)
+
+#: What the ``activations`` option of :func:`quantize_weight` accepts.
+ACTIVATIONS = (None, "int8")
+
+
+def check_activations(activations: Any, bits: int, where: str = "activations") -> str | None:
+    """``activations`` validated: ``None`` (weight-only) or ``'int8'`` (only with 8-bit
+    weights).
+
+    Raises:
+      ConfigError: another value, or ``'int8'`` with 4-bit weights.
+    """
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"{where}: activations must be None (weight-only) or 'int8', got "
+                          f"{activations!r}", where=where, expected=ACTIVATIONS,
+                          actual=activations)
+    if activations == "int8" and bits != 8:
+        raise ConfigError(f"{where}: int8 activations need 8-bit weights (an int8 x int8 "
+                          f"product), got bits={bits}", where=where, expected="bits=8",
+                          actual=bits)
+    return activations
 
 
 # ---------------------------------------------------------------------------------------------
@@ -523,20 +620,24 @@ Int4 = leaf_dataclass(Int4, meta=("d_in", "group_sizes"))
 
 
 def quantize_weight(w: Any, b: Array | None = None, *, bits: int, group: int | None = 128,
-                    zero_point: bool = False, scale_dtype: Any = "float32") -> Leaf:
-    """Round-to-nearest :class:`Int8` (``bits=8``: per output channel, symmetric; ``group`` and
-    ``zero_point`` must be left at ``None`` / ``False`` or ``d_in``) or :class:`Int4`
-    (``bits=4``) of a float matrix ``w [d_in, d_out]``.
+                    zero_point: bool = False, scale_dtype: Any = "float32",
+                    activations: str | None = None) -> Leaf:
+    """Round-to-nearest :class:`Int8` (``bits=8``: per output channel, symmetric; ``group`` is
+    ignored and ``zero_point`` must be ``False``) or :class:`Int4` (``bits=4``) of a float
+    matrix ``w [d_in, d_out]``; ``activations='int8'`` (8 bits only) gives an :class:`Int8A8`,
+    whose product also rounds the activations to int8.
 
     Raises:
-      ConfigError: bits other than 4 or 8; groups or zero points asked of 8 bits.
+      ConfigError: bits other than 4 or 8; zero points asked of 8 bits; int8 activations with
+        4-bit weights.
     """
     bits = _check_bits(bits)
+    check_activations(activations, bits, "quantize: activations")
     if bits == 8:
         if zero_point:
             raise ConfigError("quantize: 8-bit weights are symmetric (no zero points); got "
                               "zero_point=True", where="zero_point", expected=False, actual=True)
-        return Int8.quantize(w, b, scale_dtype=scale_dtype)
+        return (Int8A8 if activations == "int8" else Int8).quantize(w, b, scale_dtype=scale_dtype)
     return Int4.quantize(w, b, group=group, zero_point=zero_point, scale_dtype=scale_dtype)
 
 
@@ -950,8 +1051,9 @@ def dequantize_tree(tree: Any) -> Any:
 
 
 __all__ = [
-    "BITS", "FakeQuant", "Int4", "Int8", "ProductLeaf", "SCALE_DTYPES", "SumLeaf", "Tap",
-    "as_fake_quant", "check_group", "check_scale_dtype", "codes", "dequantize_tree", "expand_groups",
+    "ACTIVATIONS", "BITS", "FakeQuant", "INT32_SAFE_D_IN", "Int4", "Int8", "Int8A8",
+    "ProductLeaf", "SCALE_DTYPES", "SumLeaf", "Tap", "as_fake_quant", "check_activations",
+    "check_group", "check_scale_dtype", "codes", "dequantize_tree", "expand_groups",
     "fake_quantize", "freeze_fake_quant", "grid", "group_sizes_for", "grouped_grid", "is_quantized",
-    "pack_nibbles", "qrange", "quantize_weight", "tap_sinks", "unpack_nibbles",
+    "pack_nibbles", "qrange", "quantize_rows", "quantize_weight", "tap_sinks", "unpack_nibbles",
 ]

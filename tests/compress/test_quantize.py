@@ -272,6 +272,61 @@ def test_gptq_calibrates_on_a_named_batch_source_of_a_forecaster():
     # the encoder's layer is reached (and quantized) before the decoder's
     assert report.steps[0].info["stages"] == ["encoder/layers/0", "decoder/layers/0"]
     assert all(r.details["algorithm"] == "gptq" for r in report.rows)
-    with pytest.raises(PlanError, match="unknown batch source"):
+    with pytest.raises(PlanError, match="^quantize: unknown batch source .nope."):
         apply_plan(params, Step("quantize", [r"mlp/wi$"], {"algorithm": "gptq", "data": "nope"}),
                    config=cfg)
+
+
+def test_int8_activations_by_plan_rule_model_error_and_refusals(params, tmp_path):
+    from lowrank_jax.io import load_params, save_params
+    from lowrank_jax.leaves import Int8, Int8A8, linear
+
+    plan = Step("quantize", [(MLP[0], {"activations": "int8"})] + ATTN, {"bits": 8})
+    new, report = apply_plan(params, plan)
+    rows = {r.path: r for r in report.rows}
+    wi, q = get_path(new, "encoder/layers/0/mlp/wi"), get_path(new, "encoder/layers/0/attn/qk/q")
+    assert type(wi) is Int8A8 and type(q) is Int8
+    assert rows["encoder/layers/0/mlp/wi"].details["activations"] == "int8"
+    assert rows["encoder/layers/0/attn/v"].details["activations"] is None
+    # the same codes as weight-only int8; the product rounds the rows of x (NumPy reference)
+    w = np.asarray(materialize(get_path(params, "encoder/layers/0/mlp/wi")), np.float32)
+    np.testing.assert_allclose(materialize_host(wi), np_rtn(w, 8, None), rtol=2e-7, atol=1e-7)
+    x = np.random.default_rng(5).standard_normal((6, w.shape[0])).astype(np.float32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    sx = (amax * np.float32(1 / 127)).astype(np.float32)
+    xq = np.clip(np.round(x * (np.float32(1) / sx)), -127, 127).astype(np.int64)
+    acc = xq @ np.asarray(wi.q, np.int64)
+    b = bias_of(wi)
+    ref = acc.astype(np.float32) * sx * np.asarray(wi.scale) + (0 if b is None else np.asarray(b))
+    np.testing.assert_allclose(np.asarray(linear(wi, jnp.asarray(x))), ref, rtol=1e-6,
+                               atol=1e-6 * np.abs(ref).max())
+    # model level: W8A8 on the MLP moves the output by more than weight-only int8 does, and
+    # still by a small fraction of the output scale
+    inputs = models.patch_encoder.sample_inputs(CFG, np.random.default_rng(0), 4)
+
+    def out(tree):
+        return np.asarray(models.patch_encoder.apply(tree, inputs, CFG)["last_hidden_state"],
+                          np.float64)
+
+    y = out(params)
+    w_only = out(apply_plan(params, Step("quantize", MLP + ATTN, {"bits": 8}))[0])
+    a8 = out(new)
+    err_w, err_a = (np.abs(v - y).max() / np.abs(y).max() for v in (w_only, a8))
+    assert err_w < err_a < 0.05, (err_w, err_a)
+    save_params(tmp_path / "a8", new)
+    back = load_params(tmp_path / "a8")
+    assert type(get_path(back, "encoder/layers/0/mlp/wi")) is Int8A8
+    np.testing.assert_array_equal(out(back), a8)
+    # refused where it cannot apply, naming the path, before anything is quantized
+    with pytest.raises(PlanError, match=r"encoder/layers/0/mlp/wi.*activations='int8' needs "
+                                        r"bits=8.*bits=4"):
+        apply_plan(params, Step("quantize", [(MLP[0], {"activations": "int8"})], {"bits": 4}))
+    with pytest.raises(PlanError, match="low rank plus a quantized residual"):
+        apply_plan(params, Step("quantize", MLP, {"activations": "int8", "rank": 2}))
+    with pytest.raises(PlanError, match="activations must be null"):
+        apply_plan(params, Step("quantize", MLP, {"activations": "int4"}))
+    svd = apply_plan(params, Step("svd", ATTN, {"rank": 4}))[0]
+    with pytest.raises(PlanError, match=r"encoder/layers/0/attn/.*factorized.*factors=false"):
+        apply_plan(svd, Step("quantize", ATTN, {"activations": "int8"}))
+    flat = apply_plan(svd, Step("quantize", ATTN, {"activations": "int8", "factors": False}))[0]
+    assert type(get_path(flat, "encoder/layers/0/attn/v")) is Int8A8

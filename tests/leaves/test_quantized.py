@@ -83,6 +83,77 @@ def test_int8_codes_and_product_match_numpy(scale_dtype):
     assert leaf.flops(4) == 4 * 70 * 9
 
 
+def np_w8a8(x, q, scale, b=None):
+    """NumPy W8A8 reference: each row of ``x`` quantized (``s = max |x| * float32(1/127)``,
+    ``round(x * (1 / s))``, clip to +-127), the integer product in int64, rescaled by row scale
+    x column scale in float32."""
+    x = np.asarray(x, np.float32)
+    amax = np.abs(x).max(-1, keepdims=True)
+    sx = np.where(amax == 0, np.float32(1), amax * np.float32(1 / 127)).astype(np.float32)
+    xq = np.clip(np.round(x * (np.float32(1) / sx)), -127, 127).astype(np.int64)
+    acc = xq @ np.asarray(q).astype(np.int64)
+    y = acc.astype(np.float32) * sx * np.asarray(scale, np.float32)
+    return y if b is None else y + np.asarray(b, np.float32), xq, sx
+
+
+def test_int8_activations_product_matches_numpy():
+    w, b = f32(30, (300, 9)), f32(31, (9,))
+    leaf = L.Int8A8.quantize(w, jnp.asarray(b))
+    weight_only = L.Int8.quantize(w, jnp.asarray(b))
+    np.testing.assert_array_equal(np.asarray(leaf.q), np.asarray(weight_only.q))
+    x = f32(32, (2, 5, 300)) * np.float32(10) ** np.linspace(-3, 3, 5, dtype=np.float32)[:, None]
+    x[0, 1] = 0.0  # a row of zeros: scale 1, output the bias
+    x[1, 2, 7] = 500.0  # an outlier: a coarse grid for the rest of its row
+    ref, xq, sx = np_w8a8(x, leaf.q, leaf.scale, b)
+    codes, scale = L.quantized.quantize_rows(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(codes), xq)
+    np.testing.assert_array_equal(np.asarray(scale), sx)
+    assert codes.dtype == jnp.int8 and scale.dtype == jnp.float32
+    # codes bit for bit also on a large array, where values at a rounding midpoint occur (a
+    # division x / s compiled as x * (1 / s) moves some of them to the next code)
+    big = np.asarray(jax.random.normal(jax.random.key(1), (2048, 768), jnp.float32))
+    amax = np.abs(big).max(-1, keepdims=True)
+    sb = (amax * np.float32(1 / 127)).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(L.quantized.quantize_rows)(big)[0]),
+                                  np.clip(np.round(big * (np.float32(1) / sb)), -127, 127))
+    for y in (L.linear(leaf, jnp.asarray(x)), jax.jit(L.linear)(leaf, jnp.asarray(x))):
+        assert y.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-6, atol=1e-6 * np.abs(ref).max())
+    np.testing.assert_array_equal(np.asarray(L.linear(leaf, jnp.asarray(x)))[0, 1], b)
+    # the activations' rounding is real: not the weight-only product
+    wo = np.asarray(L.linear(weight_only, jnp.asarray(x)), np.float64)
+    assert np.abs(wo - ref).max() > 1e3 * np.abs(np.asarray(jax.jit(L.linear)(
+        leaf, jnp.asarray(x))) - ref).max()
+    # the integer product in the compiled program
+    hlo = jax.jit(L.linear).lower(leaf, jnp.asarray(x)).as_text()
+    assert "xi8>, tensor<300x9xi8>) -> tensor<2x5x9xi32>" in hlo
+    # materialize: the dequantized weight; counts those of the weight-only leaf
+    np.testing.assert_array_equal(np.asarray(L.materialize(leaf)),
+                                  np.asarray(L.materialize(weight_only)))
+    assert leaf.storage_bits() == weight_only.storage_bits() == nbytes(leaf) * 8
+    assert leaf.param_count() == weight_only.param_count()
+    assert leaf.flops(7) == 7 * 300 * 9
+    # bfloat16 inputs: computed in float32, returned in bfloat16
+    yb = L.linear(L.Int8A8.quantize(w), jnp.asarray(x[0], jnp.bfloat16))
+    assert yb.dtype == jnp.bfloat16
+    # surgery keeps the kind; the product on the kept inputs matches NumPy
+    rows, cols = np.array([0, 4, 100, 299]), np.array([2, 8])
+    kept = L.keep_outputs(L.keep_inputs(leaf, rows), cols)
+    assert type(kept) is L.Int8A8
+    xs = f32(33, (4, 4))
+    np.testing.assert_allclose(np.asarray(L.linear(kept, jnp.asarray(xs))),
+                               np_w8a8(xs, np.asarray(leaf.q)[rows][:, cols],
+                                       np.asarray(leaf.scale)[cols], b[cols])[0], rtol=1e-6,
+                               atol=1e-6)
+    # built from the options
+    assert type(L.quantize_weight(w, bits=8, activations="int8")) is L.Int8A8
+    assert type(L.quantized.Int8A8.from_int8(weight_only)) is L.Int8A8
+    with pytest.raises(ConfigError, match="int8 activations need 8-bit weights.*bits=4"):
+        L.quantize_weight(w, bits=4, activations="int8")
+    with pytest.raises(ConfigError, match="activations must be None.*'fp8'"):
+        L.quantize_weight(w, bits=8, activations="fp8")
+
+
 @pytest.mark.parametrize("d_in,group,zero_point,scale_dtype", [
     (128, 32, False, "float32"), (128, 64, True, "float32"), (256, 128, False, "bfloat16"),
     (100, 32, False, "float32"),   # last group of 4 rows
@@ -132,7 +203,8 @@ def test_int4_save_load_bit_exact_and_size_on_disk(tmp_path):
     tree = {"a": L.Int4.quantize(f32(6, (2048, 512)), jnp.asarray(f32(7, (512,))), group=128),
             "z": L.Int4.quantize(f32(8, (33, 5)), group=32, zero_point=True,
                                  scale_dtype="bfloat16"),
-            "q": L.Int8.quantize(f32(9, (16, 4)))}
+            "q": L.Int8.quantize(f32(9, (16, 4))),
+            "a8": L.Int8A8.quantize(f32(9, (16, 4)), jnp.ones(4))}
     save_params(tmp_path / "c", tree)
     back = load_params(tmp_path / "c")
     assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(tree)
@@ -141,6 +213,7 @@ def test_int4_save_load_bit_exact_and_size_on_disk(tmp_path):
         assert np.asarray(a).dtype == np.asarray(b).dtype
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert back["z"].group_sizes == (32, 1)
+    assert type(back["a8"]) is L.Int8A8
     # size on disk within 5 % of the counted storage, for an int4 matrix of 1 M weights whose
     # codes are uniform on 0 .. 15 (4 bits of entropy each: the checkpoint writer compresses,
     # so codes of a Gaussian weight, with less entropy, take less room on disk than counted)

@@ -75,11 +75,15 @@ def batch_sources() -> list[str]:
     return [BUILTIN, *sorted(_SOURCES)]
 
 
-def batch_source(name: str) -> Callable:
+def batch_source(name: str, caller: str = "prune") -> Callable:
     """The batch source ``name``: ``make(config, *, batch_size, seed) -> batches``.
 
     ``'builtin'`` is the family's own: :attr:`~lowrank_jax.models.ModelFamily.batches` when its
     record has them, else, for a forecaster, :func:`builtin_batches`.
+
+    Args:
+      name: the source's name (a method's ``data`` setting).
+      caller: the method asking, named in the error (``'prune'``, ``'quantize'``, ...).
 
     Raises:
       PlanError: no such source (listing the known ones).
@@ -87,7 +91,7 @@ def batch_source(name: str) -> Callable:
     if name == BUILTIN:
         return _family_batches
     if name not in _SOURCES:
-        raise PlanError(f"prune: unknown batch source {name!r}; known: {batch_sources()} "
+        raise PlanError(f"{caller}: unknown batch source {name!r}; known: {batch_sources()} "
                         "(register_batches adds one)", where="data", expected=batch_sources(),
                         actual=name)
     return _SOURCES[name]
