@@ -461,7 +461,8 @@ def candidates(setting: CandidateSetting) -> list[Candidate]:
     at every strength ``keep`` the variant of :func:`variant` (int8, int4 g32, int4 g128:
     stronger compression at smaller ``keep``; ``keep`` is the candidate's nominal strength, its
     measured size is the frontier's), by round to nearest and, for a model with a config
-    (calibration through its forward), by GPTQ; composed, at the smallest strength ``k``:
+    (calibration through its forward, on the setting's ``prune_data`` batch source when it is
+    not ``'builtin'``: a language model's text), by GPTQ; composed, at the smallest strength ``k``:
     ``svd`` of attention at ratio ``k`` with int8 factors, ``prune`` removing ``1 - k`` (where
     it applies) then int8, and low rank (rank 8) plus an int4 g32 residual.
 
@@ -481,6 +482,9 @@ def candidates(setting: CandidateSetting) -> list[Candidate]:
         raise NotApplicableError("no attention or MLP projection it can quantize",
                                  where="quantize")
     algos = ["rtn"] + (["gptq"] if setting.config is not None else [])
+    # GPTQ calibrates on the frontier's batch source when it has one (a language model's text,
+    # a forecaster's CSV series), else on the family's representative inputs
+    calibration = {} if setting.prune_data == "builtin" else {"data": setting.prune_data}
     out, seen = [], set()
     for algo in algos:
         for k in setting.strengths:
@@ -489,9 +493,10 @@ def candidates(setting: CandidateSetting) -> list[Candidate]:
             if name in seen:
                 continue
             seen.add(name)
+            extra = calibration if algo == "gptq" else {}
             out.append(Candidate(name=name, group=f"quantize {algo}", keep=float(k),
                                  plan=Plan((Step("quantize", rules,
-                                                 {**st, "algorithm": algo}),))))
+                                                 {**st, "algorithm": algo, **extra}),))))
     k = min(setting.strengths)
     try:
         require(setting.params, "svd", ATTENTION)

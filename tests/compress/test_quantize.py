@@ -256,6 +256,14 @@ def test_frontier_measures_quantized_and_composed_candidates():
     # the same grid by either algorithm: the same size
     assert rows["quantize rtn int4 g32"]["size_ratio"] == rows["quantize gptq int4 g32"][
         "size_ratio"]
+    # with a batch source (a language model's text), GPTQ candidates calibrate on it
+    named = candidates(CandidateSetting(params=params, config=cfg, strengths=(0.5,),
+                                        prune_data="text"))
+    steps = [s for c in named for s in c.plan.steps if s.method == "quantize"]
+    gptq = [s for s in steps if s.settings.get("algorithm") == "gptq"]
+    assert gptq and all(s.settings["data"] == "text" for s in gptq)
+    assert all("data" not in s.settings for s in steps if s not in gptq)
+    assert all("data" not in s.settings for c in cands for s in c.plan.steps)
 
 
 def test_gptq_calibrates_on_a_named_batch_source_of_a_forecaster():
