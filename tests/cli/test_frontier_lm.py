@@ -47,6 +47,13 @@ def test_pruning_candidates_measured_on_the_directorys_text(llama_dir, tok, tmp_
         assert rows[name]["size_ratio"] < 1.0 and np.isfinite(rows[name]["rel_error"])
         assert rows[name]["rel_error"] > 0.0  # something was removed
     assert "prune" not in r["skipped"] and "prune_heads" not in r["skipped"]
+    # the frontier's GPTQ candidates calibrate on the same text: the quantize method's forward
+    # on that source runs the model on its token ids
+    from lowrank_jax.compress.quantize import _forward
+
+    cfg, params = load_pretrained(llama_dir)
+    logits = _forward(cfg, 2, 0, data=TEXT_BATCHES)(params)["logits"]
+    assert logits.shape == (2, 32, 300) and np.isfinite(np.asarray(logits)).all()
     # evaluated on held-out text windows (32 windows of the model's 32 positions)
     assert r["data"].startswith("32 held-out windows of 32 tokens of python standard")
     # the pruning batches are the standard library's training text, tokenized by the
