@@ -7,6 +7,7 @@ transformers; the test modules that use it skip without them (``pytest.importors
 asking for the fixture.
 """
 
+import functools
 import os
 
 #: ``kind: (config class, model class)`` names in transformers.
@@ -59,3 +60,12 @@ def saved_lm(directory, kind: str, *, seed: int = 0, vary: bool = False, tokeniz
     if tokenizer is not None:
         tokenizer.save(os.path.join(str(directory), "tokenizer.json"))
     return directory
+
+
+@functools.lru_cache(maxsize=None)
+def stdlib_bpe(vocab: int = 300):
+    """A byte-level BPE of ``vocab`` tokens trained on the first 100 kB of the standard-library
+    corpus's training files (trained once per process; tests only encode and decode with it)."""
+    from lowrank_jax.text import stdlib_corpus, train_bpe
+
+    return train_bpe(stdlib_corpus().read("train", max_bytes=100_000), vocab)

@@ -15,15 +15,15 @@ from lowrank_jax.cli.main import main  # noqa: E402
 from lowrank_jax.compress.prune.method import batch_source  # noqa: E402
 from lowrank_jax.convert import load_pretrained  # noqa: E402
 from lowrank_jax.recipes.frontier import TEXT_BATCHES  # noqa: E402
-from lowrank_jax.text import stdlib_corpus, train_bpe  # noqa: E402
+from lowrank_jax.text import stdlib_corpus  # noqa: E402
 
 FAST = ["--quick", "--methods", "prune", "prune_heads", "--time-runs", "1", "--budget", "0.9",
         "--no-progress"]
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return train_bpe(stdlib_corpus().read("train", max_bytes=100_000), 300)
+def tok(lm):
+    return lm.stdlib_bpe()
 
 
 def _llama(lm, d, tok=None):

@@ -12,13 +12,12 @@ pytest.importorskip("tokenizers")
 from lowrank_jax.cli.main import main  # noqa: E402
 from lowrank_jax.convert import load_pretrained  # noqa: E402
 from lowrank_jax.models import generate  # noqa: E402
-from lowrank_jax.text import stdlib_corpus, train_bpe  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
+def llama_dir(tmp_path_factory, lm):
     d = tmp_path_factory.mktemp("llama")
-    tok = train_bpe(stdlib_corpus().read("train", max_bytes=100_000), 300)
+    tok = lm.stdlib_bpe()
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=300, hidden_size=16, intermediate_size=24,
                                    num_hidden_layers=1, num_attention_heads=2,

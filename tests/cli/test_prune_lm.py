@@ -15,15 +15,15 @@ from lowrank_jax.convert import load_pretrained  # noqa: E402
 from lowrank_jax.io import load_model  # noqa: E402
 from lowrank_jax.leaves import Dense, bias_of, get_path, materialize, replace_paths  # noqa: E402
 from lowrank_jax.models import apply  # noqa: E402
-from lowrank_jax.text import stdlib_corpus, train_bpe  # noqa: E402
+from lowrank_jax.text import stdlib_corpus  # noqa: E402
 
 FAST = ["--prune-steps", "2", "--batch-size", "4", "--eval-batches", "2", "--seq-len", "16",
         "--no-progress"]
 
 
 @pytest.fixture(scope="module")
-def tok():
-    return train_bpe(stdlib_corpus().read("train", max_bytes=100_000), 300)
+def tok(lm):
+    return lm.stdlib_bpe()
 
 
 @pytest.fixture(scope="module")
