@@ -80,6 +80,12 @@ class ModelFamily:
     init_cache: Callable[..., Any] | None = None
     apply_cached: Callable[..., Any] | None = None
 
+    @property
+    def is_language_model(self) -> bool:
+        """Whether this is a decoder-only language model, which has cached decoding
+        (``apply_cached``) and a next-token loss."""
+        return self.apply_cached is not None and self.loss is not None
+
 
 _FAMILIES: dict[str, ModelFamily] = {}
 

@@ -55,12 +55,11 @@ HELD_OUT = 0.1
 
 
 def is_language_model(config) -> bool:
-    """Whether ``config``'s family is a decoder-only language model (cached decoding and a
-    next-token loss)."""
+    """Whether ``config``'s family is a decoder-only language model
+    (:attr:`lowrank_jax.models.ModelFamily.is_language_model`)."""
     from lowrank_jax.models import family_of
 
-    fam = family_of(config)
-    return fam.apply_cached is not None and fam.loss is not None
+    return family_of(config).is_language_model
 
 
 def max_positions(config) -> int | None:

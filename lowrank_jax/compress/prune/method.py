@@ -347,7 +347,7 @@ def check_prunable(setting: CandidateSetting) -> None:
         raise NotApplicableError(f"family {fam.name!r} has no default loss to score channels",
                                  where="config")
     if setting.prune_data == BUILTIN and not has_builtin_batches(setting.config):
-        if fam.apply_cached is not None:  # a decoder-only language model: it needs text
+        if fam.is_language_model:  # it needs text
             raise NotApplicableError(
                 f"a {fam.name} language model has no built-in batches: give it text (lowrank-jax "
                 "frontier --tokenizer tokenizer.json [--text FILE|DIR], or prune_data= a source "
