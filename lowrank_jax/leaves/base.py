@@ -293,6 +293,26 @@ class Leaf(abc.ABC):
         return self.shape[1]
 
 
+class _StoredBias:
+    """The bias members of a leaf dataclass that stores its bias as a field ``b: Array | None``.
+
+    :attr:`Leaf.bias` returns ``b``; :meth:`Leaf.with_bias` is ``dataclasses.replace(self,
+    b=b)``, so the leaf's ``__post_init__`` checks the new bias. Put it before :class:`Leaf`
+    in the bases (``class Dense(_StoredBias, Leaf)``) so these members take the place of the
+    not-supported defaults. It declares no field: the dataclass's fields, ``__init__`` and
+    pytree flattening (hence checkpoints) are the leaf's own, and the leaf still counts ``b``
+    in its :meth:`Leaf.param_count` and :meth:`Leaf.storage_bits`. A leaf whose bias is
+    anything else (a wrapped leaf's, reshaped, dropped with the wrapper) writes its own.
+    """
+
+    @property
+    def bias(self) -> Array | None:
+        return self.b
+
+    def with_bias(self, b: Array | None) -> "Leaf":
+        return dataclasses.replace(self, b=b)
+
+
 # ---------------------------------------------------------------------------------------------
 # Dispatch functions: the only way blocks and surgery touch a weight.
 

@@ -7,14 +7,13 @@ at inference.
 
 from __future__ import annotations
 
-import dataclasses
-
 from lowrank_jax.errors import ShapeError
 from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
     Factors,
     Leaf,
+    _StoredBias,
     array_bits,
     array_size,
     check_bias,
@@ -23,7 +22,7 @@ from lowrank_jax.leaves.base import (
 )
 
 
-class Dense(Leaf):
+class Dense(_StoredBias, Leaf):
     """A dense weight ``w: [d_in, d_out]`` with optional bias ``b: [d_out]``.
 
     ``linear(Dense(w, b), x) = x @ w + b``.
@@ -63,13 +62,6 @@ class Dense(Leaf):
     def flops(self, n_tokens: int) -> int:
         return n_tokens * self.d_in * self.d_out
 
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
-
     def keep_inputs(self, idx):
         return Dense(w=self.w[idx], b=self.b)
 
@@ -83,7 +75,7 @@ class Dense(Leaf):
 Dense = leaf_dataclass(Dense)
 
 
-class LowRank(Leaf):
+class LowRank(_StoredBias, Leaf):
     """A rank-``r`` factorization ``W = u @ v`` kept factorized.
 
     "Understanding Transformers for Time Series" eq. 19 (shared sketch). ``u: [d_in, r]``,
@@ -134,13 +126,6 @@ class LowRank(Leaf):
 
     def flops(self, n_tokens: int) -> int:
         return n_tokens * self.rank * (self.d_in + self.d_out)
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
         if not len(idx):  # (x @ u) would be zeros: rank 0, the bias alone

@@ -6,8 +6,6 @@ Compressibility", eq. 20: each head's columns ``W^(i)`` get their own input sket
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 
@@ -16,6 +14,7 @@ from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
     Leaf,
+    _StoredBias,
     array_bits,
     array_size,
     check_bias,
@@ -28,7 +27,7 @@ from lowrank_jax.leaves.base import (
 EXACT_BELOW = 0.9
 
 
-class HeadLowRank(Leaf):
+class HeadLowRank(_StoredBias, Leaf):
     """Per-head factors for a projection that produces ``h`` heads of size ``d_h``.
 
     "Understanding Transformers for Time Series", eq. 20: ``W^(i) ~ W_1^(i) W_2^(i)`` with a
@@ -174,13 +173,6 @@ class HeadLowRank(Leaf):
         if self._exact_layout() is not None:
             return n_tokens * sum(self.ranks) * (self.d_in + self.d_head)
         return n_tokens * self.num_heads * self.max_rank * (self.d_in + self.d_head)
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
         if not len(idx):  # every head's sketch would be zeros: rank 0, the bias alone

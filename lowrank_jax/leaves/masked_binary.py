@@ -15,6 +15,7 @@ from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
     Leaf,
+    _StoredBias,
     array_bits,
     array_size,
     check_bias,
@@ -119,7 +120,7 @@ def pairwise_sum(a: Array) -> Array:
     return v[0]
 
 
-class MaskedBinary(Leaf):
+class MaskedBinary(_StoredBias, Leaf):
     """Biprop weight: ``W_eff = alpha * sign(w) * M`` with ``M`` chosen by scores
     ("Sparse Binary Transformers for Multivariate Time Series Modeling", Gorbett et al.,
     arXiv:2308.04637, sec. 3.2 eqs. 1-2; Biprop from "Multi-Prize Lottery Ticket Hypothesis",
@@ -242,13 +243,6 @@ class MaskedBinary(Leaf):
     def trainable(self) -> "MaskedBinary":
         return dataclasses.replace(jax.tree_util.tree_map(lambda _: True, self), w=False)
 
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
-
     def freeze(self) -> "FrozenBinary":
         """The current weight as a :class:`FrozenBinary`: signs of the kept entries and
         ``alpha``, fixed. ``linear`` gives bit-identical outputs."""
@@ -271,7 +265,7 @@ class MaskedBinary(Leaf):
 MaskedBinary = leaf_dataclass(MaskedBinary, meta=("keep", "divisor"))
 
 
-class FrozenBinary(Leaf):
+class FrozenBinary(_StoredBias, Leaf):
     """A binary weight with its mask and gain fixed: ``W = alpha * signs``.
 
     Fields:
@@ -325,13 +319,6 @@ class FrozenBinary(Leaf):
     def trainable(self) -> "FrozenBinary":
         return dataclasses.replace(jax.tree_util.tree_map(lambda _: True, self), signs=False,
                                    alpha=False)
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
         return FrozenBinary(signs=self.signs[idx], alpha=self.alpha, b=self.b)

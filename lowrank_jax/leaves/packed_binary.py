@@ -46,6 +46,7 @@ from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
     Leaf,
+    _StoredBias,
     array_bits,
     array_size,
     check_bias,
@@ -124,7 +125,7 @@ def unpacked_weight(sign_bits: Array, mask_bits: Array, alpha: Array, d_in: int)
     return w.reshape(w.shape[0] * WORD, w.shape[-1])[:d_in]
 
 
-class PackedBinary(Leaf):
+class PackedBinary(_StoredBias, Leaf):
     """A binary weight ``W = alpha * sign * mask`` stored as sign and mask bit planes.
 
     Fields:
@@ -243,13 +244,6 @@ class PackedBinary(Leaf):
     def trainable(self) -> "PackedBinary":
         return dataclasses.replace(jax.tree_util.tree_map(lambda _: True, self),
                                    sign_bits=False, mask_bits=False, alpha=False)
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
 
     def _frozen(self) -> FrozenBinary:
         return FrozenBinary(signs=jnp.asarray(self.signs_int8()), alpha=self.alpha, b=self.b)

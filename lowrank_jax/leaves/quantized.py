@@ -63,6 +63,7 @@ from lowrank_jax.leaves.base import (
     CONCRETE,
     Array,
     Leaf,
+    _StoredBias,
     array_bits,
     array_size,
     bias_of,
@@ -268,7 +269,7 @@ def _product(x: Array, w: Array) -> Array:
 # ---------------------------------------------------------------------------------------------
 # Int8.
 
-class Int8(Leaf):
+class Int8(_StoredBias, Leaf):
     """An 8-bit weight with one scale per output channel: ``W[i, j] = scale[j] * q[i, j]``.
 
     Fields:
@@ -336,13 +337,6 @@ class Int8(Leaf):
     def trainable(self) -> "Int8":
         return dataclasses.replace(jax.tree_util.tree_map(lambda _: True, self), q=False,
                                    scale=False)
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
         return dataclasses.replace(self, q=self.q[idx])
@@ -457,7 +451,7 @@ def check_activations(activations: Any, bits: int, where: str = "activations") -
 # ---------------------------------------------------------------------------------------------
 # Int4.
 
-class Int4(Leaf):
+class Int4(_StoredBias, Leaf):
     """A 4-bit weight with one scale (and optionally one zero point) per group of inputs and
     output channel: ``W[i, j] = scale[g(i), j] * (code[i, j] - zero[g(i), j])``.
 
@@ -590,13 +584,6 @@ class Int4(Leaf):
         return dataclasses.replace(jax.tree_util.tree_map(lambda _: True, self), packed=False,
                                    scale=False, zero=None if self.zero is None else False)
 
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
-
     def keep_inputs(self, idx):
         nib = np.asarray(self.nibbles())[idx]
         gid = np.repeat(np.arange(len(self.group_sizes)), self.group_sizes)[idx]
@@ -644,7 +631,7 @@ def quantize_weight(w: Any, b: Array | None = None, *, bits: int, group: int | N
 # ---------------------------------------------------------------------------------------------
 # Training: fake quantization with a straight-through estimator.
 
-class FakeQuant(Leaf):
+class FakeQuant(_StoredBias, Leaf):
     """A float master weight quantized in the forward, for quantization-aware training.
 
     ``linear(FakeQuant(w), x) = x @ Q(w) (+ b)`` with ``Q`` the grid of the integer leaf of the
@@ -720,13 +707,6 @@ class FakeQuant(Leaf):
 
     def flops(self, n_tokens: int) -> int:
         return int(n_tokens) * self.d_in * self.d_out
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
 
     def keep_inputs(self, idx):
         return dataclasses.replace(self, w=self.w[idx])
@@ -807,7 +787,7 @@ def _trainable(x: Any) -> Any:
     return x.trainable() if isinstance(x, Leaf) else True
 
 
-class _TwoParts(Leaf):
+class _TwoParts(_StoredBias, Leaf):
     """What :class:`ProductLeaf` and :class:`SumLeaf` share: two parts ``first`` and
     ``second`` (weight leaves or arrays) and an optional bias ``b``. Counts are the sums of the
     parts' plus the bias; training trains both parts and the bias."""
@@ -828,13 +808,6 @@ class _TwoParts(Leaf):
 
         return rebuild(self, first=_trainable(self.first), second=_trainable(self.second),
                        b=None if self.b is None else True)
-
-    @property
-    def bias(self):
-        return self.b
-
-    def with_bias(self, b):
-        return dataclasses.replace(self, b=b)
 
 
 class ProductLeaf(_TwoParts):
