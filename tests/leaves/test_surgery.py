@@ -205,3 +205,72 @@ def test_bias_and_with_bias(kind):
 
 def test_bias_of_plain_array_is_none():
     assert lj.bias_of(jnp.zeros((3, 2))) is None
+
+
+def _stored_bias_leaf(name, b):
+    """A [D_IN, D_OUT] leaf of the class ``name`` whose bias is its field ``b``."""
+    w, w2 = f32(60, (D_IN, D_OUT)), f32(61, (D_IN, D_OUT))
+    if name in ("Dense", "LowRank", "HeadLowRank", "MaskedBinary", "FrozenBinary"):
+        kind = {"Dense": "dense", "LowRank": "lowrank", "HeadLowRank": "head_lowrank",
+                "MaskedBinary": "masked_binary", "FrozenBinary": "frozen_binary"}[name]
+        return make_leaf(kind)[0].with_bias(b)
+    if name == "PackedBinary":
+        return lj.pack_binary_tree([lj.MaskedBinary(jnp.asarray(w), jnp.asarray(w2), b, keep=0.4)])[0]
+    if name in ("Int8", "Int8A8"):
+        return getattr(lj, name).quantize(w, b)
+    if name == "Int4":
+        return lj.Int4.quantize(w, b, group=4)
+    if name == "FakeQuant":
+        return lj.FakeQuant(jnp.asarray(w), b, bits=4, group=4)
+    if name == "ProductLeaf":
+        return lj.ProductLeaf(lj.Int8.quantize(f32(62, (D_IN, 3))), jnp.asarray(f32(63, (3, D_OUT))), b)
+    if name == "SumLeaf":
+        return lj.SumLeaf(jnp.asarray(w), lj.Dense(jnp.asarray(w2)), b)
+    if name == "FixedBias":
+        return lj.FixedBias(lj.Dense(jnp.asarray(w)), b)
+    raise AssertionError(name)
+
+
+STORED_BIAS = ["Dense", "LowRank", "HeadLowRank", "MaskedBinary", "FrozenBinary", "PackedBinary",
+               "Int8", "Int8A8", "Int4", "FakeQuant", "ProductLeaf", "SumLeaf", "FixedBias"]
+# Leaves with a field ``b`` that is not their bias as stored: LoRA's ``b`` is its up factor (the
+# bias is the base leaf's); Partitioned stores its bias per machine ([machines, d_out/machines]).
+OTHER_B = {"LoRA", "Partitioned"}
+
+
+def test_every_leaf_with_a_field_b_is_covered():
+    with_b = {cls.__name__ for name, cls in lj.node_types().items()
+              if name.startswith("lowrank_jax.") and issubclass(cls, lj.Leaf)
+              and "b" in lj.data_fields(cls)}
+    assert with_b == set(STORED_BIAS) | OTHER_B
+
+
+@pytest.mark.parametrize("name", STORED_BIAS)
+def test_stored_bias_is_the_field_b_and_with_bias_round_trips(name):
+    b, nb = jnp.asarray(f32(64, (D_OUT,))), jnp.asarray(f32(65, (D_OUT,)))
+    leaf = _stored_bias_leaf(name, b)
+    assert type(leaf).__name__ == name
+    b = leaf.bias
+    assert b is leaf.b  # the stored array itself, not a copy (a builder may have cast it)
+    np.testing.assert_array_equal(np.asarray(b), f32(64, (D_OUT,)))
+    x = jnp.asarray(X)
+    none = leaf.with_bias(None)
+    assert lj.bias_of(none) is None
+    swapped = leaf.with_bias(nb)
+    assert type(swapped) is type(leaf) and swapped.bias is nb and leaf.bias is b
+    assert lj.meta_fields(swapped) == lj.meta_fields(leaf)
+    for f in lj.meta_fields(leaf):
+        assert getattr(swapped, f) == getattr(leaf, f)
+    for f in lj.data_fields(leaf):  # everything but the bias is carried over as it is
+        assert f == "b" or getattr(swapped, f) is getattr(leaf, f)
+    # the new bias is the one added: y(with nb) - y(without) = nb (float32 addition)
+    y0 = np.asarray(lin(none, x), np.float64)
+    np.testing.assert_allclose(np.asarray(lin(swapped, x), np.float64) - y0, np.broadcast_to(
+        np.asarray(nb, np.float64), y0.shape), atol=TOL)
+    back = swapped.with_bias(b)
+    assert type(back) is type(leaf) and back.bias is b
+    assert jax.tree_util.tree_structure(back) == jax.tree_util.tree_structure(leaf)
+    again = none.with_bias(b)  # FixedBias without a bias is its wrapped leaf: that one takes b
+    assert again.bias is b
+    np.testing.assert_allclose(np.asarray(lin(again, x)), np.asarray(lin(leaf, x)), atol=TOL)
+    assert lj.param_count(leaf) == lj.param_count(none) + D_OUT
