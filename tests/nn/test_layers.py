@@ -732,9 +732,10 @@ def test_cached_decoder_steps_match_numpy_reference(prenorm, norm):
     assert int(cache["index"]) == steps
     got = jnp.concatenate(outs, axis=1)
     assert max_err(got, ref) <= TOL
-    # The cache holds the per-head keys of every position: [batch, max_len, heads, width].
-    assert cache["layers"][1]["self"]["k"].shape == (2, steps, 1, 3)
-    assert cache["layers"][0]["cross"]["v"].shape == (2, 5, 2, 3)
+    # The cache holds the per-head keys and values of every position, heads before positions:
+    # [batch, heads, max_len, width].
+    assert cache["layers"][1]["self"]["k"].shape == (2, 1, steps, 3)
+    assert cache["layers"][0]["cross"]["v"].shape == (2, 2, 5, 3)
 
 
 def factorized_block(kind, seed):
