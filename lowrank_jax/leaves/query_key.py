@@ -69,7 +69,8 @@ class QK(abc.ABC):
     Required: :attr:`num_heads`, :attr:`d_q_in`, :attr:`d_k_in`, :meth:`logits`,
     :meth:`score_flops`, :meth:`joint`, :meth:`keep_heads`, :meth:`keep_inputs`. Optional
     capabilities with defaults: :meth:`keys` / :meth:`queries` / :meth:`logits_from_queries`
-    (cached decoding and batch chunks; the defaults raise), :meth:`projections` (the separable
+    (cached decoding and batch chunks; the defaults raise), :meth:`keys_axis` (the axis of the
+    key positions in what :meth:`keys` returns; default 1), :meth:`projections` (the separable
     per-head form that key folding and fixed activation masks need; default ``None``),
     :meth:`separable` (whether queries and keys can be projected apart).
     """
@@ -101,12 +102,21 @@ class QK(abc.ABC):
         """
 
     def keys(self, xkv: Array, *, k_mask: Array | None = None) -> Array:
-        """What a key-value cache keeps of the keys' input: ``[batch, k_len, ...]``, one entry
-        per key, so that ``logits(xq, xkv) == logits_from_keys(xq, keys(xkv))`` and keys
-        computed one step at a time can be written into a preallocated buffer along axis 1
+        """What a key-value cache keeps of the keys' input: ``[batch, ...]`` with one entry
+        per key along axis :meth:`keys_axis` (``[batch, k_len, ...]`` by default), so that
+        ``logits(xq, xkv) == logits_from_keys(xq, keys(xkv))`` and keys computed one step at a
+        time can be written into a preallocated buffer along that axis
         (:func:`lowrank_jax.nn.apply_attention_cached`). Types that implement both methods
         support cached decoding; the default raises."""
         raise _no_cache(self)
+
+    def keys_axis(self) -> int:
+        """The axis of the key positions in what :meth:`keys` returns (at least 1: axis 0 is
+        the batch). Cached decoding writes new keys and reads the cache's length along it.
+        Default 1 (``[batch, k_len, ...]``); :class:`QueryKey` keeps its per-head keys heads
+        first (``[batch, heads, k_len, w]``, axis 2), the layout of the products that read
+        them, so that a decoding step does not copy the cache into another layout."""
+        return 1
 
     def logits_from_keys(self, xq: Array, keys: Array, *, q_mask: Array | None = None) -> Array:
         """Unscaled logits ``[batch, heads, q_len, k_len]`` of queries against keys from
@@ -241,11 +251,15 @@ class QueryKey(QK):
         return self.logits_from_keys(xq, self.keys(xkv, k_mask=k_mask), q_mask=q_mask)
 
     def keys(self, xkv, *, k_mask=None):
-        """Per-head keys ``[batch, k_len, heads, max(widths)]`` (zero-padded per head)."""
+        """Per-head keys ``[batch, heads, k_len, max(widths)]`` (zero-padded per head; heads
+        before positions, :meth:`keys_axis` 2)."""
         k = split_heads(linear(self.k, xkv), self.widths)  # [b, k_len, h, w]
         if k_mask is not None:  # [k_len, w] -> [k_len, 1, w]: the same mask for every head
             k = k * k_mask[:, None, :].astype(k.dtype)
-        return k
+        return jnp.swapaxes(k, 1, 2)  # [b, h, k_len, w]
+
+    def keys_axis(self):
+        return 2
 
     def queries(self, xq, *, q_mask=None):
         """Per-head queries ``[batch, q_len, heads, max(widths)]`` (zero-padded per head)."""
@@ -255,7 +269,7 @@ class QueryKey(QK):
         return q
 
     def logits_from_queries(self, queries, keys):
-        return jnp.einsum("bqhd,bkhd->bhqk", queries, keys)
+        return jnp.einsum("bqhd,bhkd->bhqk", queries, keys)  # keys heads first
 
     def projections(self) -> Projections:
         return Projections(self.q, self.k, self.widths)

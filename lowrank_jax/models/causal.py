@@ -5,7 +5,7 @@ structure.
 The cache of a decoder-only model is a plain pytree with static shapes::
 
     {'index': int32[],              # buffer slot of the next token (shared by the batch)
-     'layers': [{'k', 'v'}, ...]}   # per layer, [batch, max_len, heads, width]
+     'layers': [{'k', 'v'}, ...]}   # per layer, [batch, heads, max_len, width]
 
 With left-padded prompts every row writes the same buffer slot at each step; a row's padding
 slots are hidden by the ``key_mask`` and its tokens get their own positions (``position_ids``

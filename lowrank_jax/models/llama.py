@@ -311,7 +311,7 @@ def apply(params: dict, inputs: dict, cfg: LlamaConfig) -> dict:
 def init_cache(params: dict, cfg: LlamaConfig, *, batch: int, max_len: int,
                dtype=jnp.float32, factored: bool = False) -> dict:
     """An empty key-value cache of ``max_len`` positions: per layer ``{'k', 'v'}`` of shape
-    ``[batch, max_len, num_key_value_heads, head_dim]`` (once per key-value head). With
+    ``[batch, num_key_value_heads, max_len, head_dim]`` (once per key-value head). With
     ``factored``, a low-rank value projection's layer keeps ``x U_v`` instead of the values
     (:mod:`lowrank_jax.nn.attention.factored_cache`; keys stay full: rotary embeddings)."""
     _check_window(cfg, int(max_len), "llama.init_cache")

@@ -8,12 +8,13 @@ output are computed once.
 The cache is a plain pytree with static shapes (one ``jit`` compilation serves every step)::
 
     {'index': int32[],                          # position of the next token
-     'layers': [{'self': {'k', 'v'},            # [batch, max_len, ...]: written step by step
-                 'cross': {'k', 'v'}}, ...]}    # [batch, s, ...]: the encoder output's
+     'layers': [{'self': {'k', 'v'},            # max_len positions: written step by step
+                 'cross': {'k', 'v'}}, ...]}    # s positions: the encoder output's
 
-The keys' layout is the query-key type's (:meth:`lowrank_jax.QK.keys`): per-head keys for a
-``QueryKey``, ``R`` coordinates shared by all heads for a CP-factorized query-key tensor, so a
-compressed attention also keeps a smaller cache. Every weight is applied through
+The values are ``[batch, heads, len, w_v]``. The keys' layout is the query-key type's
+(:meth:`lowrank_jax.QK.keys`): per-head keys ``[batch, heads, len, w]`` for a ``QueryKey``,
+``R`` coordinates shared by all heads (``[batch, len, R]``) for a CP-factorized query-key
+tensor, so a compressed attention also keeps a smaller cache. Every weight is applied through
 :func:`lowrank_jax.linear`, so low-rank, binary and pruned leaves decode as they run forward.
 """
 
@@ -122,7 +123,7 @@ def apply_decoder_step(params: dict, x: Array, cfg: DecoderConfig, cache: dict, 
                          actual=tuple(x.shape))
     n = x.shape[1]
     index = cache["index"]
-    max_len = cache["layers"][0]["self"]["v"].shape[1]
+    max_len = cache["layers"][0]["self"]["v"].shape[2]  # [batch, heads, max_len, w_v]
     known = known_int(index)
     if known is not None and known + n > max_len:
         raise ShapeError(f"apply_decoder_step: {n} more tokens at position {known} exceed "

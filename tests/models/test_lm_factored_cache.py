@@ -81,3 +81,34 @@ def test_unequal_query_groups_decode_as_the_dense_block_with_those_heads_zeroed(
         np.testing.assert_allclose(scores, np.asarray(want)[:, 3:-1], atol=1e-5, rtol=0)
     fact = llama.init_cache(pruned, cfg, batch=2, max_len=9, factored=True)
     assert set(fact["layers"][0]) == {"k", "vu"} and set(fact["layers"][1]) == {"k", "v"}
+
+
+@pytest.mark.parametrize("factored", [False, True])
+def test_decoding_does_not_copy_the_cache_into_another_layout(factored):
+    """The cache is stored as the attention products read it (heads before positions): the
+    compiled generation (prefill and loop body) has no transpose or copy of a cache-sized array.
+    With keys or values stored ``[batch, len, heads, w]``, XLA:CPU copied every layer's cache to
+    ``[batch, heads, ...]`` at every step. Dense weights: the factored cache keeps full keys and
+    values through its own code path."""
+    import re
+
+    import jax.numpy as jnp
+
+    from lowrank_jax.models.generation import _generate  # the compiled program of generate
+
+    cfg = GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)
+    params = gpt2.init(jax.random.PRNGKey(0), cfg)
+    batch, prompt, new = 2, 4, 3  # cache [2, 4 heads, 7 positions, 8]: dims all distinct
+    cache = gpt2.init_cache(params, cfg, batch=batch, max_len=prompt + new, factored=factored)
+    assert {n: a.shape for n, a in cache["layers"][0].items()} == {"k": (2, 4, 7, 8),
+                                                                    "v": (2, 4, 7, 8)}
+    ids = jnp.ones((batch, prompt), jnp.int32)
+    text = _generate.lower(
+        params, ids, jnp.ones_like(ids), jax.random.PRNGKey(0), np.float32(0), np.int32(0),
+        np.float32(1), jnp.asarray([-1], jnp.int32), cfg=cfg, max_new_tokens=new,
+        pad_token_id=0, with_scores=False, factored_cache=factored).compile().as_text()
+    assert "f32[2,4,7,8]" in text  # the cache is in the program (the scan below can match)
+    moved = [line.strip() for line in text.splitlines()
+             if (m := re.search(r"= f32\[([\d,]+)\](?:\{[\d,]*\})? (?:transpose|copy)\(", line))
+             and sorted(map(int, m.group(1).split(","))) == [2, 4, 7, 8]]
+    assert not moved, "\n".join(moved)

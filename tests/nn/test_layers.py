@@ -732,9 +732,10 @@ def test_cached_decoder_steps_match_numpy_reference(prenorm, norm):
     assert int(cache["index"]) == steps
     got = jnp.concatenate(outs, axis=1)
     assert max_err(got, ref) <= TOL
-    # The cache holds the per-head keys of every position: [batch, max_len, heads, width].
-    assert cache["layers"][1]["self"]["k"].shape == (2, steps, 1, 3)
-    assert cache["layers"][0]["cross"]["v"].shape == (2, 5, 2, 3)
+    # The cache holds the per-head keys and values of every position, heads before positions:
+    # [batch, heads, max_len, width].
+    assert cache["layers"][1]["self"]["k"].shape == (2, 1, steps, 3)
+    assert cache["layers"][0]["cross"]["v"].shape == (2, 2, 5, 3)
 
 
 def factorized_block(kind, seed):
@@ -768,6 +769,44 @@ def test_cached_attention_with_factorized_query_key(kind):
         outs.append(y)
     assert max_err(jnp.concatenate(outs, axis=1), full) <= TOL
 
+
+
+@pytest.mark.parametrize("heads_first", [True, False])
+def test_cached_attention_reads_heads_first_caches_with_irregular_widths(heads_first):
+    """Self- and cross-attention against a cache stored heads first (keys [b, h, len, w], values
+    [b, h, len, w_v], zero-padded per head: query-key widths 3, 1, 2, value widths 2, 3, 1)
+    equal the NumPy attention, with the weighted sum heads first or not."""
+    from lowrank_jax import execution
+    from lowrank_jax.nn import attention_cache
+
+    widths, v_widths = (3, 1, 2), (2, 3, 1)
+    block = {"qk": QueryKey(q=Dense(rand(160, (8, 6), 8 ** -0.5), rand(161, (6,), 0.2)),
+                            k=Dense(rand(162, (7, 6), 7 ** -0.5), rand(163, (6,), 0.2)),
+                            widths=widths),
+             "v": Dense(rand(164, (7, 6), 7 ** -0.5), rand(165, (6,), 0.2)),
+             "o": Dense(rand(166, (6, 8), 6 ** -0.5)),
+             "heads": HeadLayout(ids=(0, 1, 2), v=v_widths, scale=1 / math.sqrt(3))}
+    self_block = dict(block, qk=QueryKey(q=block["qk"].q, k=Dense(rand(167, (8, 6), 8 ** -0.5)),
+                                         widths=widths),
+                      v=Dense(rand(168, (8, 6), 8 ** -0.5)))
+    cfg = AttentionConfig()
+    x, enc = rand(169, (2, 5, 8)), rand(170, (2, 4, 7))
+    valid = np.array([[1] * 4, [1] * 2 + [0] * 2], bool)
+    with execution.settings(heads_first=heads_first):
+        cache = init_attention_cache(self_block, 2, 5)
+        assert cache["k"].shape == (2, 3, 5, 3) and cache["v"].shape == (2, 3, 5, 3)
+        outs = []
+        for lo, hi in ((0, 2), (2, 3), (3, 5)):
+            y, cache = apply_attention_cached(self_block, x[:, lo:hi], cfg, cache, index=lo)
+            outs.append(y)
+        cross = attention_cache(block, enc)
+        assert cross["k"].shape == (2, 3, 4, 3) and cross["v"].shape == (2, 3, 4, 3)
+        got_cross, _ = apply_attention_cached(block, x, cfg, cross, mask=padding_mask(valid))
+    want = np_attention(self_block, np.asarray(x, np.float64), cfg, mask=np.asarray(causal_mask(5)))
+    assert max_err(jnp.concatenate(outs, axis=1), want) <= TOL
+    want = np_attention(block, np.asarray(x, np.float64), cfg, kv=np.asarray(enc, np.float64),
+                        mask=np.asarray(padding_mask(valid)))
+    assert max_err(got_cross, want) <= TOL
 
 def test_cached_decoding_errors():
     rb = RelativeBiasConfig(num_buckets=8, max_distance=12)

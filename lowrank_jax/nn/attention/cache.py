@@ -1,8 +1,10 @@
 """Attention against cached keys and values (autoregressive decoding).
 
 A block's cache holds what :meth:`lowrank_jax.QK.keys` keeps of the keys (per-head keys for a
-``QueryKey``, shared coordinates for a CP factorization) and the per-head values; the decoder
-stack's cache (:mod:`lowrank_jax.nn.decoding`) is a list of these.
+``QueryKey``, shared coordinates for a CP factorization) and the per-head values, heads before
+positions (``[batch, heads, len, w_v]``: the layout the weighted sum reads, so that a decoding
+step reads the cache as it is stored instead of copying it); the decoder stack's cache
+(:mod:`lowrank_jax.nn.decoding`) is a list of these.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def _group_queries(arr, held: int, group: int, n: int):
     return jnp.tile(arr, (1, 1, group, 1)) if b in (1, held) else arr
 
 
+def values_heads_first(v, heads, x: Array) -> Array:
+    """Per-head values of ``x [batch, len, d]`` as a cache keeps them: ``[batch, heads, len,
+    max(w_v)]`` (zero-padded per head)."""
+    return jnp.swapaxes(split_heads(linear(v, x), heads.v), 1, 2)
+
+
 def attention_cache(params: dict, kv: Array) -> dict:
     """The key-value cache of an attention block for a fixed keys'/values' input (the encoder
     output of a cross-attention): computed once, read at every decoding step.
@@ -68,9 +76,10 @@ def attention_cache(params: dict, kv: Array) -> dict:
       kv: ``[batch, k_len, d_kv_in]``.
 
     Returns:
-      ``{'k': qk.keys(kv) [batch, k_len, ...], 'v': per-head values [batch, k_len, h, w_v]}``
-      (the keys' layout is the query-key type's: per-head keys for a ``QueryKey``, ``R``
-      shared coordinates for a CP factorization, ...).
+      ``{'k': qk.keys(kv), 'v': per-head values [batch, h, k_len, w_v]}`` (the keys' layout
+      is the query-key type's, positions on axis :meth:`~lowrank_jax.QK.keys_axis`: per-head
+      keys ``[batch, h, k_len, w]`` for a ``QueryKey``, ``R`` shared coordinates
+      ``[batch, k_len, R]`` for a CP factorization, ...).
     """
     qk, v, _, heads = attention_params(params, "attention_cache")
     kv = jnp.asarray(kv)
@@ -78,7 +87,7 @@ def attention_cache(params: dict, kv: Array) -> dict:
         raise ShapeError(f"attention_cache: kv must be [batch, k_len, d_kv_in={qk.d_k_in}], got "
                          f"shape {tuple(kv.shape)}", where="kv", expected=qk.d_k_in,
                          actual=tuple(kv.shape))
-    return {"k": qk.keys(kv), "v": split_heads(linear(v, kv), heads.v)}
+    return {"k": qk.keys(kv), "v": values_heads_first(v, heads, kv)}
 
 
 def init_attention_cache(params: dict, batch: int, max_len: int, dtype=jnp.float32) -> dict:
@@ -144,7 +153,7 @@ def apply_attention_cached(params: dict, x: Array, cfg: AttentionConfig, cache: 
                          expected=["k", "v"],
                          actual=sorted(cache) if isinstance(cache, dict) else type(cache))
     batch, n, _ = x.shape
-    k_len, held = cache["k"].shape[1], cache["k"].shape[0]
+    k_len, held = cache["v"].shape[2], cache["k"].shape[0]
     group = batch // held if held and batch % held == 0 else 0
     if held != batch and (index is not None or not group):
         raise ShapeError(
@@ -164,16 +173,19 @@ def apply_attention_cached(params: dict, x: Array, cfg: AttentionConfig, cache: 
             raise ShapeError(f"apply_attention_cached: {n} tokens at index {known} do not fit a "
                              f"cache of {k_len} positions", where="index",
                              expected=f"[0, {k_len - n}]", actual=known)
-        new = {"k": qk.keys(x), "v": split_heads(linear(v, x), heads.v)}
+        new = {"k": qk.keys(x), "v": values_heads_first(v, heads, x)}
+        axes = {"k": qk.keys_axis(), "v": 2}  # the positions' axis of each
         cache = {name: jax.lax.dynamic_update_slice_in_dim(
-            cache[name], new[name].astype(cache[name].dtype), index, axis=1)
+            cache[name], new[name].astype(cache[name].dtype), index, axis=axes[name])
             for name in ("k", "v")}
         pos = jnp.asarray(index, jnp.int32) + jnp.arange(n)  # [n]
         visible = jnp.arange(k_len)[None, :] <= pos[:, None]  # [n, k_len]
         mask = combine_masks(visible[None, None], mask)
     bias, mask = bias_and_mask(bias, mask, heads, (batch, heads.num_heads, n, k_len))
     logits = qk.logits_from_keys(x, cache["k"])  # [b, h, n, k_len]
-    return attend(logits, cache["v"], o, heads, bias=bias, mask=mask), cache
+    return attend(logits, cache["v"], o, heads, bias=bias, mask=mask,
+                  values_heads_first=True), cache
 
 
-__all__ = ["apply_attention_cached", "attention_cache", "init_attention_cache", "known_int"]
+__all__ = ["apply_attention_cached", "attention_cache", "init_attention_cache", "known_int",
+           "values_heads_first"]

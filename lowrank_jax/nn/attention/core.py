@@ -107,10 +107,13 @@ def bias_and_mask(bias, mask, heads: HeadLayout, target: tuple[int, ...]):
     return bias, mask
 
 
-def attend(logits: Array, vals: Array, o, heads: HeadLayout, *, bias, mask) -> Array:
+def attend(logits: Array, vals: Array, o, heads: HeadLayout, *, bias, mask,
+           values_heads_first: bool = False) -> Array:
     """``o(softmax(scale * logits + bias) vals)``: logits ``[b, h, q, k]``, per-head values
-    ``[b, k, h, w_v]``; masked logits become ``finfo(float32).min``, softmax in float32."""
-    return linear(o, weighted_values(logits, vals, heads, bias=bias, mask=mask))
+    ``[b, k, h, w_v]`` (``[b, h, k, w_v]`` with ``values_heads_first``, the layout of a
+    key-value cache); masked logits become ``finfo(float32).min``, softmax in float32."""
+    return linear(o, weighted_values(logits, vals, heads, bias=bias, mask=mask,
+                                     values_heads_first=values_heads_first))
 
 
 def probabilities(logits: Array, heads: HeadLayout, *, bias, mask) -> Array:
@@ -126,14 +129,22 @@ def probabilities(logits: Array, heads: HeadLayout, *, bias, mask) -> Array:
     return jax.nn.softmax(logits, axis=-1)
 
 
-def weighted_values(logits: Array, vals: Array, heads: HeadLayout, *, bias, mask) -> Array:
+def weighted_values(logits: Array, vals: Array, heads: HeadLayout, *, bias, mask,
+                    values_heads_first: bool = False) -> Array:
     """``softmax(scale * logits + bias) vals`` with the heads merged: ``[b, q, sum(w_v)]``.
 
-    Where :func:`lowrank_jax.nn.execution.heads_first` says so (CPU by default) the weighted
-    sum runs with the heads leading (values transposed to ``[b, h, k, w_v]``, the product
-    ``[b, h, q, w_v]`` transposed back), the layout of the chunked strategy."""
+    ``vals`` is ``[b, k, h, w_v]``, or ``[b, h, k, w_v]`` with ``values_heads_first`` (a
+    key-value cache's layout, read as it is stored). Where
+    :func:`lowrank_jax.nn.execution.heads_first` says so (CPU by default) the weighted sum runs
+    with the heads leading (values ``[b, k, h, w_v]`` transposed to ``[b, h, k, w_v]``, the
+    product ``[b, h, q, w_v]`` transposed back), the layout of the chunked strategy."""
     probs = probabilities(logits, heads, bias=bias, mask=mask).astype(vals.dtype)
-    if execution.heads_first():
+    lead = execution.heads_first()
+    if values_heads_first and lead:
+        out = jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", probs, vals), 1, 2)
+    elif values_heads_first:
+        out = jnp.einsum("bhqk,bhkd->bqhd", probs, vals)
+    elif lead:
         out = jnp.einsum("bhqk,bhkd->bhqd", probs, jnp.swapaxes(vals, 1, 2))
         out = jnp.swapaxes(out, 1, 2)  # [batch, q_len, h, max(w_v)]
     else:

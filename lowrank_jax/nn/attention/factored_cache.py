@@ -15,9 +15,11 @@ With rotary embeddings (Llama-style blocks) the key factor cannot be folded: the
 the key position through ``R``), so those blocks keep full rotated keys and compress the
 values alone.
 
-A layer's factored cache is a dict with, per side, either the full entry (``'k'``: per-head
-keys, ``'v'``: per-head values) or the factored one (``'ku'``, ``'vu'``: ``[batch, max_len,
-r]``); a side is factored when its weight has factors of rank below its output width.
+A layer's factored cache is a dict with, per side, either the full entry (``'k'``: what the
+query-key object's :meth:`~lowrank_jax.QK.keys` returns, ``'v'``: per-head values ``[batch,
+heads, max_len, w]``, as in :func:`~lowrank_jax.nn.init_attention_cache`) or the factored one
+(``'ku'``, ``'vu'``: ``[batch, max_len, r]``); a side is factored when its weight has factors
+of rank below its output width.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import numpy as np
 
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import factors, linear, merge_heads, split_heads, weight_shape
+from lowrank_jax.nn.attention.cache import values_heads_first
 from lowrank_jax.nn.attention.core import attention_params, probabilities
 from lowrank_jax.nn.attention.grouped import (
     GroupedAttentionConfig,
@@ -85,15 +88,14 @@ def init_factored_cache(params: dict, batch: int, max_len: int, *, rotary: bool 
         return out
     del rotary
     qk, _, _, heads = attention_params(params, "init_factored_cache")
-    widths = qk.projections().widths
     out = {}
     if sides["k"] is None:
-        out["k"] = jnp.zeros((int(batch), int(max_len), len(widths), max(widths, default=0)),
-                             dtype)
+        spec = jax.ShapeDtypeStruct((int(batch), int(max_len), qk.d_k_in), dtype)
+        out["k"] = jnp.zeros(jax.eval_shape(qk.keys, spec).shape, dtype)
     else:
         out["ku"] = jnp.zeros((int(batch), int(max_len), np.shape(sides["k"].second)[0]), dtype)
     if sides["v"] is None:
-        out["v"] = jnp.zeros((int(batch), int(max_len), heads.num_heads,
+        out["v"] = jnp.zeros((int(batch), heads.num_heads, int(max_len),
                               max(heads.v, default=0)), dtype)
     else:
         out["vu"] = jnp.zeros((int(batch), int(max_len), np.shape(sides["v"].second)[0]), dtype)
@@ -103,8 +105,8 @@ def init_factored_cache(params: dict, batch: int, max_len: int, *, rotary: bool 
 def cache_bytes_per_token(cache: dict, max_len: int) -> int:
     """Bytes one token takes in a layer's cache (full or factored) of ``max_len`` positions:
     the sum over its entries of ``size * itemsize / (batch * max_len)``, whatever the entry's
-    layout (positions second in ``[batch, max_len, ...]`` entries, third in a grouped block's
-    ``[batch, G, max_len, w]``)."""
+    layout (positions second in ``[batch, max_len, ...]`` entries, third in per-head
+    ``[batch, heads, max_len, w]`` ones)."""
     out = 0
     for name, a in cache.items():
         shape = tuple(int(s) for s in a.shape)
@@ -116,9 +118,9 @@ def cache_bytes_per_token(cache: dict, max_len: int) -> int:
     return out
 
 
-def _write(cache: dict, name: str, new: Array, index) -> dict:
+def _write(cache: dict, name: str, new: Array, index, axis: int = 1) -> dict:
     return {**cache, name: jax.lax.dynamic_update_slice_in_dim(
-        cache[name], new.astype(cache[name].dtype), index, axis=1)}
+        cache[name], new.astype(cache[name].dtype), index, axis=axis)}
 
 
 def _visible(index, n: int, k_len: int, mask):
@@ -130,7 +132,7 @@ def _visible(index, n: int, k_len: int, mask):
 def _values_out(probs: Array, cache: dict, fv, v_widths) -> Array:
     """Weighted values ``[b, n, H, w]`` from the cache: probabilities ``[b, H, n, k]``."""
     if fv is None:
-        return jnp.einsum("bhnk,bkhw->bnhw", probs, cache["v"].astype(probs.dtype))
+        return jnp.einsum("bhnk,bhkw->bnhw", probs, cache["v"].astype(probs.dtype))
     mixed = jnp.einsum("bhnk,bkr->bnhr", probs, cache["vu"].astype(probs.dtype))
     lift = split_heads(fv.second, v_widths)  # [r, H, w]
     out = jnp.einsum("bnhr,rhw->bnhw", mixed, lift)
@@ -182,13 +184,13 @@ def apply_attention_factored(params: dict, x: Array, cfg, cache: dict, *, index,
     q = qk.queries(x)  # [b, n, H, w]
     fk, fv = sides["k"], sides["v"]
     if fk is None:
-        cache = _write(cache, "k", qk.keys(x), index)
+        cache = _write(cache, "k", qk.keys(x), index, qk.keys_axis())
         logits = qk.logits_from_queries(q, cache["k"])
     else:
         cache = _write(cache, "ku", linear_first(x, fk), index)
         fold = jnp.einsum("bnhw,rhw->bhnr", q, split_heads(fk.second, proj.widths))
         logits = jnp.einsum("bhnr,bkr->bhnk", fold, cache["ku"])
-    cache = (_write(cache, "v", split_heads(linear(v, x), heads.v), index) if fv is None
+    cache = (_write(cache, "v", values_heads_first(v, heads, x), index, 2) if fv is None
              else _write(cache, "vu", linear_first(x, fv), index))
     k_len = logits.shape[-1]
     probs = probabilities(logits, heads, bias=None, mask=_visible(index, n, k_len, mask))
