@@ -25,21 +25,12 @@ if _cache is None:
     _cache = os.path.join(tempfile.gettempdir(), f"lowrank_jax_test_xla_cache_{os.getuid()}")
 if _cache:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
-    # for the processes the tests start (which lack the hook below); the test processes
-    # themselves cache every program (after `import jax`)
     os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0.2"
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-if _cache:
-    # Every single-device program of the test processes, however short its compile: most of the
-    # suite's compile time is the thousands of small programs of eager op-by-op dispatch (a few
-    # ms to 0.1 s each), which a threshold of 0.2 s left out (measured: four model / quantize
-    # test files with a warm cache, 104 s at 0.2 against 52 s at 0; a few kB per program).
-    # Programs over several devices stay out (below).
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 def _no_cache_for_multi_device_programs() -> None:
