@@ -13,6 +13,10 @@ SCRIPT = os.path.join(ROOT, "benchmarks", "gpu.py")
 
 def run(*args, tmp_path):
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    if env.get("JAX_COMPILATION_CACHE_DIR"):
+        # conftest.py's cache: every program, as in the test processes (the script runs none
+        # over several devices, the ones conftest.py keeps out of the cache)
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
     return subprocess.run([sys.executable, SCRIPT, *args], env=env, capture_output=True,
                           text=True, cwd=tmp_path, timeout=600)
 

@@ -71,14 +71,17 @@ def test_per_layer_sizes_init_run_save_load_train(name, tmp_path):
     inputs = {k: v for k, v in batch.items() if k not in ("target",)}
     if name in ("vit", "bert"):
         inputs = {k: v for k, v in inputs.items() if k != "labels"}
-    out = models.apply(params, inputs, cfg)
+    # one compiled forward (the shapes are read from the parameters while tracing, as eagerly;
+    # op-by-op eager dispatch compiled every op of these unusual shapes anew: 4 s instead of 1)
+    run = jax.jit(lambda p, x: models.apply(p, x, cfg))
+    out = run(params, inputs)
     key = fam.primary_outputs[0]
     assert bool(jnp.all(jnp.isfinite(out[key])))
     # save / load: same outputs
     save_model(tmp_path / "m", cfg, params)
     cfg2, back = load_model(tmp_path / "m")
     assert cfg2 == cfg
-    np.testing.assert_array_equal(np.asarray(models.apply(back, inputs, cfg)[key]),
+    np.testing.assert_array_equal(np.asarray(run(back, inputs)[key]),
                                   np.asarray(out[key]))
     # train: the family's loss decreases over a few steps of one batch and only values change
     opt = optax.adam(1e-2)

@@ -6,7 +6,8 @@ wall-clock ``step_s``), the same ``summary.json``, and no temporary file left be
 The runs are subprocesses of ``python -m lowrank_jax.cli.main train``: a tiny Chronos-Bolt on a
 small CSV file, a checkpoint every 2 steps (most of the time is spent saving, so kills land in
 the middle of saves as well as of steps). JAX's persistent compilation cache, shared by the
-runs, keeps each restart short; it changes no result (the same executable is loaded).
+runs (the suite's own where it has one), keeps each restart short; it changes no result (the
+same executable is loaded).
 """
 
 import json
@@ -49,9 +50,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _env(cache):
+    """The runs' environment; ``cache`` is their compilation cache where the suite has none
+    (``conftest.py``'s, shared by every test and run, is used otherwise: its entries of an
+    earlier test run make even the first start short)."""
     env = dict(os.environ)
     env.update(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_backend_optimization_level=0",
-               JAX_COMPILATION_CACHE_DIR=str(cache),
+               JAX_COMPILATION_CACHE_DIR=os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(cache),
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0", PYTHONUNBUFFERED="1")
     env.pop("LOWRANK_JAX_DEBUG", None)
