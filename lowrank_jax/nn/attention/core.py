@@ -139,16 +139,13 @@ def weighted_values(logits: Array, vals: Array, heads: HeadLayout, *, bias, mask
     with the heads leading (values ``[b, k, h, w_v]`` transposed to ``[b, h, k, w_v]``, the
     product ``[b, h, q, w_v]`` transposed back), the layout of the chunked strategy."""
     probs = probabilities(logits, heads, bias=bias, mask=mask).astype(vals.dtype)
-    lead = execution.heads_first()
-    if values_heads_first and lead:
+    if not values_heads_first and execution.heads_first():
+        vals, values_heads_first = jnp.swapaxes(vals, 1, 2), True
+    if values_heads_first:  # the product batched over (batch, heads), transposed back
         out = jnp.swapaxes(jnp.einsum("bhqk,bhkd->bhqd", probs, vals), 1, 2)
-    elif values_heads_first:
-        out = jnp.einsum("bhqk,bhkd->bqhd", probs, vals)
-    elif lead:
-        out = jnp.einsum("bhqk,bhkd->bhqd", probs, jnp.swapaxes(vals, 1, 2))
-        out = jnp.swapaxes(out, 1, 2)  # [batch, q_len, h, max(w_v)]
     else:
-        out = jnp.einsum("bhqk,bkhd->bqhd", probs, vals)  # [batch, q_len, h, max(w_v)]
+        out = jnp.einsum("bhqk,bkhd->bqhd", probs, vals)
+    # out: [batch, q_len, h, max(w_v)]
     return merge_heads(out, heads.v)  # [batch, q_len, sum(w_v)]
 
 
