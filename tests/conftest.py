@@ -111,6 +111,43 @@ class JointQK(QK):
         return self
 
 
+class _CompileCounter:
+    """Counts XLA compilations of one jitted function while a ``with`` block runs.
+
+    Each program XLA builds for the function, or loads from the persistent compilation cache,
+    counts once; a call served by jit's own dispatch cache counts nothing. Counted through
+    ``jax.monitoring`` (JAX's backend-compile event, recorded with the function's name), not
+    through the jitted function's private dispatch-cache size: that size read 0 right after
+    calls in a full suite run (cause not found), so a test on it failed at random.
+    """
+
+    EVENT = "/jax/core/compile/backend_compile_duration"
+
+    def __init__(self, jitted):
+        self.name = f"jit({jitted.__name__})"
+        self.count = 0
+
+    def _listener(self, event, duration, **kwargs):
+        del duration
+        if event == self.EVENT and kwargs.get("fun_name") == self.name:
+            self.count += 1
+
+    def __enter__(self):
+        jax.monitoring.register_event_duration_secs_listener(self._listener)
+        return self
+
+    def __exit__(self, *exc):
+        jax.monitoring.unregister_event_duration_listener(self._listener)
+        return False
+
+
+@pytest.fixture(scope="session")
+def count_compiles():
+    """``with count_compiles(jitted) as c: ...`` then ``c.count``: the compilations of
+    ``jitted`` in the block (see :class:`_CompileCounter`)."""
+    return _CompileCounter
+
+
 @pytest.fixture
 def joint_qk():
     """The :class:`JointQK` type (test modules are imported apart, so it comes as a fixture)."""

@@ -106,7 +106,7 @@ def test_sampling_rules_match_a_numpy_reference():
     assert int(sample_logits(logits, keys[0], 0.0, 2, 0.5)[0]) == 0
 
 
-def test_sampling_settings_share_one_compilation_and_stop_tokens_end_rows():
+def test_sampling_settings_share_one_compilation_and_stop_tokens_end_rows(count_compiles):
     cfg = LlamaConfig(vocab_size=23, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
     params = llama.init(jax.random.PRNGKey(1), cfg)
@@ -114,12 +114,12 @@ def test_sampling_settings_share_one_compilation_and_stop_tokens_end_rows():
     greedy = generate(params, cfg, ids, mask, max_new_tokens=6)
     from lowrank_jax.models.generation import _generate
 
-    before = _generate._cache_size()
-    top1 = generate(params, cfg, ids, mask, max_new_tokens=6,
-                    sampling=Sampling(temperature=1.0, top_k=1), seed=5)
-    nucleus = generate(params, cfg, ids, mask, max_new_tokens=6,
-                       sampling=Sampling(temperature=0.9, top_p=1e-6), seed=6)
-    assert _generate._cache_size() == before  # traced settings: no new compilation
+    with count_compiles(_generate) as compiled:
+        top1 = generate(params, cfg, ids, mask, max_new_tokens=6,
+                        sampling=Sampling(temperature=1.0, top_k=1), seed=5)
+        nucleus = generate(params, cfg, ids, mask, max_new_tokens=6,
+                           sampling=Sampling(temperature=0.9, top_p=1e-6), seed=6)
+    assert compiled.count == 0  # traced settings: no new compilation
     np.testing.assert_array_equal(top1, greedy)
     np.testing.assert_array_equal(nucleus, greedy)
     a = generate(params, cfg, ids, mask, max_new_tokens=6, sampling=Sampling(temperature=2.0),

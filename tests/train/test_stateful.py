@@ -89,15 +89,15 @@ def _run(step, state, n=3, record=None):
 
 
 @pytest.fixture(scope="module")
-def single():
+def single(count_compiles):
     counter, record = [0], []
     params, ms = bn_model()
     step = make_train_step(make_bn_loss(counter), OPT, stateful=True)
-    state = _run(step, init_train_state(params, OPT, key=KEY, model_state=ms), record=record)
-    # compilations counted right after the calls: a test elsewhere may call jax.clear_caches()
-    # before test_stateful_step_traces_once reads them (tests/test_precision_paths.py)
+    state = init_train_state(params, OPT, key=KEY, model_state=ms)
+    with count_compiles(step.jitted) as compiled:
+        state = _run(step, state, record=record)
     return {"state": state, "record": record, "traces": counter[0], "step": step,
-            "compiled": step.jitted._cache_size()}
+            "compiled": compiled.count}
 
 
 def test_running_statistics_follow_batch_norm(single):

@@ -5,6 +5,7 @@ learns on a real series (aeon's airline). Stateful steps (BatchNorm) are in test
 
 import math
 import re
+from contextlib import nullcontext
 
 import chex
 import jax
@@ -121,7 +122,7 @@ def _run(step, state, batch, n=N_STEPS):
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(count_compiles):
     """5 steps of the same global batch: single device, data parallel, FSDP, pmap."""
     params = _mlp_params(jax.random.key(0))
     batch = _mlp_batch()
@@ -145,13 +146,13 @@ def runs():
         state = init_train_state(params, OPT, key=jax.random.key(1))
         if name == "pmap":
             state = replicate_for_pmap(state)
-        state, metrics, inputs = _run(step, state, batch)
-        # compilations counted right after the calls: a test elsewhere may call
-        # jax.clear_caches() before a later test reads them (tests/test_precision_paths.py)
-        compiled = None if name == "pmap" else step.jitted._cache_size()
+        counting = nullcontext() if name == "pmap" else count_compiles(step.jitted)
+        with counting as compiled:
+            state, metrics, inputs = _run(step, state, batch)
         out[name] = {"state": unreplicate(state) if name == "pmap" else state,
                      "metrics": metrics, "traces": counter[0], "step": step,
-                     "compiled": compiled, "second_input": inputs[1]}
+                     "compiled": None if compiled is None else compiled.count,
+                     "second_input": inputs[1]}
     return out
 
 
@@ -245,6 +246,8 @@ def test_tensor_parallel_placement_comes_from_the_leaves(runs, variant, want):
 def test_step_traces_once(runs, variant):
     # the loss function's Python body runs once per trace: 5 calls, 1 trace
     assert runs[variant]["traces"] == 1, f"{variant} retraced over {N_STEPS} calls"
+    if variant != "pmap":  # and compiled once: the outputs fed back match the inputs' placement
+        assert runs[variant]["compiled"] == 1, f"{variant} compiled more than once"
 
 
 def test_chex_max_traces_and_second_call():
@@ -300,14 +303,15 @@ def test_donated_inputs_are_consumed_and_caller_params_survive(runs):
     assert not runs["params0"]["l1"].u.is_deleted()
 
 
-def test_batch_not_divisible_rejected_before_compile():
+def test_batch_not_divisible_rejected_before_compile(count_compiles):
     counter = [0]
     loss = _make_mlp_loss(counter)
     mesh = _mesh()
     state = init_train_state(_mlp_params(jax.random.key(0)), OPT, key=KEY)
     bad = _mlp_batch(n=12)
     step = make_train_step(loss, OPT, mesh=mesh)
-    with pytest.raises(ValueError, match=r"batch size 12 .*8 devices"):
+    with count_compiles(step.jitted) as compiled, \
+            pytest.raises(ValueError, match=r"batch size 12 .*8 devices"):
         step(state, bad, KEY)
     pstep = make_pmap_train_step(loss, OPT)
     with pytest.raises(ValueError, match=r"batch size 12 .*8 "):
@@ -315,7 +319,7 @@ def test_batch_not_divisible_rejected_before_compile():
     with pytest.raises(ValueError, match=r"batch size 12"):
         shard_batch(bad, mesh)
     assert counter[0] == 0  # nothing was traced, so nothing compiled
-    assert step.jitted._cache_size() == 0
+    assert compiled.count == 0
     # arrays that disagree on the batch size
     with pytest.raises(ValueError, match="disagree"):
         step(state, {"x": np.zeros((16, 16), np.float32), "y": np.zeros((8, 8), np.float32)},
