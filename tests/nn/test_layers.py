@@ -835,6 +835,44 @@ def test_cached_decoding_errors():
         init_attention_cache(dict(block, qk=ck), 1, 4)
 
 
+def test_cache_writes_and_causal_mask_equal_numpy_and_reject_non_boolean_masks():
+    from lowrank_jax.nn.attention.core import causal_key_mask, write_positions
+    from lowrank_jax.nn.attention.grouped import (
+        GroupedAttentionConfig,
+        apply_grouped_attention_cached,
+        init_grouped_attention,
+        init_grouped_cache,
+    )
+
+    rng = np.random.default_rng(0)
+    buf, new = rng.normal(size=(2, 3, 7, 4)), rng.normal(size=(2, 3, 2, 4))
+    want = buf.copy()
+    want[:, :, 4:6] = new
+    got = write_positions(jnp.asarray(buf, jnp.float32), jnp.asarray(new), 4, 2)
+    assert got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), want.astype(np.float32), rtol=0, atol=0)
+    pad = rng.random((2, 1, 1, 7)) > 0.3
+    i, k = np.arange(3)[:, None], np.arange(7)[None, :]
+    np.testing.assert_array_equal(np.asarray(causal_key_mask(2, 3, 7, jnp.asarray(pad))),
+                                  (k <= 2 + i)[None, None] & pad)
+    np.testing.assert_array_equal(np.asarray(causal_key_mask(jnp.int32(2), 3, 7, None)),
+                                  (k <= 2 + i)[None, None])
+    # a 0/1 integer mask is refused by every cached path, not read as a boolean
+    ints = jnp.ones((1, 1, 1, 4), jnp.int32)
+    cfg = GroupedAttentionConfig(group=2)
+    block = init_grouped_attention(jax.random.key(0), cfg, d_model=8, num_heads=4,
+                                   num_kv_heads=2, d_head=2)
+    x = jnp.asarray(rng.normal(size=(1, 1, 8)), jnp.float32)
+    with pytest.raises(ShapeError, match="boolean"):
+        apply_grouped_attention_cached(block, x, cfg, init_grouped_cache(block, 1, 4), index=0,
+                                       positions=jnp.zeros((1, 1), jnp.int32), mask=ints)
+    plain = init_attention(jax.random.key(1), AttentionConfig(), d_model=8, num_heads=2,
+                           d_head=4)
+    with pytest.raises(ShapeError, match="boolean"):
+        apply_attention_cached(plain, x, AttentionConfig(), init_attention_cache(plain, 1, 4),
+                               index=0, mask=ints)
+
+
 @pytest.mark.parametrize("per_sequence_mask", [False, True])
 def test_cached_decoder_shares_the_encoder_cache_between_sample_paths(per_sequence_mask):
     """Three sequences per encoder row (HF's num_return_sequences order): the cross-attention

@@ -15,8 +15,14 @@ import jax.numpy as jnp
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import linear, split_heads
 from lowrank_jax.nn.attention.block import AttentionConfig
-from lowrank_jax.nn.attention.core import attend, attention_params, bias_and_mask, positive
-from lowrank_jax.nn.masks import combine_masks
+from lowrank_jax.nn.attention.core import (
+    attend,
+    attention_params,
+    bias_and_mask,
+    causal_key_mask,
+    positive,
+    write_positions,
+)
 
 Array = jax.Array
 
@@ -175,12 +181,9 @@ def apply_attention_cached(params: dict, x: Array, cfg: AttentionConfig, cache: 
                              expected=f"[0, {k_len - n}]", actual=known)
         new = {"k": qk.keys(x), "v": values_heads_first(v, heads, x)}
         axes = {"k": qk.keys_axis(), "v": 2}  # the positions' axis of each
-        cache = {name: jax.lax.dynamic_update_slice_in_dim(
-            cache[name], new[name].astype(cache[name].dtype), index, axis=axes[name])
-            for name in ("k", "v")}
-        pos = jnp.asarray(index, jnp.int32) + jnp.arange(n)  # [n]
-        visible = jnp.arange(k_len)[None, :] <= pos[:, None]  # [n, k_len]
-        mask = combine_masks(visible[None, None], mask)
+        cache = {name: write_positions(cache[name], new[name], index, axes[name])
+                 for name in ("k", "v")}
+        mask = causal_key_mask(index, n, k_len, mask)
     bias, mask = bias_and_mask(bias, mask, heads, (batch, heads.num_heads, n, k_len))
     logits = qk.logits_from_keys(x, cache["k"])  # [b, h, n, k_len]
     return attend(logits, cache["v"], o, heads, bias=bias, mask=mask,

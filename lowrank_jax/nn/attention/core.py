@@ -15,6 +15,7 @@ import numpy as np
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import QK, HeadLayout, is_query_key, linear, merge_heads, weight_shape
 from lowrank_jax.nn import execution
+from lowrank_jax.nn.masks import combine_masks
 
 Array = jax.Array
 
@@ -149,5 +150,26 @@ def weighted_values(logits: Array, vals: Array, heads: HeadLayout, *, bias, mask
     return merge_heads(out, heads.v)  # [batch, q_len, sum(w_v)]
 
 
-__all__ = ["attend", "attention_params", "bias_and_mask", "check_broadcast", "positive",
-           "probabilities", "select_heads", "weighted_values"]
+# ---------------------------------------------------------------------------------------------
+# Cached decoding: the one write into a key-value buffer and the one causal mask over it, shared
+# by the ordinary, grouped-query and factored caches.
+
+
+def write_positions(buf: Array, new: Array, index, axis: int) -> Array:
+    """``new`` written into ``buf`` at positions ``index .. index + n - 1`` of ``axis`` (``n =
+    new.shape[axis]``), cast to ``buf``'s dtype; in place inside a compiled loop
+    (``dynamic_update_slice``)."""
+    return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index, axis=axis)
+
+
+def causal_key_mask(index, n: int, k_len: int, mask: Array | None) -> Array:
+    """Boolean ``[batch or 1, 1, n, k_len]``: query ``i`` (buffer position ``index + i``) sees
+    the positions ``<= index + i`` that ``mask`` (boolean, broadcastable; padding ``False``)
+    allows."""
+    pos = jnp.asarray(index, jnp.int32) + jnp.arange(n)  # [n]
+    visible = (jnp.arange(k_len)[None, :] <= pos[:, None])[None, None]  # [1, 1, n, k_len]
+    return combine_masks(visible, mask)
+
+
+__all__ = ["attend", "attention_params", "bias_and_mask", "causal_key_mask", "check_broadcast",
+           "positive", "probabilities", "select_heads", "weighted_values", "write_positions"]

@@ -31,19 +31,22 @@ import numpy as np
 from lowrank_jax.errors import ConfigError, ShapeError
 from lowrank_jax.leaves import factors, linear, merge_heads, split_heads, weight_shape
 from lowrank_jax.nn.attention.cache import values_heads_first
-from lowrank_jax.nn.attention.core import attention_params, probabilities
+from lowrank_jax.nn.attention.core import (
+    attention_params,
+    causal_key_mask,
+    probabilities,
+    write_positions,
+)
 from lowrank_jax.nn.attention.grouped import (
     GroupedAttentionConfig,
     _attend,
     _grouped_probs,
     _project,
     _ungroup,
-    causal_key_mask,
     grouped_params,
     heads_major,
     is_grouped_block,
     kv_index,
-    write_slots,
 )
 
 Array = jax.Array
@@ -118,17 +121,6 @@ def cache_bytes_per_token(cache: dict, max_len: int) -> int:
     return out
 
 
-def _write(cache: dict, name: str, new: Array, index, axis: int = 1) -> dict:
-    return {**cache, name: jax.lax.dynamic_update_slice_in_dim(
-        cache[name], new.astype(cache[name].dtype), index, axis=axis)}
-
-
-def _visible(index, n: int, k_len: int, mask):
-    slot = jnp.asarray(index, jnp.int32) + jnp.arange(n)
-    visible = (jnp.arange(k_len)[None, :] <= slot[:, None])[None, None]
-    return visible if mask is None else jnp.logical_and(visible, mask)
-
-
 def _values_out(probs: Array, cache: dict, fv, v_widths) -> Array:
     """Weighted values ``[b, n, H, w]`` from the cache: probabilities ``[b, H, n, k]``."""
     if fv is None:
@@ -159,10 +151,10 @@ def apply_attention_factored(params: dict, x: Array, cfg, cache: dict, *, index,
                               expected="GroupedAttentionConfig", actual=type(cfg).__name__)
         _, _, _, o, qh, kvh, w = grouped_params(params)
         qs, ks, vs = _project(params, cfg, x, positions)
-        cache = {**cache, "k": write_slots(cache["k"], heads_major(ks), index)}
+        cache = _write(cache, "k", heads_major(ks), index, 2)
         fv = sides["v"]
-        cache = ({**cache, "v": write_slots(cache["v"], heads_major(vs), index)} if fv is None
-                 else _write(cache, "vu", linear_first(x, fv), index))
+        cache = (_write(cache, "v", heads_major(vs), index, 2) if fv is None
+                 else _write(cache, "vu", linear_first(x, fv), index, 1))
         mask = causal_key_mask(index, n, cache["k"].shape[2], mask)
         idx = kv_index(qh, kvh, cfg.group)
         if fv is None:
@@ -187,15 +179,20 @@ def apply_attention_factored(params: dict, x: Array, cfg, cache: dict, *, index,
         cache = _write(cache, "k", qk.keys(x), index, qk.keys_axis())
         logits = qk.logits_from_queries(q, cache["k"])
     else:
-        cache = _write(cache, "ku", linear_first(x, fk), index)
+        cache = _write(cache, "ku", linear_first(x, fk), index, 1)
         fold = jnp.einsum("bnhw,rhw->bhnr", q, split_heads(fk.second, proj.widths))
         logits = jnp.einsum("bhnr,bkr->bhnk", fold, cache["ku"])
     cache = (_write(cache, "v", values_heads_first(v, heads, x), index, 2) if fv is None
-             else _write(cache, "vu", linear_first(x, fv), index))
+             else _write(cache, "vu", linear_first(x, fv), index, 1))
     k_len = logits.shape[-1]
-    probs = probabilities(logits, heads, bias=None, mask=_visible(index, n, k_len, mask))
+    probs = probabilities(logits, heads, bias=None, mask=causal_key_mask(index, n, k_len, mask))
     out = _values_out(probs, cache, fv, heads.v)
     return linear(o, merge_heads(out, heads.v)), cache
+
+
+def _write(cache: dict, name: str, new: Array, index, axis: int) -> dict:
+    """``cache`` with ``new`` written into entry ``name`` (see ``write_positions``)."""
+    return {**cache, name: write_positions(cache[name], new, index, axis)}
 
 
 def linear_first(x: Array, f) -> Array:

@@ -48,7 +48,12 @@ from lowrank_jax.leaves import (
     split_heads,
     weight_shape,
 )
-from lowrank_jax.nn.attention.core import positive, probabilities
+from lowrank_jax.nn.attention.core import (
+    causal_key_mask,
+    positive,
+    probabilities,
+    write_positions,
+)
 from lowrank_jax.nn.rotary import RopeConfig, apply_rotary, inv_frequencies, rotary_angles
 
 Array = jax.Array
@@ -265,20 +270,6 @@ def init_grouped_cache(params: dict, batch: int, max_len: int, dtype=jnp.float32
     return {"k": jnp.zeros(shape, dtype), "v": jnp.zeros(shape, dtype)}
 
 
-def write_slots(buf: Array, new: Array, index) -> Array:
-    """``new [b, G, n, w]`` written into ``buf [b, G, max_len, w]`` at slots ``index ..
-    index + n - 1`` (in place inside a compiled loop: ``dynamic_update_slice``)."""
-    return jax.lax.dynamic_update_slice_in_dim(buf, new.astype(buf.dtype), index, axis=2)
-
-
-def causal_key_mask(index, n: int, k_len: int, mask: Array | None) -> Array:
-    """Boolean ``[batch or 1, 1, n, k_len]``: query ``i`` (buffer slot ``index + i``) sees the
-    slots ``<= index + i`` that ``mask`` (broadcastable, padding ``False``) allows."""
-    slot = jnp.asarray(index, jnp.int32) + jnp.arange(n)
-    visible = (jnp.arange(k_len)[None, :] <= slot[:, None])[None, None]  # [1, 1, n, k_len]
-    return visible if mask is None else jnp.logical_and(visible, mask)
-
-
 def apply_grouped_attention_cached(params: dict, x: Array, cfg: GroupedAttentionConfig,
                                    cache: dict, *, index, positions: Array,
                                    mask: Array | None = None) -> tuple[Array, dict]:
@@ -308,8 +299,8 @@ def apply_grouped_attention_cached(params: dict, x: Array, cfg: GroupedAttention
     idx = kv_index(qh, kvh, cfg.group)
     qs, ks, vs = _project(params, cfg, x, positions)
     n, k_len = x.shape[1], cache["k"].shape[2]
-    cache = {"k": write_slots(cache["k"], heads_major(ks), index),
-             "v": write_slots(cache["v"], heads_major(vs), index)}
+    cache = {"k": write_positions(cache["k"], heads_major(ks), index, 2),
+             "v": write_positions(cache["v"], heads_major(vs), index, 2)}
     mask = causal_key_mask(index, n, k_len, mask)
     out = _attend(qs, cache["k"], cache["v"], idx, qh, mask)
     return linear(o, out), cache
@@ -362,4 +353,4 @@ def is_grouped_block(node) -> bool:
 __all__ = ["GroupedAttentionConfig", "apply_grouped_attention", "apply_grouped_attention_cached",
            "causal_key_mask", "grouped_head_widths", "grouped_params", "heads_major",
            "init_grouped_attention", "init_grouped_cache", "is_grouped_block", "keep_kv_groups",
-           "keep_query_heads", "kv_index", "write_slots"]
+           "keep_query_heads", "kv_index"]
