@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -475,6 +475,19 @@ def leaf_mask(tree: Any) -> Any:
 
     return jax.tree_util.tree_map(lambda n: n.trainable() if is_leaf(n) else False, tree,
                                   is_leaf=is_leaf)
+
+
+LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
+"""``leaf_init(key, d_in, d_out, bias) -> leaf`` of the linen and nnx layers."""
+
+
+def _cast_operands(leaf: Leaf, x: jax.Array, dtype) -> tuple[Leaf, jax.Array]:
+    """Both operands of a layer in ``dtype`` (Flax's ``promote_dtype``; the leaf's floating
+    arrays only); ``None``: as they are. Shared by the linen and nnx layers."""
+    if dtype is None:
+        return leaf, x
+    fl = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
+    return jax.tree_util.tree_map(fl, leaf), jnp.asarray(x, dtype)
 
 
 __all__ = ["KernelShape", "compress_tree", "contract", "head_widths", "kernel_paths", "leaf_mask",

@@ -40,21 +40,13 @@ from lowrank_jax.interop.kernels import (
     KERNEL,
     SHAPE,
     KernelShape,
+    LeafInit,
+    _cast_operands,
     compress_tree,
     contract,
     materialize_tree,
 )
 from lowrank_jax.leaves import Dense, Leaf, is_leaf, linear
-
-LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
-
-
-def _cast(leaf: Leaf, x: jax.Array, dtype) -> tuple[Leaf, jax.Array]:
-    """Both operands in ``dtype`` (``nn.Dense``'s ``promote_dtype``); ``None``: as they are."""
-    if dtype is None:
-        return leaf, x
-    fl = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
-    return jax.tree_util.tree_map(fl, leaf), jnp.asarray(x, dtype)
 
 
 def _where(module: nn.Module) -> str:
@@ -105,7 +97,7 @@ class LeafDense(nn.Module):
         leaf = _param(self, KERNEL, lambda key: init(key, x.shape[-1], self.features,
                                                      self.use_bias))
         _check_features(_where(self), leaf, (self.features,))
-        leaf, x = _cast(leaf, x, self.dtype)
+        leaf, x = _cast_operands(leaf, x, self.dtype)
         return linear(leaf, x)
 
 
@@ -138,7 +130,7 @@ class LeafDenseGeneral(nn.Module):
             where = _where(self)
             raise ShapeError(f"{where}: the stored kernel_shape {stored} does not match this call "
                              f"({shape})", where=where, expected=shape, actual=stored)
-        leaf, x = _cast(leaf, x, self.dtype)
+        leaf, x = _cast_operands(leaf, x, self.dtype)
         return contract(leaf, x, axis, features, _where(self))
 
 
@@ -171,7 +163,7 @@ def _interceptor(next_fun, args, kwargs, context):
     x = args[0]
     if isinstance(module, nn.Dense):
         _check_features(where, leaf, (module.features,))
-        leaf, x = _cast(leaf, x, module.dtype)
+        leaf, x = _cast_operands(leaf, x, module.dtype)
         if x.shape[-1] != leaf.d_in:
             raise ShapeError(f"{where}: the leaf expects inputs of width {leaf.d_in}, got input "
                              f"{tuple(x.shape)}", where=where, expected=leaf.d_in,
@@ -182,7 +174,7 @@ def _interceptor(next_fun, args, kwargs, context):
             raise ConfigError(f"{where}: DenseGeneral with batch_dims={module.batch_dims} is not "
                               "supported with a leaf kernel", where=where, expected="()",
                               actual=module.batch_dims)
-        leaf, x = _cast(leaf, x, module.dtype)
+        leaf, x = _cast_operands(leaf, x, module.dtype)
         return contract(leaf, x, _tuple(module.axis), _tuple(module.features), where)
     raise ConfigError(f"{where}: {type(module).__name__} has a lowrank_jax leaf as its kernel; only "
                       "nn.Dense and nn.DenseGeneral (batch_dims=()) run on leaves -- leave this "

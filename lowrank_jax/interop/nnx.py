@@ -47,6 +47,8 @@ from lowrank_jax.errors import ConfigError, PlanError, ShapeError
 from lowrank_jax.interop import channel_groups as _groups
 from lowrank_jax.interop.kernels import (
     KERNEL,
+    LeafInit,
+    _cast_operands,
     compress_tree,
     contract,
     dense_matrix,
@@ -54,15 +56,6 @@ from lowrank_jax.interop.kernels import (
     kernel_paths,
 )
 from lowrank_jax.leaves import Dense, Leaf, is_leaf, linear
-
-LeafInit = Callable[[jax.Array, int, int, bool], Leaf]
-
-
-def _cast(leaf: Leaf, x: jax.Array, dtype) -> tuple[Leaf, jax.Array]:
-    if dtype is None:
-        return leaf, x
-    fl = lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a  # noqa: E731
-    return jax.tree_util.tree_map(fl, leaf), jnp.asarray(x, dtype)
 
 
 def _constrain(y: jax.Array, out_sharding: Any) -> jax.Array:
@@ -104,7 +97,7 @@ class LeafLinear(nnx.Module):
 
     def __call__(self, x: jax.Array, *, out_sharding: Any = None) -> jax.Array:
         # x: [..., in] -> [..., out]
-        leaf, x = _cast(self.kernel.get_value(), x, self.dtype)
+        leaf, x = _cast_operands(self.kernel.get_value(), x, self.dtype)
         if x.shape[-1] != leaf.d_in:
             where = f"{self.name}/{KERNEL}" if self.name else KERNEL
             raise ShapeError(f"{where}: the leaf expects inputs of width {leaf.d_in}, got input "
@@ -132,7 +125,7 @@ class LeafLinearGeneral(nnx.Module):
         self.name = name
 
     def __call__(self, x: jax.Array, *, out_sharding: Any = None) -> jax.Array:
-        leaf, x = _cast(self.kernel.get_value(), x, self.dtype)
+        leaf, x = _cast_operands(self.kernel.get_value(), x, self.dtype)
         where = f"{self.name}/{KERNEL}" if self.name else KERNEL
         return _constrain(contract(leaf, x, self.axis, self.out_features, where), out_sharding)
 
