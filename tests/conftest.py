@@ -300,3 +300,22 @@ def pytest_collection_modifyitems(config, items):
                                    "python -m pytest -m accelerator tests")
     for item in marked:
         item.add_marker(skip)
+
+
+def pytest_unconfigure(config):
+    """One garbage collection, then ``gc.freeze()``, before pytest's own end-of-run passes.
+
+    After this hook pytest runs ``gc.collect()`` five times to surface exceptions raised in
+    finalizers. A worker ends with over a million live objects (compiled programs, traces), and
+    every pass also runs JAX's collection callback. The last worker took 7.6 s in those passes
+    (py-spy, 2026-11-29). That is past execnet's 5 s shutdown grace, so execnet sent the worker a
+    SIGINT and the run ended with a ``KeyboardInterrupt`` warning; the worker that finished first
+    spent its passes competing with the other's last tests. One pass here still reports
+    exceptions raised in finalizers (pytest's hook is still installed), and the frozen objects
+    make pytest's five passes cheap.
+    """
+    del config
+    import gc
+
+    gc.collect()
+    gc.freeze()
