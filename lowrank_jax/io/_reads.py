@@ -151,15 +151,33 @@ def _orbax_read(context: dict) -> bool:
 
 
 def _finish_pending(loop: asyncio.AbstractEventLoop) -> None:
-    pending = [t for t in asyncio.all_tasks(loop) if not t.done()]
-    if not pending:
-        return
-    _, late = loop.run_until_complete(asyncio.wait(pending, timeout=_DRAIN_TIMEOUT_S))
-    for t in late:
-        t.cancel()
-    if late:
-        loop.run_until_complete(asyncio.wait(late, timeout=5.0))
-    for t in pending:
+    """Run ``loop`` until no task of it is pending (at most :data:`_DRAIN_TIMEOUT_S`; what is
+    left then is cancelled), and collect the failures of the tasks it waited for.
+
+    Waiting for the tasks pending now is not enough: one of them may start new tasks before it
+    ends. orbax's restore does: a per-array task that was still opening its file when the first
+    read failed goes on to ``asyncio.gather`` its shard reads, and ends as soon as one of them
+    fails, leaving the others pending. A task still pending when the loop closes is destroyed
+    silently later (``gather`` turns off asyncio's warning for its children), and its
+    coroutine, closed by the garbage collector, prints "Exception ignored in: <coroutine ...>"
+    (orbax turns the ``GeneratorExit`` into an ``Exception``). So this waits in rounds until
+    none is left.
+    """
+    deadline = loop.time() + _DRAIN_TIMEOUT_S
+    waited: set[asyncio.Task] = set()
+    while True:
+        pending = {t for t in asyncio.all_tasks(loop) if not t.done()}
+        if not pending:
+            break
+        waited |= pending
+        left = deadline - loop.time()
+        if left <= 0:  # give up: cancel what is left, wait briefly for it to unwind
+            for t in pending:
+                t.cancel()
+            loop.run_until_complete(asyncio.wait(pending, timeout=5.0))
+            break
+        loop.run_until_complete(asyncio.wait(pending, timeout=left))
+    for t in waited:
         if t.done() and not t.cancelled():
             t.exception()  # retrieved: asyncio does not log it when the task is collected
 

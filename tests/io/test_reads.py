@@ -7,6 +7,7 @@ search finds the file and offset of every array.
 """
 
 import asyncio
+import gc
 import logging
 import os
 import shutil
@@ -393,6 +394,53 @@ def test_quiet_reads_touches_only_its_own_thread_and_undoes_itself():
     after.close()
     with pytest.raises(RuntimeError, match="closed"):
         after.call_soon_threadsafe(print, "x")
+
+
+def test_tasks_started_while_the_loop_drains_also_finish_before_it_closes():
+    """The restore's shape: a task pending when the first read fails starts new reads with
+    ``gather`` and ends at their first failure. The read left pending must still finish before
+    the loop closes; left pending, it was destroyed silently at a later garbage collection and
+    its coroutine printed "Exception ignored in: <coroutine ...>" (orbax turns the
+    ``GeneratorExit`` into an ``Exception``)."""
+    finished, unraisable = [], []
+
+    async def failing_read():
+        await asyncio.sleep(0.01)
+        raise ValueError("data cut short")
+
+    async def slow_read():
+        try:
+            await asyncio.sleep(0.2)
+            finished.append("slow_read")
+        except BaseException as e:  # what orbax's _read_array_index_and_device_put does
+            raise Exception("Encountered error while reading array index") from e
+
+    async def array_still_opening():
+        await asyncio.sleep(0.005)  # still opening its file when the first array fails
+        await asyncio.gather(failing_read(), slow_read())
+
+    async def first_array():
+        raise ValueError("first array")
+
+    async def restore():
+        await asyncio.gather(first_array(), array_still_opening())
+
+    hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with _reads.quiet_reads():
+            loop = asyncio.new_event_loop()
+            try:
+                with pytest.raises(ValueError, match="first array"):
+                    loop.run_until_complete(restore())
+            finally:
+                loop.close()
+        left_pending = sum(not t.done() for t in asyncio.all_tasks(loop))
+        gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert [repr(u.object) for u in unraisable] == []
+    assert left_pending == 0 and finished == ["slow_read"]
 
 
 def test_orbax_log_records_are_held_back_only_inside(caplog):
