@@ -77,7 +77,28 @@ def _check_inputs(name: str, q, k, width: int, what: str) -> None:
                              where=side, expected=width, actual=d)
 
 
-class CPQueryKey(QK):
+class _FactoredQK(QK):
+    """What CP-SlimAtt and IrrAtt share: projections ``q``, ``k`` to rank-1 coordinates that
+    every head reads, and a fusion matrix ``mix`` whose rows are the heads."""
+
+    @property
+    def num_heads(self) -> int:
+        return int(np.shape(self.mix)[0])
+
+    @property
+    def d_q_in(self) -> int:
+        return _width(self.q, 0)
+
+    @property
+    def d_k_in(self) -> int:
+        return _width(self.k, 0)
+
+    def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
+        _no_masks(type(self).__name__, q_mask, k_mask)
+        return self.logits_from_keys(xq, self.keys(xkv))
+
+
+class CPQueryKey(_FactoredQK):
     """CP-SlimAtt scores ("Vision Transformer with Irregular Attention", eqs. 3-4).
 
     Fields:
@@ -107,22 +128,6 @@ class CPQueryKey(QK):
     def rank(self) -> int:
         """The CP rank ``R``."""
         return int(np.shape(self.mix)[1])
-
-    @property
-    def num_heads(self) -> int:
-        return int(np.shape(self.mix)[0])
-
-    @property
-    def d_q_in(self) -> int:
-        return _width(self.q, 0)
-
-    @property
-    def d_k_in(self) -> int:
-        return _width(self.k, 0)
-
-    def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
-        _no_masks("CPQueryKey", q_mask, k_mask)
-        return self.logits_from_keys(xq, self.keys(xkv))
 
     def keys(self, xkv, *, k_mask=None):
         """The keys' CP coordinates ``[batch, k_len, R]`` (shared by all heads: a cache of
@@ -170,7 +175,7 @@ class CPQueryKey(QK):
 CPQueryKey = leaf_dataclass(CPQueryKey)
 
 
-class BTDQueryKey(QK):
+class BTDQueryKey(_FactoredQK):
     """IrrAtt scores: a BTD-(L,L,1) factorization of the query-key tensor ("Vision Transformer
     with Irregular Attention", eqs. 5-6).
 
@@ -207,22 +212,6 @@ class BTDQueryKey(QK):
     @property
     def num_terms(self) -> int:
         return len(self.ranks)
-
-    @property
-    def num_heads(self) -> int:
-        return int(np.shape(self.mix)[0])
-
-    @property
-    def d_q_in(self) -> int:
-        return _width(self.q, 0)
-
-    @property
-    def d_k_in(self) -> int:
-        return _width(self.k, 0)
-
-    def logits(self, xq, xkv, *, q_mask=None, k_mask=None):
-        _no_masks("BTDQueryKey", q_mask, k_mask)
-        return self.logits_from_keys(xq, self.keys(xkv))
 
     def keys(self, xkv, *, k_mask=None):
         """The keys' per-term coordinates ``[batch, k_len, T, max(ranks)]``."""
