@@ -21,6 +21,18 @@ def pyplot():
     return plt
 
 
+def _save(plt, fig, ax, path: str, xlabel: str, ylabel: str, title: str) -> str:
+    """Label the axes, add the legend, write ``path`` (120 dpi) and close the figure."""
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_spectra(spectra: Sequence, labels: Sequence[str], path: str, *, title: str = "") -> str:
     """Normalized singular values ``sigma_j / sigma_1`` on a log scale ("Understanding
     Transformers for Time Series", Figs. 2, 5c)."""
@@ -31,14 +43,7 @@ def plot_spectra(spectra: Sequence, labels: Sequence[str], path: str, *, title: 
     for s, lab in zip(spectra, labels, strict=True):
         s = np.asarray(s, dtype=float)
         ax.semilogy(np.arange(1, len(s) + 1), s / s[0], label=lab)
-    ax.set_xlabel("index j")
-    ax.set_ylabel("sigma_j / sigma_1")
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, "index j", "sigma_j / sigma_1", title)
 
 
 def plot_layer_ranks(layers: Sequence[int], ranks: dict, path: str, *, title: str = "",
@@ -48,14 +53,7 @@ def plot_layer_ranks(layers: Sequence[int], ranks: dict, path: str, *, title: st
     fig, ax = plt.subplots(figsize=(6, 4))
     for eps, r in ranks.items():
         ax.plot(list(layers), list(r), marker="o", label=f"eps={eps:g}")
-    ax.set_xlabel("layer")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, "layer", ylabel, title)
 
 
 def plot_slope(x, y, path: str, *, reference_slope: float, xlabel: str, title: str = "") -> str:
@@ -68,14 +66,7 @@ def plot_slope(x, y, path: str, *, reference_slope: float, xlabel: str, title: s
     ax.loglog(x, y, "o-", label="measured")
     ref = y[0] * (x / x[0]) ** reference_slope
     ax.loglog(x, ref, "--", label=f"slope {reference_slope:g}")
-    ax.set_xlabel(xlabel)
-    ax.set_ylabel("||Y - Y~||_F")
-    ax.set_title(title)
-    ax.legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, path, xlabel, "||Y - Y~||_F", title)
 
 
 __all__ = ["plot_layer_ranks", "plot_slope", "plot_spectra", "pyplot"]
