@@ -351,6 +351,6 @@ def is_grouped_block(node) -> bool:
 
 
 __all__ = ["GroupedAttentionConfig", "apply_grouped_attention", "apply_grouped_attention_cached",
-           "causal_key_mask", "grouped_head_widths", "grouped_params", "heads_major",
+           "grouped_head_widths", "grouped_params", "heads_major",
            "init_grouped_attention", "init_grouped_cache", "is_grouped_block", "keep_kv_groups",
            "keep_query_heads", "kv_index"]
