@@ -48,14 +48,11 @@ jax.config.update("jax_default_matmul_precision", "highest")
 # Property tests (hypothesis) draw the same examples in every run, so that a run of the README's
 # test command, which stops at the first failure, never fails on an example no earlier run drew.
 # `--hypothesis-profile=explore` draws new ones (and keeps failing examples in .hypothesis/).
-try:
-    from hypothesis import settings as _hypothesis_settings
-except ImportError:  # pragma: no cover - hypothesis is in the dev extra
-    pass
-else:
-    _hypothesis_settings.register_profile("deterministic", derandomize=True, database=None)
-    _hypothesis_settings.register_profile("explore")
-    _hypothesis_settings.load_profile("deterministic")
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("deterministic", derandomize=True, database=None)
+_hypothesis_settings.register_profile("explore")
+_hypothesis_settings.load_profile("deterministic")
 
 
 def _no_cache_for_multi_device_programs() -> None:
